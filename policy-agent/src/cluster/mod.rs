@@ -1,0 +1,81 @@
+//! The cluster state the compiler reads: plain values, free of kube I/O.
+//!
+//! Watchers (kube-rs) and the manifest loader both fill a [`ClusterState`];
+//! only the fields policy needs are kept, so 10,000 pods stay small.
+mod convert;
+
+use std::{collections::BTreeMap, fmt, net::IpAddr};
+
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+
+pub use self::convert::{ConvertError, namespace_info, pod_info};
+
+/// Labels, sorted by key.
+pub type Labels = BTreeMap<String, String>;
+
+/// A namespaced object's name.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ObjectRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl ObjectRef {
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        Self { namespace: namespace.into(), name: name.into() }
+    }
+}
+
+impl fmt::Display for ObjectRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// A pod, as far as policy cares.
+pub type PodRef = ObjectRef;
+/// A NetworkPolicy's name.
+pub type PolicyRef = ObjectRef;
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NamespaceInfo {
+    pub labels: Labels,
+}
+
+/// A container port a named port can resolve to.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ContainerPort {
+    pub name: Option<String>,
+    pub port: u16,
+    /// IP protocol number (policy_common::proto::{TCP, UDP, SCTP}).
+    pub protocol: u8,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodInfo {
+    pub labels: Labels,
+    /// `spec.nodeName` (None while unscheduled).
+    pub node_name: Option<String>,
+    /// `status.podIPs` (or `status.podIP`), IPv4 and/or IPv6.
+    pub ips: Vec<IpAddr>,
+    pub ports: Vec<ContainerPort>,
+    /// hostNetwork pods share the node's addresses and are not endpoints.
+    pub host_network: bool,
+    /// Succeeded or Failed: the pod no longer holds its IPs.
+    pub terminal: bool,
+    /// `metadata.creationTimestamp` (seconds): when two live pods claim one
+    /// IP, the newer one holds it.
+    pub created: i64,
+}
+
+/// Everything the compiler reads.
+#[derive(Clone, Debug, Default)]
+pub struct ClusterState {
+    /// The node this agent enforces on.
+    pub node_name: String,
+    /// The node's own addresses: always allowed.
+    pub node_ips: Vec<IpAddr>,
+    pub namespaces: BTreeMap<String, NamespaceInfo>,
+    pub pods: BTreeMap<PodRef, PodInfo>,
+    pub policies: BTreeMap<PolicyRef, NetworkPolicy>,
+}

@@ -1,0 +1,164 @@
+//! The ordered difference between two map states.
+//!
+//! Order (fixed, so no pod is opened or closed wrongly in between):
+//! 1. identity names added or changed;
+//! 2. policy entries added or changed: new allows exist before anything
+//!    refers to them;
+//! 3. endpoints added or changed: isolation flips, identity and lookup bits
+//!    switch atomically per endpoint, with their allows already present;
+//! 4. ipcache entries added or changed: an address changes identity only
+//!    once the entries that allow its new identity exist;
+//! 5. policy entries removed: old allows go only after nothing needs them;
+//! 6. ipcache entries removed; 7. endpoints removed; 8. identity names removed.
+//!
+//! Between steps the datapath enforces at most the union of the old and the
+//! new allows, never less than their intersection.
+use std::collections::BTreeMap;
+
+use ipnet::IpNet;
+use policy_common::{
+    endpoint::EndpointInfo,
+    identity::IdentityName,
+    ipcache::IpcacheEntry,
+    policy::{PolicyEntry, PolicyKey},
+};
+
+use super::MapState;
+
+/// One map write.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MapOp<K> {
+    UpsertIdentity(u32, IdentityName),
+    UpsertPolicy(PolicyKey, PolicyEntry),
+    UpsertEndpoint(K, EndpointInfo),
+    UpsertIpcache(IpNet, IpcacheEntry),
+    DeletePolicy(PolicyKey),
+    DeleteIpcache(IpNet),
+    DeleteEndpoint(K),
+    DeleteIdentity(u32),
+}
+
+fn upserts<'a, K: Ord + Clone, V: PartialEq + Clone>(
+    old: &'a BTreeMap<K, V>,
+    new: &'a BTreeMap<K, V>,
+) -> impl Iterator<Item = (K, V)> + 'a {
+    new.iter()
+        .filter(move |(k, v)| old.get(k) != Some(v))
+        .map(|(k, v)| (k.clone(), v.clone()))
+}
+
+fn removals<'a, K: Ord + Clone, V>(
+    old: &'a BTreeMap<K, V>,
+    new: &'a BTreeMap<K, V>,
+) -> impl Iterator<Item = K> + 'a {
+    old.keys().filter(move |k| !new.contains_key(k)).cloned()
+}
+
+/// The minimal ordered list of writes turning `old` into `new`.
+pub fn diff<K: Ord + Clone>(old: &MapState<K>, new: &MapState<K>) -> Vec<MapOp<K>> {
+    let mut ops = Vec::new();
+    ops.extend(upserts(&old.identities, &new.identities).map(|(k, v)| MapOp::UpsertIdentity(k, v)));
+    ops.extend(upserts(&old.policy, &new.policy).map(|(k, v)| MapOp::UpsertPolicy(k, v)));
+    ops.extend(upserts(&old.endpoints, &new.endpoints).map(|(k, v)| MapOp::UpsertEndpoint(k, v)));
+    ops.extend(upserts(&old.ipcache, &new.ipcache).map(|(k, v)| MapOp::UpsertIpcache(k, v)));
+    ops.extend(removals(&old.policy, &new.policy).map(MapOp::DeletePolicy));
+    ops.extend(removals(&old.ipcache, &new.ipcache).map(MapOp::DeleteIpcache));
+    ops.extend(removals(&old.endpoints, &new.endpoints).map(MapOp::DeleteEndpoint));
+    ops.extend(removals(&old.identities, &new.identities).map(MapOp::DeleteIdentity));
+    ops
+}
+
+/// Gives `new`'s endpoints their revisions: an endpoint whose verdicts
+/// cannot have changed keeps its revision; any other gets one above every
+/// revision in `old`, so conntrack entries judged before are judged again.
+///
+/// Verdicts of an endpoint depend on its own entry, the policy entries of
+/// its identity, and the whole ipcache (any peer may have moved).
+pub fn assign_revisions<K: Ord + Clone>(old: &MapState<K>, new: &mut MapState<K>) {
+    let next = old.endpoints.values().map(|e| e.revision).max().unwrap_or(0).wrapping_add(1).max(1);
+    let ipcache_changed = old.ipcache != new.ipcache;
+    let mut policy_changed: BTreeMap<u32, bool> = BTreeMap::new();
+    let mut changed_for = |identity: u32, old: &MapState<K>, new: &MapState<K>| -> bool {
+        *policy_changed
+            .entry(identity)
+            .or_insert_with(|| !old.policy_of(identity).eq(new.policy_of(identity)))
+    };
+    let keys: Vec<K> = new.endpoints.keys().cloned().collect();
+    for key in keys {
+        let Some(mut ep) = new.endpoints.get(&key).copied() else { continue };
+        let same = match old.endpoints.get(&key) {
+            Some(prev) => {
+                let mut prev_cmp = *prev;
+                prev_cmp.revision = ep.revision;
+                !ipcache_changed && prev_cmp == ep && !changed_for(ep.identity, old, new)
+            }
+            None => false,
+        };
+        ep.revision = match (same, old.endpoints.get(&key)) {
+            (true, Some(prev)) => prev.revision,
+            _ => next,
+        };
+        new.endpoints.insert(key, ep);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, Ipv4Addr};
+
+    use policy_common::{direction, endpoint::ENDPOINT_INGRESS_ISOLATED, identity, proto};
+
+    use super::*;
+
+    fn state() -> MapState<u32> {
+        let mut s = MapState::default();
+        s.endpoints.insert(7, EndpointInfo { identity: 300, ..Default::default() });
+        s.ipcache.insert(
+            IpNet::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 7)), 32).unwrap(),
+            IpcacheEntry { identity: 300, cidr_identity: identity::WORLD },
+        );
+        s.finalize();
+        s
+    }
+
+    #[test]
+    fn identical_states_need_no_writes() {
+        let a = state();
+        assert!(diff(&a, &a.clone()).is_empty());
+    }
+
+    #[test]
+    fn allows_come_before_isolation_and_removals_after() {
+        let old = state();
+        let mut new = old.clone();
+        let key = PolicyKey::new(300, direction::INGRESS, 301, proto::TCP, 16, 80);
+        new.policy.insert(key, PolicyEntry::default());
+        new.endpoints.get_mut(&7).unwrap().flags = ENDPOINT_INGRESS_ISOLATED;
+        new.finalize();
+        assign_revisions(&old, &mut new);
+        let ops = diff(&old, &new);
+        assert!(matches!(ops[0], MapOp::UpsertPolicy(k, _) if k == key));
+        assert!(matches!(ops[1], MapOp::UpsertEndpoint(7, e) if e.flags == ENDPOINT_INGRESS_ISOLATED && e.revision == 1));
+        assert_eq!(ops.len(), 2);
+
+        // And back: the endpoint opens before the entry goes.
+        let mut back = old.clone();
+        assign_revisions(&new, &mut back);
+        let ops = diff(&new, &back);
+        assert!(matches!(ops[0], MapOp::UpsertEndpoint(7, e) if e.flags == 0 && e.revision == 2));
+        assert!(matches!(ops[1], MapOp::DeletePolicy(k) if k == key));
+    }
+
+    #[test]
+    fn unrelated_change_keeps_revision() {
+        let mut old = state();
+        old.endpoints.get_mut(&7).unwrap().revision = 5;
+        old.endpoints.insert(8, EndpointInfo { identity: 400, revision: 3, ..Default::default() });
+        let mut new = old.clone();
+        new.policy.insert(PolicyKey::new(400, direction::INGRESS, 0, proto::ANY, 0, 0), PolicyEntry::default());
+        new.finalize();
+        assign_revisions(&old, &mut new);
+        assert_eq!(new.endpoints[&7].revision, 5);
+        assert_eq!(new.endpoints[&8].revision, 6);
+    }
+}

@@ -1,0 +1,125 @@
+//! The datapath-neutral description of what every policy map must hold,
+//! and the ordered, minimal difference between two such descriptions.
+//!
+//! The compiler produces a `MapState<PodRef>` (endpoints named by pod); the
+//! BPF datapath resolves pods to host interfaces, giving a `MapState<u32>`
+//! keyed by ifindex, and applies [`diff`] of the pinned content and that.
+mod diff;
+mod names;
+
+use std::collections::BTreeMap;
+
+use ipnet::IpNet;
+use policy_common::{
+    direction,
+    endpoint::{EndpointInfo, lookups},
+    identity::IdentityName,
+    ipcache::IpcacheEntry,
+    policy::{PolicyEntry, PolicyKey},
+    proto,
+};
+
+pub use self::{
+    diff::{MapOp, assign_revisions, diff},
+    names::{identity_name, identity_name_str},
+};
+
+/// Desired (or read-back) content of the policy maps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MapState<K: Ord> {
+    /// Local endpoints. `revision` and the lookup bits are filled by
+    /// [`MapState::finalize`] and [`assign_revisions`].
+    pub endpoints: BTreeMap<K, EndpointInfo>,
+    /// Prefix (host bits zero) → identities.
+    pub ipcache: BTreeMap<IpNet, IpcacheEntry>,
+    pub policy: BTreeMap<PolicyKey, PolicyEntry>,
+    /// What each identity in use stands for.
+    pub identities: BTreeMap<u32, IdentityName>,
+}
+
+impl<K: Ord> Default for MapState<K> {
+    fn default() -> Self {
+        Self {
+            endpoints: BTreeMap::new(),
+            ipcache: BTreeMap::new(),
+            policy: BTreeMap::new(),
+            identities: BTreeMap::new(),
+        }
+    }
+}
+
+/// The lookup bits an endpoint identity needs in one direction: which
+/// port prefix lengths, any-protocol and any-peer entries exist.
+pub fn lookup_bits(policy: &BTreeMap<PolicyKey, PolicyEntry>, identity: u32, dir: u8) -> u32 {
+    let start = PolicyKey { endpoint_identity: identity, ..PolicyKey::default() };
+    let mut bits = 0;
+    for key in policy
+        .range(start..)
+        .map(|(k, _)| k)
+        .take_while(|k| k.endpoint_identity == identity)
+        .filter(|k| k.direction == dir)
+    {
+        if key.protocol == proto::ANY {
+            bits |= lookups::ANY_PROTOCOL;
+        } else {
+            bits |= lookups::port_prefix(key.port_prefix_len.min(16));
+        }
+        if key.peer_identity == policy_common::identity::ANY {
+            bits |= lookups::ANY_PEER;
+        }
+    }
+    bits
+}
+
+impl<K: Ord + Clone> MapState<K> {
+    /// Fills every endpoint's lookup bits from the policy entries.
+    pub fn finalize(&mut self) {
+        let mut cache: BTreeMap<u32, (u32, u32)> = BTreeMap::new();
+        for ep in self.endpoints.values_mut() {
+            let (ingress, egress) = *cache.entry(ep.identity).or_insert_with(|| {
+                (
+                    lookup_bits(&self.policy, ep.identity, direction::INGRESS),
+                    lookup_bits(&self.policy, ep.identity, direction::EGRESS),
+                )
+            });
+            ep.ingress_lookups = ingress;
+            ep.egress_lookups = egress;
+        }
+    }
+
+    /// The same content with endpoints re-keyed (pods → interfaces);
+    /// endpoints `resolve` maps to `None` are left out.
+    pub fn rekey<J: Ord>(&self, mut resolve: impl FnMut(&K) -> Option<J>) -> MapState<J> {
+        MapState {
+            endpoints: self
+                .endpoints
+                .iter()
+                .filter_map(|(k, v)| resolve(k).map(|j| (j, *v)))
+                .collect(),
+            ipcache: self.ipcache.clone(),
+            policy: self.policy.clone(),
+            identities: self.identities.clone(),
+        }
+    }
+
+    /// The policy entries of one endpoint identity.
+    pub fn policy_of(&self, identity: u32) -> impl Iterator<Item = (&PolicyKey, &PolicyEntry)> {
+        let start = PolicyKey { endpoint_identity: identity, ..PolicyKey::default() };
+        self.policy
+            .range(start..)
+            .take_while(move |(k, _)| k.endpoint_identity == identity)
+    }
+
+    /// The pure-Rust lookup model of this content (endpoints keyed by `key`).
+    pub fn to_model(&self, mut key: impl FnMut(&K) -> u32) -> policy_common::model::Maps {
+        let mut m = policy_common::model::Maps {
+            endpoints: self.endpoints.iter().map(|(k, v)| (key(k), *v)).collect(),
+            policy: self.policy.clone(),
+            ..Default::default()
+        };
+        for (net, entry) in &self.ipcache {
+            m.insert_prefix(net.addr(), u32::from(net.prefix_len()), *entry);
+        }
+        m
+    }
+}

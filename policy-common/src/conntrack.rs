@@ -1,0 +1,123 @@
+//! Connection tracking: lets replies of allowed flows through and lets an
+//! established flow skip the policy lookups.
+use crate::assert_size;
+
+/// Key of `CONNTRACK`: the flow as first seen at one host-side interface.
+///
+/// The ifindex is part of the key because one pod-to-pod flow on a node
+/// crosses two interfaces, each judged by its own pod's policy; an entry
+/// made at one must never admit traffic at the other. IPv4 addresses use
+/// the first 4 bytes, the rest zero. Ports are host order; ICMP echo uses
+/// the identifier as both ports so a reply's reversed key matches.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct CtKey {
+    pub ifindex: u32,
+    pub src: [u8; 16],
+    pub dst: [u8; 16],
+    pub sport: u16,
+    pub dport: u16,
+    pub protocol: u8,
+    /// [`crate::family`].
+    pub family: u8,
+    pub _pad: u16,
+}
+assert_size!(CtKey, 44);
+
+impl CtKey {
+    /// The key a reply to this flow would carry.
+    #[inline(always)]
+    pub const fn reversed(&self) -> Self {
+        Self {
+            ifindex: self.ifindex,
+            src: self.dst,
+            dst: self.src,
+            sport: self.dport,
+            dport: self.sport,
+            protocol: self.protocol,
+            family: self.family,
+            _pad: 0,
+        }
+    }
+}
+
+/// A TCP FIN or RST was seen: the entry expires after [`CT_CLOSING_TIMEOUT_NS`].
+pub const CT_FLAG_CLOSING: u8 = 1 << 0;
+/// Only a SYN has been seen so far.
+pub const CT_FLAG_SYN_ONLY: u8 = 1 << 1;
+
+/// Established TCP lifetime without traffic.
+pub const CT_TCP_TIMEOUT_NS: u64 = 6 * 3600 * 1_000_000_000;
+/// TCP lifetime after FIN/RST, and of a half-open (SYN only) flow.
+pub const CT_CLOSING_TIMEOUT_NS: u64 = 10 * 1_000_000_000;
+pub const CT_SYN_TIMEOUT_NS: u64 = 60 * 1_000_000_000;
+/// UDP, ICMP, SCTP and other protocols.
+pub const CT_OTHER_TIMEOUT_NS: u64 = 60 * 1_000_000_000;
+/// `last_seen_ns` is refreshed at most this often, to spare cache lines.
+pub const CT_REFRESH_NS: u64 = 1_000_000_000;
+
+/// Value of `CONNTRACK`.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct CtEntry {
+    /// `bpf_ktime_get_ns` of the last refresh.
+    pub last_seen_ns: u64,
+    /// The endpoint revision the flow was last judged under.
+    pub revision: u32,
+    /// [`crate::direction`] of the packet that opened the flow.
+    pub direction: u8,
+    /// `CT_FLAG_*`.
+    pub flags: u8,
+    pub _pad: u16,
+}
+assert_size!(CtEntry, 16);
+
+impl CtEntry {
+    /// Lifetime of an idle entry.
+    #[inline(always)]
+    pub const fn timeout_ns(&self, protocol: u8) -> u64 {
+        if protocol == crate::proto::TCP {
+            if self.flags & CT_FLAG_CLOSING != 0 {
+                CT_CLOSING_TIMEOUT_NS
+            } else if self.flags & CT_FLAG_SYN_ONLY != 0 {
+                CT_SYN_TIMEOUT_NS
+            } else {
+                CT_TCP_TIMEOUT_NS
+            }
+        } else {
+            CT_OTHER_TIMEOUT_NS
+        }
+    }
+}
+
+/// Key of `FRAGMENTS`: one fragmented datagram at one interface.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct FragKey {
+    pub ifindex: u32,
+    pub src: [u8; 16],
+    pub dst: [u8; 16],
+    /// IPv4 identification (16 bits) or IPv6 fragment identification.
+    pub id: u32,
+    pub protocol: u8,
+    pub family: u8,
+    pub _pad: u16,
+}
+assert_size!(FragKey, 44);
+
+/// Value of `FRAGMENTS`: the first fragment passed with these ports.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct FragEntry {
+    pub sport: u16,
+    pub dport: u16,
+    pub _reserved: u32,
+}
+assert_size!(FragEntry, 8);
+
+#[cfg(feature = "user")]
+crate::user_pod!(CtKey, CtEntry, FragKey, FragEntry);

@@ -1,0 +1,98 @@
+//! Local endpoints: one entry per host-side pod interface.
+use crate::assert_size;
+
+/// The pod is isolated for ingress: only allowed peers may reach it.
+pub const ENDPOINT_INGRESS_ISOLATED: u32 = 1 << 0;
+/// The pod is isolated for egress: it may reach only allowed peers.
+pub const ENDPOINT_EGRESS_ISOLATED: u32 = 1 << 1;
+
+/// Bits of [`EndpointInfo::ingress_lookups`] / [`EndpointInfo::egress_lookups`].
+///
+/// They tell the classifier which policy-key shapes exist for this endpoint
+/// identity and direction, so it probes only those. Bit `n` for `n` in
+/// `0..=16` means "some entry has port prefix length `n`" (16 = one port,
+/// 0 = every port of one protocol).
+pub mod lookups {
+    /// Some entry allows every protocol (protocol 0, prefix 0).
+    pub const ANY_PROTOCOL: u32 = 1 << 17;
+    /// Some entry has the wildcard peer ([`crate::identity::ANY`]).
+    pub const ANY_PEER: u32 = 1 << 18;
+    /// Mask of the port-prefix-length bits.
+    pub const PORT_PREFIXES: u32 = (1 << 17) - 1;
+
+    /// The bit for a port prefix length (0..=16).
+    pub const fn port_prefix(len: u8) -> u32 {
+        1 << len
+    }
+}
+
+/// Value of the `ENDPOINTS` map, keyed by the host-side ifindex (u32).
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct EndpointInfo {
+    /// The pod's label identity.
+    pub identity: u32,
+    /// `ENDPOINT_*_ISOLATED` bits.
+    pub flags: u32,
+    /// Bumped whenever this endpoint's verdicts may change; conntrack
+    /// entries judged under an older revision are judged again.
+    pub revision: u32,
+    /// [`lookups`] bits for traffic reaching the pod.
+    pub ingress_lookups: u32,
+    /// [`lookups`] bits for traffic the pod sends.
+    pub egress_lookups: u32,
+    pub _reserved: u32,
+}
+assert_size!(EndpointInfo, 24);
+
+impl EndpointInfo {
+    /// Whether the pod is isolated in `direction`.
+    #[inline(always)]
+    pub const fn isolated(&self, direction: u8) -> bool {
+        let bit = if direction == crate::direction::INGRESS {
+            ENDPOINT_INGRESS_ISOLATED
+        } else {
+            ENDPOINT_EGRESS_ISOLATED
+        };
+        self.flags & bit != 0
+    }
+
+    /// The lookup bits for `direction`.
+    #[inline(always)]
+    pub const fn lookups(&self, direction: u8) -> u32 {
+        if direction == crate::direction::INGRESS {
+            self.ingress_lookups
+        } else {
+            self.egress_lookups
+        }
+    }
+}
+
+/// Length of [`EndpointMeta::name`].
+pub const ENDPOINT_NAME_LEN: usize = 120;
+
+/// [`EndpointMeta::attach`]: programs attached through TCX links (pinned).
+pub const ATTACH_TCX: u32 = 1 << 0;
+/// [`EndpointMeta::attach`]: programs attached as netlink clsact filters.
+pub const ATTACH_NETLINK: u32 = 1 << 1;
+/// [`EndpointMeta::attach`]: the agent created the clsact qdisc.
+pub const ATTACH_CREATED_CLSACT: u32 = 1 << 2;
+
+/// Value of `ENDPOINT_META` (userspace only): who the endpoint is and how
+/// the agent attached to it, so `dump` can name it and `reset` can undo
+/// exactly what was done.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct EndpointMeta {
+    /// `ATTACH_*` bits.
+    pub attach: u32,
+    pub name_len: u32,
+    /// "namespace/pod", NUL-padded.
+    pub name: [u8; ENDPOINT_NAME_LEN],
+}
+assert_size!(EndpointMeta, 128);
+
+#[cfg(feature = "user")]
+crate::user_pod!(EndpointInfo, EndpointMeta);

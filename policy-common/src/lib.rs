@@ -1,0 +1,78 @@
+//! Layouts shared by the kernel classifier (`policy-ebpf`) and the agent.
+//!
+//! Every type here is `#[repr(C)]` with explicit padding fields and no
+//! `bool`, so the byte image is identical on both sides and `bpftool map
+//! dump` shows every field by name. Each struct has a compile-time size
+//! assertion: changing one is a map layout change and needs a new
+//! [`LAYOUT_VERSION`] (the pin directory carries it).
+//!
+//! With the `user` feature the crate also provides [`model`], a pure-Rust
+//! re-statement of the kernel's lookup order that tests use as an oracle.
+#![cfg_attr(not(feature = "user"), no_std)]
+
+pub mod config;
+pub mod conntrack;
+pub mod endpoint;
+pub mod event;
+pub mod identity;
+pub mod ipcache;
+pub mod maps;
+pub mod policy;
+pub mod verdict;
+
+#[cfg(feature = "user")]
+pub mod model;
+
+/// The map layout version. Pins live under `<pin root>/v{LAYOUT_VERSION}`, so
+/// an agent never opens a map written with another layout.
+pub const LAYOUT_VERSION: u32 = 1;
+
+/// Direction of a packet relative to the local pod.
+///
+/// Host-veth egress delivers traffic to the pod (the pod's ingress);
+/// host-veth ingress carries what the pod sends (the pod's egress).
+pub mod direction {
+    /// Traffic delivered to the pod: judged by the pod's ingress rules.
+    pub const INGRESS: u8 = 0;
+    /// Traffic sent by the pod: judged by the pod's egress rules.
+    pub const EGRESS: u8 = 1;
+}
+
+/// IP protocol numbers the datapath distinguishes.
+pub mod proto {
+    /// In a policy key: any protocol (also: no L4 header known).
+    pub const ANY: u8 = 0;
+    pub const ICMP: u8 = 1;
+    pub const TCP: u8 = 6;
+    pub const UDP: u8 = 17;
+    pub const ICMPV6: u8 = 58;
+    pub const SCTP: u8 = 132;
+}
+
+/// Address family tags used in conntrack keys and events.
+pub mod family {
+    pub const IPV4: u8 = 4;
+    pub const IPV6: u8 = 6;
+}
+
+/// Implements `aya::Pod` for shared types when building userspace.
+#[cfg(feature = "user")]
+macro_rules! user_pod {
+    ($($t:ty),* $(,)?) => {
+        $(
+            // SAFETY: the type is #[repr(C)], Copy, and has no implicit padding
+            // (bytemuck's derive proves it at compile time).
+            unsafe impl aya::Pod for $t {}
+        )*
+    };
+}
+#[cfg(feature = "user")]
+pub(crate) use user_pod;
+
+/// Asserts a layout's size at compile time.
+macro_rules! assert_size {
+    ($t:ty, $n:expr) => {
+        const _: () = assert!(core::mem::size_of::<$t>() == $n);
+    };
+}
+pub(crate) use assert_size;

@@ -1,0 +1,63 @@
+//! Map names (as the ELF and the pin directory name them) and default sizes.
+//!
+//! The names are the contract between the kernel object, the agent's pins
+//! and `bpftool map dump pinned <pin dir>/maps/<NAME>`.
+
+/// ifindex → [`crate::endpoint::EndpointInfo`] (hash).
+pub const ENDPOINTS: &str = "ENDPOINTS";
+/// IPv4 prefix → [`crate::ipcache::IpcacheEntry`] (LPM trie).
+pub const IPCACHE_V4: &str = "IPCACHE_V4";
+/// IPv6 prefix → [`crate::ipcache::IpcacheEntry`] (LPM trie).
+pub const IPCACHE_V6: &str = "IPCACHE_V6";
+/// [`crate::policy::PolicyKey`] → [`crate::policy::PolicyEntry`] (hash).
+pub const POLICY: &str = "POLICY";
+/// [`crate::conntrack::CtKey`] → [`crate::conntrack::CtEntry`] (LRU hash).
+pub const CONNTRACK: &str = "CONNTRACK";
+/// [`crate::conntrack::FragKey`] → [`crate::conntrack::FragEntry`] (LRU hash).
+pub const FRAGMENTS: &str = "FRAGMENTS";
+/// Verdict counters, per CPU, indexed by [`crate::verdict::counter_index`].
+pub const COUNTERS: &str = "COUNTERS";
+/// Ring buffer of [`crate::event::DropEvent`].
+pub const DROP_EVENTS: &str = "DROP_EVENTS";
+/// Single-slot array holding [`crate::config::Config`].
+pub const CONFIG: &str = "CONFIG";
+/// identity → [`crate::identity::IdentityName`]; written and read by
+/// userspace only (dump, explain, identity adoption on restart).
+pub const IDENTITY_NAMES: &str = "IDENTITY_NAMES";
+/// ifindex → [`crate::endpoint::EndpointMeta`]; userspace only.
+pub const ENDPOINT_META: &str = "ENDPOINT_META";
+
+/// Every map the agent pins, in the order `dump` prints them.
+pub const ALL: [&str; 11] = [
+    CONFIG,
+    ENDPOINTS,
+    ENDPOINT_META,
+    IPCACHE_V4,
+    IPCACHE_V6,
+    IDENTITY_NAMES,
+    POLICY,
+    CONNTRACK,
+    FRAGMENTS,
+    COUNTERS,
+    DROP_EVENTS,
+];
+
+/// Default capacities. The agent can override them at load time.
+pub mod capacity {
+    pub const ENDPOINTS: u32 = 4096;
+    pub const IPCACHE: u32 = 65536;
+    pub const POLICY: u32 = 262_144;
+    pub const CONNTRACK: u32 = 131_072;
+    pub const FRAGMENTS: u32 = 8192;
+    pub const IDENTITIES: u32 = 65536;
+    /// Bytes of the drop-event ring buffer (a power of two, page multiple).
+    pub const DROP_EVENTS_BYTES: u32 = 1 << 18;
+}
+
+/// Program names in the object (and under `<pin dir>/progs/`).
+pub mod programs {
+    /// Attached at host-veth ingress: judges what the pod sends (egress).
+    pub const FROM_POD: &str = "from_pod";
+    /// Attached at host-veth egress: judges what reaches the pod (ingress).
+    pub const TO_POD: &str = "to_pod";
+}

@@ -1,0 +1,124 @@
+//! Why a packet passed or dropped. Each reason has a counter per direction.
+
+/// Verdict reasons. Values below [`FIRST_DROP`] pass the packet.
+#[repr(u8)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Reason {
+    /// A policy entry allowed a new flow.
+    AllowPolicy = 1,
+    /// Conntrack: a later packet of a flow allowed in this direction.
+    AllowEstablished = 2,
+    /// Conntrack: a reply to a flow allowed in the other direction.
+    AllowReply = 3,
+    /// An ICMP error about a tracked flow.
+    AllowRelated = 4,
+    /// The peer is the local node (kubelet probes and the like).
+    AllowNode = 5,
+    /// The pod is not isolated in this direction.
+    AllowNotIsolated = 6,
+    /// The pod talking to itself (source == destination).
+    AllowSelf = 7,
+    /// Not IPv4/IPv6 (ARP and friends): no policy governs it.
+    AllowNonIp = 8,
+    /// ICMPv6 router/neighbour discovery (types 133-137).
+    AllowNeighborDiscovery = 9,
+    /// A non-first fragment of a datagram whose first fragment passed.
+    AllowFragment = 10,
+    /// The interface has no endpoint entry (being set up or torn down).
+    PassNoEndpoint = 11,
+    /// No policy entry allows the flow.
+    DropPolicy = 32,
+    /// A tracked flow judged again after a policy change, and denied.
+    DropPolicyChanged = 33,
+    /// Bad or truncated IP/L4 header: the packet cannot be judged.
+    DropMalformed = 34,
+    /// A non-first fragment whose first fragment was not seen passing.
+    DropFragmentUnknown = 35,
+    /// Not a verdict: a drop event lost because the ring buffer was full.
+    EventLost = 48,
+}
+
+/// Reasons at or above this value drop the packet.
+pub const FIRST_DROP: u8 = 32;
+/// Number of reason slots (each with two directions).
+pub const REASON_SLOTS: u32 = 64;
+/// Size of the `COUNTERS` array.
+pub const COUNTER_SLOTS: u32 = REASON_SLOTS * 2;
+
+/// Index of the counter for `reason` in `direction`.
+#[inline(always)]
+pub const fn counter_index(reason: Reason, direction: u8) -> u32 {
+    (reason as u32) * 2 + (direction as u32 & 1)
+}
+
+impl Reason {
+    pub const ALL: [Reason; 16] = [
+        Reason::AllowPolicy,
+        Reason::AllowEstablished,
+        Reason::AllowReply,
+        Reason::AllowRelated,
+        Reason::AllowNode,
+        Reason::AllowNotIsolated,
+        Reason::AllowSelf,
+        Reason::AllowNonIp,
+        Reason::AllowNeighborDiscovery,
+        Reason::AllowFragment,
+        Reason::PassNoEndpoint,
+        Reason::DropPolicy,
+        Reason::DropPolicyChanged,
+        Reason::DropMalformed,
+        Reason::DropFragmentUnknown,
+        Reason::EventLost,
+    ];
+
+    /// Whether packets with this reason are dropped.
+    #[inline(always)]
+    pub const fn is_drop(self) -> bool {
+        (self as u8) >= FIRST_DROP && !matches!(self, Reason::EventLost)
+    }
+
+    /// Decodes a reason byte (from an event or a counter index).
+    pub const fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            1 => Reason::AllowPolicy,
+            2 => Reason::AllowEstablished,
+            3 => Reason::AllowReply,
+            4 => Reason::AllowRelated,
+            5 => Reason::AllowNode,
+            6 => Reason::AllowNotIsolated,
+            7 => Reason::AllowSelf,
+            8 => Reason::AllowNonIp,
+            9 => Reason::AllowNeighborDiscovery,
+            10 => Reason::AllowFragment,
+            11 => Reason::PassNoEndpoint,
+            32 => Reason::DropPolicy,
+            33 => Reason::DropPolicyChanged,
+            34 => Reason::DropMalformed,
+            35 => Reason::DropFragmentUnknown,
+            48 => Reason::EventLost,
+            _ => return None,
+        })
+    }
+
+    /// A stable snake_case name for logs and metric labels.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Reason::AllowPolicy => "allow_policy",
+            Reason::AllowEstablished => "allow_established",
+            Reason::AllowReply => "allow_reply",
+            Reason::AllowRelated => "allow_related",
+            Reason::AllowNode => "allow_node",
+            Reason::AllowNotIsolated => "allow_not_isolated",
+            Reason::AllowSelf => "allow_self",
+            Reason::AllowNonIp => "allow_non_ip",
+            Reason::AllowNeighborDiscovery => "allow_neighbor_discovery",
+            Reason::AllowFragment => "allow_fragment",
+            Reason::PassNoEndpoint => "pass_no_endpoint",
+            Reason::DropPolicy => "drop_policy",
+            Reason::DropPolicyChanged => "drop_policy_changed",
+            Reason::DropMalformed => "drop_malformed",
+            Reason::DropFragmentUnknown => "drop_fragment_unknown",
+            Reason::EventLost => "event_lost",
+        }
+    }
+}

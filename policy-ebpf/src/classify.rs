@@ -1,0 +1,321 @@
+//! The verdict. `policy_common::model` states the same procedure in plain
+//! Rust; the differential test holds the two together.
+use aya_ebpf::{
+    bindings::{BPF_ANY, TC_ACT_SHOT, TC_ACT_UNSPEC},
+    helpers::bpf_ktime_get_ns,
+    programs::TcContext,
+};
+use aya_log_ebpf::debug;
+use policy_common::{
+    config::{CONFIG_DEBUG_LOG, CONFIG_NO_DROP_EVENTS},
+    conntrack::{CT_FLAG_CLOSING, CT_FLAG_SYN_ONLY, CT_REFRESH_NS, CtEntry, CtKey, FragEntry, FragKey},
+    endpoint::{EndpointInfo, lookups},
+    event::DropEvent,
+    family, identity,
+    ipcache::IpcacheEntry,
+    policy::PolicyKey,
+    proto,
+    verdict::{Reason, counter_index},
+};
+
+use crate::{
+    maps::{CONFIG, CONNTRACK, COUNTERS, DROP_EVENTS, ENDPOINTS, FRAGMENTS, IPCACHE_V4, IPCACHE_V6, POLICY},
+    parse::{FRAG_FIRST, FRAG_LATER, IpPacket, Parsed, is_icmpv6_link_control, parse, quoted_flow},
+};
+
+/// Allowed: hand the packet on (TCX_NEXT / next tc filter), so programs
+/// after ours still see it.
+const PASS: i32 = TC_ACT_UNSPEC;
+const DROP: i32 = TC_ACT_SHOT;
+
+const TCP_FIN: u8 = 0x01;
+const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
+const TCP_ACK: u8 = 0x10;
+
+#[inline(always)]
+fn has_ports(protocol: u8) -> bool {
+    protocol == proto::TCP || protocol == proto::UDP || protocol == proto::SCTP
+}
+
+#[inline(always)]
+fn count(reason: Reason, dir: u8) {
+    if let Some(slot) = COUNTERS.get_ptr_mut(counter_index(reason, dir)) {
+        // SAFETY: per-CPU slot, only this CPU touches it while we run.
+        unsafe { *slot += 1 };
+    }
+}
+
+#[inline(always)]
+fn config_flags() -> u32 {
+    match CONFIG.get(0) {
+        Some(c) => c.flags,
+        None => 0,
+    }
+}
+
+#[inline(always)]
+fn addr_eq(a: &[u8; 16], b: &[u8; 16]) -> bool {
+    // Compare in two words: a byte-array `==` could lower to a memcmp
+    // call, which BPF does not have.
+    let a0 = u64::from_ne_bytes([a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]);
+    let a1 = u64::from_ne_bytes([a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]);
+    let b0 = u64::from_ne_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+    let b1 = u64::from_ne_bytes([b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]]);
+    a0 == b0 && a1 == b1
+}
+
+#[inline(always)]
+fn ipcache_lookup(fam: u8, addr: &[u8; 16]) -> IpcacheEntry {
+    let hit = if fam == family::IPV4 {
+        let key = aya_ebpf::btf_maps::lpm_trie::Key::new(32, [addr[0], addr[1], addr[2], addr[3]]);
+        IPCACHE_V4.get(&key).copied()
+    } else {
+        let key = aya_ebpf::btf_maps::lpm_trie::Key::new(128, *addr);
+        IPCACHE_V6.get(&key).copied()
+    };
+    hit.unwrap_or(IpcacheEntry::UNKNOWN)
+}
+
+/// Probes the policy entries for one peer identity, in the documented
+/// order: port prefixes present for this endpoint, longest first, then
+/// the any-protocol entry.
+#[inline(always)]
+fn probe_peer(ep: &EndpointInfo, dir: u8, peer: u32, protocol: u8, port: u16, bits: u32) -> bool {
+    if has_ports(protocol) {
+        let mut len: u32 = 17;
+        while len > 0 {
+            len -= 1;
+            if bits & (1 << len) != 0 {
+                let key = PolicyKey::new(ep.identity, dir, peer, protocol, len as u8, port);
+                if POLICY.get_ptr(&key).is_some() {
+                    return true;
+                }
+            }
+        }
+    }
+    if bits & lookups::ANY_PROTOCOL != 0 {
+        let key = PolicyKey::new(ep.identity, dir, peer, proto::ANY, 0, 0);
+        if POLICY.get_ptr(&key).is_some() {
+            return true;
+        }
+    }
+    false
+}
+
+/// Judges a flow of `ep` with `peer_addr` in `dir` as if it were new.
+#[inline(always)]
+fn judge(ep: &EndpointInfo, dir: u8, fam: u8, peer_addr: &[u8; 16], protocol: u8, port: u16) -> (Reason, IpcacheEntry) {
+    let peer = ipcache_lookup(fam, peer_addr);
+    if peer.identity == identity::NODE {
+        return (Reason::AllowNode, peer);
+    }
+    if !ep.isolated(dir) {
+        return (Reason::AllowNotIsolated, peer);
+    }
+    let bits = ep.lookups(dir);
+    if peer.identity != identity::ANY && probe_peer(ep, dir, peer.identity, protocol, port, bits) {
+        return (Reason::AllowPolicy, peer);
+    }
+    if probe_peer(ep, dir, peer.cidr_identity, protocol, port, bits) {
+        return (Reason::AllowPolicy, peer);
+    }
+    if bits & lookups::ANY_PEER != 0 && probe_peer(ep, dir, identity::ANY, protocol, port, bits) {
+        return (Reason::AllowPolicy, peer);
+    }
+    (Reason::DropPolicy, peer)
+}
+
+#[inline(always)]
+fn policy_port(pkt: &IpPacket, port: u16) -> u16 {
+    if has_ports(pkt.protocol) { port } else { 0 }
+}
+
+/// A conntrack hit: still allowed under the endpoint's current revision?
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn on_ct_hit(
+    entry: &mut CtEntry,
+    key: &CtKey,
+    ep: &EndpointInfo,
+    pkt: &IpPacket,
+    peer_addr: &[u8; 16],
+    orig_port: u16,
+    now: u64,
+    hit: Reason,
+) -> (Reason, IpcacheEntry) {
+    let mut peer = IpcacheEntry::UNKNOWN;
+    if entry.revision != ep.revision {
+        let (reason, p) = judge(ep, entry.direction, pkt.family, peer_addr, pkt.protocol, policy_port(pkt, orig_port));
+        peer = p;
+        if reason.is_drop() {
+            let _ = CONNTRACK.remove(key);
+            return (Reason::DropPolicyChanged, peer);
+        }
+        entry.revision = ep.revision;
+    }
+    if pkt.protocol == proto::TCP {
+        if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
+            entry.flags |= CT_FLAG_CLOSING;
+        }
+        if pkt.tcp_flags & TCP_ACK != 0 && entry.flags & CT_FLAG_SYN_ONLY != 0 {
+            entry.flags &= !CT_FLAG_SYN_ONLY;
+        }
+    }
+    if now.wrapping_sub(entry.last_seen_ns) > CT_REFRESH_NS {
+        entry.last_seen_ns = now;
+    }
+    (hit, peer)
+}
+
+#[inline(always)]
+fn live(entry: &CtEntry, protocol: u8, now: u64) -> bool {
+    now.wrapping_sub(entry.last_seen_ns) <= entry.timeout_ns(protocol)
+}
+
+/// The decision for a parsed IP packet at endpoint `ep`.
+#[inline(always)]
+fn decide(ctx: &TcContext, ifindex: u32, ep: &EndpointInfo, dir: u8, pkt: &IpPacket) -> (Reason, IpcacheEntry) {
+    let unknown = IpcacheEntry::UNKNOWN;
+    if pkt.protocol == proto::ICMPV6 && is_icmpv6_link_control(pkt.icmp_type) {
+        return (Reason::AllowNeighborDiscovery, unknown);
+    }
+    if addr_eq(&pkt.src, &pkt.dst) {
+        return (Reason::AllowSelf, unknown);
+    }
+    if pkt.frag == FRAG_LATER {
+        let key = FragKey { ifindex, src: pkt.src, dst: pkt.dst, id: pkt.frag_id, protocol: pkt.protocol, family: pkt.family, _pad: 0 };
+        return if FRAGMENTS.get_ptr(&key).is_some() {
+            (Reason::AllowFragment, unknown)
+        } else {
+            (Reason::DropFragmentUnknown, unknown)
+        };
+    }
+    let peer_addr = if dir == policy_common::direction::EGRESS { &pkt.dst } else { &pkt.src };
+    let now = unsafe { bpf_ktime_get_ns() };
+
+    // One key on the stack, rewritten for each probe (the BPF stack is 512
+    // bytes).
+    let mut key = CtKey { ifindex, src: pkt.src, dst: pkt.dst, sport: pkt.sport, dport: pkt.dport, protocol: pkt.protocol, family: pkt.family, _pad: 0 };
+    if pkt.quoted_off != 0 {
+        let v6 = pkt.family == family::IPV6;
+        if quoted_flow(ctx, pkt.quoted_off as usize, v6, &mut key).is_some() && CONNTRACK.get_ptr(&key).is_some() {
+            return (Reason::AllowRelated, unknown);
+        }
+        key = CtKey { ifindex, src: pkt.src, dst: pkt.dst, sport: pkt.sport, dport: pkt.dport, protocol: pkt.protocol, family: pkt.family, _pad: 0 };
+    }
+
+    if let Some(entry) = CONNTRACK.get_ptr_mut(&key) {
+        // SAFETY: a pointer to the map value, valid for this program run.
+        let entry = unsafe { &mut *entry };
+        if live(entry, pkt.protocol, now) {
+            return on_ct_hit(entry, &key, ep, pkt, peer_addr, pkt.dport, now, Reason::AllowEstablished);
+        }
+    }
+    key = key.reversed();
+    if let Some(entry) = CONNTRACK.get_ptr_mut(&key) {
+        // SAFETY: as above.
+        let entry = unsafe { &mut *entry };
+        if live(entry, pkt.protocol, now) {
+            // A reply: judged again (if stale) as its opener was, with the
+            // opener's destination port, which is this packet's source.
+            return on_ct_hit(entry, &key, ep, pkt, peer_addr, pkt.sport, now, Reason::AllowReply);
+        }
+    }
+    key = key.reversed();
+
+    let (reason, peer) = judge(ep, dir, pkt.family, peer_addr, pkt.protocol, policy_port(pkt, pkt.dport));
+    if reason == Reason::AllowPolicy || reason == Reason::AllowNotIsolated {
+        let mut flags = 0;
+        if pkt.protocol == proto::TCP {
+            if pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN {
+                flags |= CT_FLAG_SYN_ONLY;
+            }
+            if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
+                flags |= CT_FLAG_CLOSING;
+            }
+        }
+        let entry = CtEntry { last_seen_ns: now, revision: ep.revision, direction: dir, flags, _pad: 0 };
+        let _ = CONNTRACK.insert(&key, &entry, BPF_ANY as u64);
+    }
+    (reason, peer)
+}
+
+#[inline(always)]
+fn emit_drop(ifindex: u32, ep: &EndpointInfo, dir: u8, pkt: Option<&IpPacket>, peer: IpcacheEntry, reason: Reason) {
+    let Some(mut slot) = DROP_EVENTS.reserve(0) else {
+        count(Reason::EventLost, dir);
+        return;
+    };
+    // Fill the reserved slot in place rather than copying a stack image.
+    let ev: &mut DropEvent = slot.write(DropEvent {
+        timestamp_ns: unsafe { bpf_ktime_get_ns() },
+        ifindex,
+        endpoint_identity: ep.identity,
+        peer_identity: peer.identity,
+        peer_cidr_identity: peer.cidr_identity,
+        src: [0; 16],
+        dst: [0; 16],
+        sport: 0,
+        dport: 0,
+        protocol: 0,
+        family: 0,
+        direction: dir,
+        reason: reason as u8,
+    });
+    if let Some(p) = pkt {
+        ev.src = p.src;
+        ev.dst = p.dst;
+        ev.sport = p.sport;
+        ev.dport = p.dport;
+        ev.protocol = p.protocol;
+        ev.family = p.family;
+    }
+    slot.submit(0);
+}
+
+pub fn classify(ctx: &TcContext, dir: u8) -> i32 {
+    // SAFETY: the context pointer is the kernel's __sk_buff for this run.
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    let Some(ep) = ENDPOINTS.get_ptr(ifindex) else {
+        count(Reason::PassNoEndpoint, dir);
+        return PASS;
+    };
+    // SAFETY: map value pointer, valid for this run; copied out at once.
+    let ep = unsafe { *ep };
+    let flags = config_flags();
+
+    let (reason, peer, pkt) = match parse(ctx) {
+        Parsed::NotIp => (Reason::AllowNonIp, IpcacheEntry::UNKNOWN, None),
+        Parsed::Malformed => (Reason::DropMalformed, IpcacheEntry::UNKNOWN, None),
+        Parsed::Ip(pkt) => {
+            let (reason, peer) = decide(ctx, ifindex, &ep, dir, &pkt);
+            if pkt.frag == FRAG_FIRST && !reason.is_drop() {
+                let key = FragKey { ifindex, src: pkt.src, dst: pkt.dst, id: pkt.frag_id, protocol: pkt.protocol, family: pkt.family, _pad: 0 };
+                let entry = FragEntry { sport: pkt.sport, dport: pkt.dport, _reserved: 0 };
+                let _ = FRAGMENTS.insert(&key, &entry, BPF_ANY as u64);
+            }
+            (reason, peer, Some(pkt))
+        }
+    };
+    count(reason, dir);
+    if flags & CONFIG_DEBUG_LOG != 0 {
+        let (protocol, sport, dport) = match &pkt {
+            Some(p) => (p.protocol, p.sport, p.dport),
+            None => (0, 0, 0),
+        };
+        debug!(
+            ctx,
+            "verdict ifindex={} dir={} proto={} sport={} dport={} peer_id={} peer_cidr={} reason={}",
+            ifindex, dir, protocol, sport, dport, peer.identity, peer.cidr_identity, reason as u8
+        );
+    }
+    if reason.is_drop() {
+        if flags & CONFIG_NO_DROP_EVENTS == 0 {
+            emit_drop(ifindex, &ep, dir, pkt.as_ref(), peer, reason);
+        }
+        DROP
+    } else {
+        PASS
+    }
+}

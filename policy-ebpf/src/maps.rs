@@ -1,0 +1,65 @@
+//! The maps, as BTF map definitions so `bpftool map dump` prints fields.
+//! Sizes are defaults; the agent may override them at load time.
+use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
+    macros::btf_map,
+};
+use policy_common::{
+    config::Config,
+    conntrack::{CtEntry, CtKey, FragEntry, FragKey},
+    endpoint::{EndpointInfo, EndpointMeta},
+    event::DropEvent,
+    identity::IdentityName,
+    ipcache::{IpcacheEntry, Ipv4Bytes, Ipv6Bytes},
+    maps::capacity,
+    policy::{PolicyEntry, PolicyKey},
+    verdict::COUNTER_SLOTS,
+};
+
+const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
+
+#[btf_map]
+pub static CONFIG: Array<Config, 1> = Array::new();
+
+#[btf_map]
+pub static ENDPOINTS: HashMap<u32, EndpointInfo, { capacity::ENDPOINTS as usize }> =
+    HashMap::new();
+
+#[btf_map]
+pub static IPCACHE_V4: LpmTrie<Ipv4Bytes, IpcacheEntry, { capacity::IPCACHE as usize }> =
+    LpmTrie::new();
+
+#[btf_map]
+pub static IPCACHE_V6: LpmTrie<Ipv6Bytes, IpcacheEntry, { capacity::IPCACHE as usize }> =
+    LpmTrie::new();
+
+// Not preallocated: the map is sized for large clusters but usually sparse.
+#[btf_map]
+pub static POLICY: HashMap<PolicyKey, PolicyEntry, { capacity::POLICY as usize }, NO_PREALLOC> =
+    HashMap::new();
+
+#[btf_map]
+pub static CONNTRACK: LruHashMap<CtKey, CtEntry, { capacity::CONNTRACK as usize }> =
+    LruHashMap::new();
+
+#[btf_map]
+pub static FRAGMENTS: LruHashMap<FragKey, FragEntry, { capacity::FRAGMENTS as usize }> =
+    LruHashMap::new();
+
+#[btf_map]
+pub static COUNTERS: PerCpuArray<u64, { COUNTER_SLOTS as usize }> = PerCpuArray::new();
+
+#[btf_map]
+pub static DROP_EVENTS: RingBuf<DropEvent, { capacity::DROP_EVENTS_BYTES as usize }> =
+    RingBuf::new();
+
+// Userspace-only metadata, pinned with the rest so `dump` can name things
+// and a restarted agent can adopt identity numbers.
+#[btf_map]
+pub static IDENTITY_NAMES: HashMap<u32, IdentityName, { capacity::IDENTITIES as usize }, NO_PREALLOC> =
+    HashMap::new();
+
+#[btf_map]
+pub static ENDPOINT_META: HashMap<u32, EndpointMeta, { capacity::ENDPOINTS as usize }, NO_PREALLOC> =
+    HashMap::new();

@@ -1,0 +1,339 @@
+//! Header walk: Ethernet, IPv4 (with options) or IPv6 (with a bounded walk
+//! over extension headers), then the first bytes of TCP/UDP/SCTP/ICMP.
+//!
+//! Every read is bounds-checked against `data_end`. Explicit outcomes:
+//! - not IPv4/IPv6 (ARP, LLDP, ...) → [`Parsed::NotIp`], passed;
+//! - 802.1Q/802.1ad tagged frames, a bad version/IHL, a truncated IP or L4
+//!   header, or more than [`MAX_V6_EXT_HEADERS`] IPv6 extension headers →
+//!   [`Parsed::Malformed`], dropped (they cannot be judged, and a pod has no
+//!   business sending them on a routed veth);
+//! - a non-first fragment carries no L4 header: `frag == FRAG_LATER`, the
+//!   classifier judges it by its first fragment.
+use aya_ebpf::programs::TcContext;
+use network_types::{
+    eth::EthHdr,
+    ip::{Ipv4Hdr, Ipv6Hdr},
+};
+use policy_common::{conntrack::CtKey, family, proto};
+
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
+const ETH_P_8021Q: u16 = 0x8100;
+const ETH_P_8021AD: u16 = 0x88a8;
+
+/// IPv6 extension headers walked before giving up (and dropping).
+pub const MAX_V6_EXT_HEADERS: usize = 6;
+
+const IPPROTO_HOPOPTS: u8 = 0;
+const IPPROTO_ROUTING: u8 = 43;
+const IPPROTO_FRAGMENT: u8 = 44;
+const IPPROTO_AH: u8 = 51;
+const IPPROTO_DSTOPTS: u8 = 60;
+
+pub const FRAG_NONE: u8 = 0;
+/// First fragment of a fragmented datagram (offset 0, more fragments).
+pub const FRAG_FIRST: u8 = 1;
+/// A later fragment: no L4 header.
+pub const FRAG_LATER: u8 = 2;
+
+#[derive(Clone, Copy)]
+pub struct IpPacket {
+    pub family: u8,
+    pub protocol: u8,
+    pub frag: u8,
+    pub tcp_flags: u8,
+    pub frag_id: u32,
+    pub src: [u8; 16],
+    pub dst: [u8; 16],
+    /// Host order. ICMP echo: the identifier in both.
+    pub sport: u16,
+    pub dport: u16,
+    /// ICMP/ICMPv6 type (0 otherwise).
+    pub icmp_type: u8,
+    /// For ICMP errors: offset of the quoted IP header (0: none).
+    pub quoted_off: u16,
+}
+
+pub enum Parsed {
+    NotIp,
+    Malformed,
+    Ip(IpPacket),
+}
+
+#[inline(always)]
+fn ptr_at<T>(ctx: &TcContext, offset: usize) -> Option<*const T> {
+    let start = ctx.data();
+    let end = ctx.data_end();
+    if start + offset + core::mem::size_of::<T>() > end {
+        return None;
+    }
+    Some((start + offset) as *const T)
+}
+
+#[inline(always)]
+fn read<T: Copy>(ctx: &TcContext, offset: usize) -> Option<T> {
+    // SAFETY: ptr_at checked that size_of::<T>() bytes lie inside the packet;
+    // the header types are byte arrays, so alignment 1 is enough.
+    ptr_at::<T>(ctx, offset).map(|p| unsafe { core::ptr::read_unaligned(p) })
+}
+
+#[inline(always)]
+fn be16(b: [u8; 2]) -> u16 {
+    u16::from_be_bytes(b)
+}
+
+#[inline(always)]
+fn v4_to_16(a: [u8; 4]) -> [u8; 16] {
+    [a[0], a[1], a[2], a[3], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+}
+
+/// First 4 bytes of TCP/UDP/SCTP: source and destination port.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct Ports {
+    src: [u8; 2],
+    dst: [u8; 2],
+}
+
+/// First 8 bytes of ICMP/ICMPv6.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct IcmpHdr {
+    kind: u8,
+    code: u8,
+    _csum: [u8; 2],
+    id: [u8; 2],
+    _seq: [u8; 2],
+}
+
+const ICMP_ECHO_REPLY: u8 = 0;
+const ICMP_DEST_UNREACH: u8 = 3;
+const ICMP_ECHO: u8 = 8;
+const ICMP_TIME_EXCEEDED: u8 = 11;
+const ICMP_PARAMETER_PROB: u8 = 12;
+const ICMPV6_DEST_UNREACH: u8 = 1;
+const ICMPV6_PARAM_PROB: u8 = 4;
+const ICMPV6_ECHO_REQUEST: u8 = 128;
+const ICMPV6_ECHO_REPLY: u8 = 129;
+
+/// ICMPv6 types that are link-local control (MLD 130-132, ND 133-137, MLDv2
+/// 143): always passed, no policy governs them.
+#[inline(always)]
+pub fn is_icmpv6_link_control(t: u8) -> bool {
+    (130..=137).contains(&t) || t == 143
+}
+
+pub fn parse(ctx: &TcContext) -> Parsed {
+    let Some(eth) = read::<EthHdr>(ctx, 0) else {
+        return Parsed::Malformed;
+    };
+    // The ether_type field is a raw big-endian u16 in network-types 0.2.
+    let ether_type = u16::from_be(eth.ether_type);
+    match ether_type {
+        ETH_P_IP => parse_v4(ctx, EthHdr::LEN),
+        ETH_P_IPV6 => parse_v6(ctx, EthHdr::LEN),
+        ETH_P_8021Q | ETH_P_8021AD => Parsed::Malformed,
+        _ => Parsed::NotIp,
+    }
+}
+
+#[inline(always)]
+fn empty_packet(family: u8, src: [u8; 16], dst: [u8; 16]) -> IpPacket {
+    IpPacket {
+        family,
+        protocol: 0,
+        frag: FRAG_NONE,
+        tcp_flags: 0,
+        frag_id: 0,
+        src,
+        dst,
+        sport: 0,
+        dport: 0,
+        icmp_type: 0,
+        quoted_off: 0,
+    }
+}
+
+fn parse_v4(ctx: &TcContext, off: usize) -> Parsed {
+    let Some(ip) = read::<Ipv4Hdr>(ctx, off) else {
+        return Parsed::Malformed;
+    };
+    let ihl = (ip.vihl & 0x0f) as usize;
+    if ip.vihl >> 4 != 4 || ihl < 5 {
+        return Parsed::Malformed;
+    }
+    let l4 = off + ihl * 4;
+    // Options must be inside the packet too.
+    if ctx.data() + l4 > ctx.data_end() {
+        return Parsed::Malformed;
+    }
+    let mut pkt = empty_packet(family::IPV4, v4_to_16(ip.src_addr), v4_to_16(ip.dst_addr));
+    pkt.protocol = ip.proto;
+    let frags = be16(ip.frags);
+    let offset = frags & 0x1fff;
+    let more = frags & 0x2000 != 0;
+    pkt.frag_id = be16(ip.id) as u32;
+    if offset != 0 {
+        pkt.frag = FRAG_LATER;
+        return Parsed::Ip(pkt);
+    }
+    if more {
+        pkt.frag = FRAG_FIRST;
+    }
+    parse_l4(ctx, l4, pkt)
+}
+
+fn parse_v6(ctx: &TcContext, off: usize) -> Parsed {
+    let Some(ip) = read::<Ipv6Hdr>(ctx, off) else {
+        return Parsed::Malformed;
+    };
+    if ip.vcf[0] >> 4 != 6 {
+        return Parsed::Malformed;
+    }
+    let mut pkt = empty_packet(family::IPV6, ip.src_addr, ip.dst_addr);
+    let mut next = ip.next_hdr;
+    let mut l4 = off + Ipv6Hdr::LEN;
+    let mut i = 0;
+    while i < MAX_V6_EXT_HEADERS {
+        i += 1;
+        match next {
+            IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {
+                let Some(h) = read::<[u8; 2]>(ctx, l4) else {
+                    return Parsed::Malformed;
+                };
+                next = h[0];
+                l4 += (h[1] as usize + 1) * 8;
+            }
+            IPPROTO_AH => {
+                let Some(h) = read::<[u8; 2]>(ctx, l4) else {
+                    return Parsed::Malformed;
+                };
+                next = h[0];
+                l4 += (h[1] as usize + 2) * 4;
+            }
+            IPPROTO_FRAGMENT => {
+                let Some(h) = read::<[u8; 8]>(ctx, l4) else {
+                    return Parsed::Malformed;
+                };
+                next = h[0];
+                l4 += 8;
+                let field = u16::from_be_bytes([h[2], h[3]]);
+                pkt.frag_id = u32::from_be_bytes([h[4], h[5], h[6], h[7]]);
+                if field & 0xfff8 != 0 {
+                    pkt.protocol = next;
+                    pkt.frag = FRAG_LATER;
+                    return Parsed::Ip(pkt);
+                }
+                if field & 1 != 0 {
+                    pkt.frag = FRAG_FIRST;
+                }
+            }
+            _ => {
+                pkt.protocol = next;
+                return parse_l4(ctx, l4, pkt);
+            }
+        }
+    }
+    Parsed::Malformed
+}
+
+fn parse_l4(ctx: &TcContext, l4: usize, mut pkt: IpPacket) -> Parsed {
+    match pkt.protocol {
+        proto::TCP => {
+            // The fixed 20-byte header: ports plus the flags at byte 13.
+            let Some(h) = read::<[u8; 20]>(ctx, l4) else {
+                return Parsed::Malformed;
+            };
+            pkt.sport = u16::from_be_bytes([h[0], h[1]]);
+            pkt.dport = u16::from_be_bytes([h[2], h[3]]);
+            pkt.tcp_flags = h[13];
+        }
+        proto::UDP | proto::SCTP => {
+            // UDP's header is 8 bytes, SCTP's common header 12.
+            let need_sctp = pkt.protocol == proto::SCTP;
+            let ok = if need_sctp {
+                ptr_at::<[u8; 12]>(ctx, l4).is_some()
+            } else {
+                ptr_at::<[u8; 8]>(ctx, l4).is_some()
+            };
+            let Some(p) = read::<Ports>(ctx, l4) else {
+                return Parsed::Malformed;
+            };
+            if !ok {
+                return Parsed::Malformed;
+            }
+            pkt.sport = be16(p.src);
+            pkt.dport = be16(p.dst);
+        }
+        proto::ICMP | proto::ICMPV6 => {
+            let Some(h) = read::<IcmpHdr>(ctx, l4) else {
+                return Parsed::Malformed;
+            };
+            pkt.icmp_type = h.kind;
+            let v6 = pkt.protocol == proto::ICMPV6;
+            let echo = if v6 {
+                h.kind == ICMPV6_ECHO_REQUEST || h.kind == ICMPV6_ECHO_REPLY
+            } else {
+                h.kind == ICMP_ECHO || h.kind == ICMP_ECHO_REPLY
+            };
+            let error = if v6 {
+                (ICMPV6_DEST_UNREACH..=ICMPV6_PARAM_PROB).contains(&h.kind)
+            } else {
+                h.kind == ICMP_DEST_UNREACH
+                    || h.kind == ICMP_TIME_EXCEEDED
+                    || h.kind == ICMP_PARAMETER_PROB
+            };
+            if echo {
+                let id = be16(h.id);
+                pkt.sport = id;
+                pkt.dport = id;
+            } else if error {
+                pkt.quoted_off = (l4 + 8) as u16;
+            }
+        }
+        _ => {}
+    }
+    Parsed::Ip(pkt)
+}
+
+/// Reads the header an ICMP error quotes into `key` (the flow it is
+/// about, as that flow's packets travelled). `None` if it cannot be read:
+/// the error is then judged as an ordinary ICMP packet.
+pub fn quoted_flow(ctx: &TcContext, off: usize, v6: bool, key: &mut CtKey) -> Option<()> {
+    let l4;
+    if v6 {
+        let ip = read::<Ipv6Hdr>(ctx, off)?;
+        key.src = ip.src_addr;
+        key.dst = ip.dst_addr;
+        key.protocol = ip.next_hdr;
+        l4 = off + Ipv6Hdr::LEN;
+    } else {
+        let ip = read::<Ipv4Hdr>(ctx, off)?;
+        let ihl = (ip.vihl & 0x0f) as usize;
+        if ihl < 5 {
+            return None;
+        }
+        key.src = v4_to_16(ip.src_addr);
+        key.dst = v4_to_16(ip.dst_addr);
+        key.protocol = ip.proto;
+        l4 = off + ihl * 4;
+    }
+    match key.protocol {
+        proto::TCP | proto::UDP | proto::SCTP => {
+            let p = read::<Ports>(ctx, l4)?;
+            key.sport = be16(p.src);
+            key.dport = be16(p.dst);
+        }
+        proto::ICMP | proto::ICMPV6 => {
+            let h = read::<IcmpHdr>(ctx, l4)?;
+            let id = be16(h.id);
+            key.sport = id;
+            key.dport = id;
+        }
+        _ => {
+            key.sport = 0;
+            key.dport = 0;
+        }
+    }
+    Some(())
+}
