@@ -23,7 +23,9 @@ fn main() -> anyhow::Result<()> {
         root_dir: &root_dir,
         ..Default::default()
     };
-    if std::env::var_os("AYA_BUILD_SKIP").is_some_and(|v| v == "1" || v.eq_ignore_ascii_case("true")) {
+    if std::env::var_os("AYA_BUILD_SKIP")
+        .is_some_and(|v| v == "1" || v.eq_ignore_ascii_case("true"))
+    {
         // Semantics-only builds: leave an empty object; loading it fails
         // with a clear error instead of the build failing here.
         let out = std::path::PathBuf::from(std::env::var_os("OUT_DIR").context("OUT_DIR")?);

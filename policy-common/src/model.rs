@@ -276,17 +276,45 @@ impl Datapath {
         let closing = pkt.protocol == proto::TCP && pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0;
 
         if let Some(entry) = self.conntrack.get(&key).copied() {
-            return self.rejudge(&ep, key, entry, pkt, pkt.direction, pkt.policy_port(), closing, Reason::AllowEstablished);
+            return self.rejudge(
+                &ep,
+                key,
+                entry,
+                pkt,
+                pkt.direction,
+                pkt.policy_port(),
+                closing,
+                Reason::AllowEstablished,
+            );
         }
         let reversed = key.reversed();
         if let Some(entry) = self.conntrack.get(&reversed).copied() {
             // Judge again as the flow's opener: the other direction, the
             // same peer, the original destination port.
-            let orig_port = if has_ports(pkt.protocol) { pkt.sport } else { 0 };
-            return self.rejudge(&ep, reversed, entry, pkt, entry.direction, orig_port, closing, Reason::AllowReply);
+            let orig_port = if has_ports(pkt.protocol) {
+                pkt.sport
+            } else {
+                0
+            };
+            return self.rejudge(
+                &ep,
+                reversed,
+                entry,
+                pkt,
+                entry.direction,
+                orig_port,
+                closing,
+                Reason::AllowReply,
+            );
         }
 
-        let judged = self.maps.judge(&ep, pkt.direction, pkt.peer(), pkt.protocol, pkt.policy_port());
+        let judged = self.maps.judge(
+            &ep,
+            pkt.direction,
+            pkt.peer(),
+            pkt.protocol,
+            pkt.policy_port(),
+        );
         if judged.reason == Reason::AllowPolicy || judged.reason == Reason::AllowNotIsolated {
             let mut flags = 0;
             if pkt.protocol == proto::TCP && pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN {
@@ -370,11 +398,32 @@ mod tests {
     fn longest_prefix_wins() {
         let mut m = Maps::default();
         let a = IpAddr::V4(Ipv4Addr::new(10, 1, 2, 3));
-        m.insert_prefix(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 0)), 8, IpcacheEntry { identity: 0, cidr_identity: identity::FIRST_CIDR });
-        m.insert_prefix(IpAddr::V4(Ipv4Addr::new(10, 1, 0, 0)), 16, IpcacheEntry { identity: 0, cidr_identity: identity::FIRST_CIDR + 1 });
+        m.insert_prefix(
+            IpAddr::V4(Ipv4Addr::new(10, 0, 0, 0)),
+            8,
+            IpcacheEntry {
+                identity: 0,
+                cidr_identity: identity::FIRST_CIDR,
+            },
+        );
+        m.insert_prefix(
+            IpAddr::V4(Ipv4Addr::new(10, 1, 0, 0)),
+            16,
+            IpcacheEntry {
+                identity: 0,
+                cidr_identity: identity::FIRST_CIDR + 1,
+            },
+        );
         assert_eq!(m.ipcache_lookup(a).cidr_identity, identity::FIRST_CIDR + 1);
-        assert_eq!(m.ipcache_lookup(IpAddr::V4(Ipv4Addr::new(10, 2, 0, 1))).cidr_identity, identity::FIRST_CIDR);
-        assert_eq!(m.ipcache_lookup(IpAddr::V4(Ipv4Addr::new(11, 0, 0, 1))), IpcacheEntry::UNKNOWN);
+        assert_eq!(
+            m.ipcache_lookup(IpAddr::V4(Ipv4Addr::new(10, 2, 0, 1)))
+                .cidr_identity,
+            identity::FIRST_CIDR
+        );
+        assert_eq!(
+            m.ipcache_lookup(IpAddr::V4(Ipv4Addr::new(11, 0, 0, 1))),
+            IpcacheEntry::UNKNOWN
+        );
     }
 
     #[test]
@@ -382,24 +431,67 @@ mod tests {
         let mut m = Maps::default();
         let e = ep(300, lookups::port_prefix(13));
         // 8000-8007 is 8000/13.
-        m.policy.insert(PolicyKey::new(300, direction::INGRESS, identity::WORLD, proto::TCP, 13, 8000), PolicyEntry::default());
+        m.policy.insert(
+            PolicyKey::new(
+                300,
+                direction::INGRESS,
+                identity::WORLD,
+                proto::TCP,
+                13,
+                8000,
+            ),
+            PolicyEntry::default(),
+        );
         let peer = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1));
-        assert_eq!(m.judge(&e, direction::INGRESS, peer, proto::TCP, 8007).reason, Reason::AllowPolicy);
-        assert_eq!(m.judge(&e, direction::INGRESS, peer, proto::TCP, 8008).reason, Reason::DropPolicy);
-        assert_eq!(m.judge(&e, direction::INGRESS, peer, proto::UDP, 8001).reason, Reason::DropPolicy);
+        assert_eq!(
+            m.judge(&e, direction::INGRESS, peer, proto::TCP, 8007)
+                .reason,
+            Reason::AllowPolicy
+        );
+        assert_eq!(
+            m.judge(&e, direction::INGRESS, peer, proto::TCP, 8008)
+                .reason,
+            Reason::DropPolicy
+        );
+        assert_eq!(
+            m.judge(&e, direction::INGRESS, peer, proto::UDP, 8001)
+                .reason,
+            Reason::DropPolicy
+        );
     }
 
     #[test]
     fn reply_passes_and_is_rejudged_after_revision_change() {
         let mut m = Maps::default();
         let mut e = ep(300, lookups::port_prefix(16));
-        m.policy.insert(PolicyKey::new(300, direction::INGRESS, identity::WORLD, proto::TCP, 16, 80), PolicyEntry::default());
+        m.policy.insert(
+            PolicyKey::new(300, direction::INGRESS, identity::WORLD, proto::TCP, 16, 80),
+            PolicyEntry::default(),
+        );
         m.endpoints.insert(7, e);
         let mut dp = Datapath::new(m);
         let peer = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1));
         let pod = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 5));
-        let syn = Packet { ifindex: 7, direction: direction::INGRESS, src: peer, dst: pod, protocol: proto::TCP, sport: 40000, dport: 80, tcp_flags: TCP_SYN };
-        let reply = Packet { ifindex: 7, direction: direction::EGRESS, src: pod, dst: peer, protocol: proto::TCP, sport: 80, dport: 40000, tcp_flags: TCP_SYN | TCP_ACK };
+        let syn = Packet {
+            ifindex: 7,
+            direction: direction::INGRESS,
+            src: peer,
+            dst: pod,
+            protocol: proto::TCP,
+            sport: 40000,
+            dport: 80,
+            tcp_flags: TCP_SYN,
+        };
+        let reply = Packet {
+            ifindex: 7,
+            direction: direction::EGRESS,
+            src: pod,
+            dst: peer,
+            protocol: proto::TCP,
+            sport: 80,
+            dport: 40000,
+            tcp_flags: TCP_SYN | TCP_ACK,
+        };
         assert_eq!(dp.classify(&syn).reason, Reason::AllowPolicy);
         assert_eq!(dp.classify(&reply).reason, Reason::AllowReply);
         // The policy goes away and the revision moves: the flow is cut.

@@ -8,7 +8,9 @@ use aya_ebpf::{
 use aya_log_ebpf::debug;
 use policy_common::{
     config::{CONFIG_DEBUG_LOG, CONFIG_NO_DROP_EVENTS},
-    conntrack::{CT_FLAG_CLOSING, CT_FLAG_SYN_ONLY, CT_REFRESH_NS, CtEntry, CtKey, FragEntry, FragKey},
+    conntrack::{
+        CT_FLAG_CLOSING, CT_FLAG_SYN_ONLY, CT_REFRESH_NS, CtEntry, CtKey, FragEntry, FragKey,
+    },
     endpoint::{EndpointInfo, lookups},
     event::DropEvent,
     family, identity,
@@ -19,7 +21,10 @@ use policy_common::{
 };
 
 use crate::{
-    maps::{CONFIG, CONNTRACK, COUNTERS, DROP_EVENTS, ENDPOINTS, FRAGMENTS, IPCACHE_V4, IPCACHE_V6, POLICY},
+    maps::{
+        CONFIG, CONNTRACK, COUNTERS, DROP_EVENTS, ENDPOINTS, FRAGMENTS, IPCACHE_V4, IPCACHE_V6,
+        POLICY,
+    },
     parse::{FRAG_FIRST, FRAG_LATER, IpPacket, Parsed, is_icmpv6_link_control, parse, quoted_flow},
 };
 
@@ -105,7 +110,14 @@ fn probe_peer(ep: &EndpointInfo, dir: u8, peer: u32, protocol: u8, port: u16, bi
 
 /// Judges a flow of `ep` with `peer_addr` in `dir` as if it were new.
 #[inline(always)]
-fn judge(ep: &EndpointInfo, dir: u8, fam: u8, peer_addr: &[u8; 16], protocol: u8, port: u16) -> (Reason, IpcacheEntry) {
+fn judge(
+    ep: &EndpointInfo,
+    dir: u8,
+    fam: u8,
+    peer_addr: &[u8; 16],
+    protocol: u8,
+    port: u16,
+) -> (Reason, IpcacheEntry) {
     let peer = ipcache_lookup(fam, peer_addr);
     if peer.identity == identity::NODE {
         return (Reason::AllowNode, peer);
@@ -146,7 +158,14 @@ fn on_ct_hit(
 ) -> (Reason, IpcacheEntry) {
     let mut peer = IpcacheEntry::UNKNOWN;
     if entry.revision != ep.revision {
-        let (reason, p) = judge(ep, entry.direction, pkt.family, peer_addr, pkt.protocol, policy_port(pkt, orig_port));
+        let (reason, p) = judge(
+            ep,
+            entry.direction,
+            pkt.family,
+            peer_addr,
+            pkt.protocol,
+            policy_port(pkt, orig_port),
+        );
         peer = p;
         if reason.is_drop() {
             let _ = CONNTRACK.remove(key);
@@ -175,7 +194,13 @@ fn live(entry: &CtEntry, protocol: u8, now: u64) -> bool {
 
 /// The decision for a parsed IP packet at endpoint `ep`.
 #[inline(always)]
-fn decide(ctx: &TcContext, ifindex: u32, ep: &EndpointInfo, dir: u8, pkt: &IpPacket) -> (Reason, IpcacheEntry) {
+fn decide(
+    ctx: &TcContext,
+    ifindex: u32,
+    ep: &EndpointInfo,
+    dir: u8,
+    pkt: &IpPacket,
+) -> (Reason, IpcacheEntry) {
     let unknown = IpcacheEntry::UNKNOWN;
     if pkt.protocol == proto::ICMPV6 && is_icmpv6_link_control(pkt.icmp_type) {
         return (Reason::AllowNeighborDiscovery, unknown);
@@ -184,32 +209,73 @@ fn decide(ctx: &TcContext, ifindex: u32, ep: &EndpointInfo, dir: u8, pkt: &IpPac
         return (Reason::AllowSelf, unknown);
     }
     if pkt.frag == FRAG_LATER {
-        let key = FragKey { ifindex, src: pkt.src, dst: pkt.dst, id: pkt.frag_id, protocol: pkt.protocol, family: pkt.family, _pad: 0 };
+        let key = FragKey {
+            ifindex,
+            src: pkt.src,
+            dst: pkt.dst,
+            id: pkt.frag_id,
+            protocol: pkt.protocol,
+            family: pkt.family,
+            _pad: 0,
+        };
         return if FRAGMENTS.get_ptr(&key).is_some() {
             (Reason::AllowFragment, unknown)
         } else {
             (Reason::DropFragmentUnknown, unknown)
         };
     }
-    let peer_addr = if dir == policy_common::direction::EGRESS { &pkt.dst } else { &pkt.src };
+    let peer_addr = if dir == policy_common::direction::EGRESS {
+        &pkt.dst
+    } else {
+        &pkt.src
+    };
     let now = unsafe { bpf_ktime_get_ns() };
 
     // One key on the stack, rewritten for each probe (the BPF stack is 512
     // bytes).
-    let mut key = CtKey { ifindex, src: pkt.src, dst: pkt.dst, sport: pkt.sport, dport: pkt.dport, protocol: pkt.protocol, family: pkt.family, _pad: 0 };
+    let mut key = CtKey {
+        ifindex,
+        src: pkt.src,
+        dst: pkt.dst,
+        sport: pkt.sport,
+        dport: pkt.dport,
+        protocol: pkt.protocol,
+        family: pkt.family,
+        _pad: 0,
+    };
     if pkt.quoted_off != 0 {
         let v6 = pkt.family == family::IPV6;
-        if quoted_flow(ctx, pkt.quoted_off as usize, v6, &mut key).is_some() && CONNTRACK.get_ptr(&key).is_some() {
+        if quoted_flow(ctx, pkt.quoted_off as usize, v6, &mut key).is_some()
+            && CONNTRACK.get_ptr(&key).is_some()
+        {
             return (Reason::AllowRelated, unknown);
         }
-        key = CtKey { ifindex, src: pkt.src, dst: pkt.dst, sport: pkt.sport, dport: pkt.dport, protocol: pkt.protocol, family: pkt.family, _pad: 0 };
+        key = CtKey {
+            ifindex,
+            src: pkt.src,
+            dst: pkt.dst,
+            sport: pkt.sport,
+            dport: pkt.dport,
+            protocol: pkt.protocol,
+            family: pkt.family,
+            _pad: 0,
+        };
     }
 
     if let Some(entry) = CONNTRACK.get_ptr_mut(&key) {
         // SAFETY: a pointer to the map value, valid for this program run.
         let entry = unsafe { &mut *entry };
         if live(entry, pkt.protocol, now) {
-            return on_ct_hit(entry, &key, ep, pkt, peer_addr, pkt.dport, now, Reason::AllowEstablished);
+            return on_ct_hit(
+                entry,
+                &key,
+                ep,
+                pkt,
+                peer_addr,
+                pkt.dport,
+                now,
+                Reason::AllowEstablished,
+            );
         }
     }
     key = key.reversed();
@@ -219,12 +285,28 @@ fn decide(ctx: &TcContext, ifindex: u32, ep: &EndpointInfo, dir: u8, pkt: &IpPac
         if live(entry, pkt.protocol, now) {
             // A reply: judged again (if stale) as its opener was, with the
             // opener's destination port, which is this packet's source.
-            return on_ct_hit(entry, &key, ep, pkt, peer_addr, pkt.sport, now, Reason::AllowReply);
+            return on_ct_hit(
+                entry,
+                &key,
+                ep,
+                pkt,
+                peer_addr,
+                pkt.sport,
+                now,
+                Reason::AllowReply,
+            );
         }
     }
     key = key.reversed();
 
-    let (reason, peer) = judge(ep, dir, pkt.family, peer_addr, pkt.protocol, policy_port(pkt, pkt.dport));
+    let (reason, peer) = judge(
+        ep,
+        dir,
+        pkt.family,
+        peer_addr,
+        pkt.protocol,
+        policy_port(pkt, pkt.dport),
+    );
     if reason == Reason::AllowPolicy || reason == Reason::AllowNotIsolated {
         let mut flags = 0;
         if pkt.protocol == proto::TCP {
@@ -235,14 +317,27 @@ fn decide(ctx: &TcContext, ifindex: u32, ep: &EndpointInfo, dir: u8, pkt: &IpPac
                 flags |= CT_FLAG_CLOSING;
             }
         }
-        let entry = CtEntry { last_seen_ns: now, revision: ep.revision, direction: dir, flags, _pad: 0 };
+        let entry = CtEntry {
+            last_seen_ns: now,
+            revision: ep.revision,
+            direction: dir,
+            flags,
+            _pad: 0,
+        };
         let _ = CONNTRACK.insert(&key, &entry, BPF_ANY as u64);
     }
     (reason, peer)
 }
 
 #[inline(always)]
-fn emit_drop(ifindex: u32, ep: &EndpointInfo, dir: u8, pkt: Option<&IpPacket>, peer: IpcacheEntry, reason: Reason) {
+fn emit_drop(
+    ifindex: u32,
+    ep: &EndpointInfo,
+    dir: u8,
+    pkt: Option<&IpPacket>,
+    peer: IpcacheEntry,
+    reason: Reason,
+) {
     let Some(mut slot) = DROP_EVENTS.reserve(0) else {
         count(Reason::EventLost, dir);
         return;
@@ -291,8 +386,20 @@ pub fn classify(ctx: &TcContext, dir: u8) -> i32 {
         Parsed::Ip(pkt) => {
             let (reason, peer) = decide(ctx, ifindex, &ep, dir, &pkt);
             if pkt.frag == FRAG_FIRST && !reason.is_drop() {
-                let key = FragKey { ifindex, src: pkt.src, dst: pkt.dst, id: pkt.frag_id, protocol: pkt.protocol, family: pkt.family, _pad: 0 };
-                let entry = FragEntry { sport: pkt.sport, dport: pkt.dport, _reserved: 0 };
+                let key = FragKey {
+                    ifindex,
+                    src: pkt.src,
+                    dst: pkt.dst,
+                    id: pkt.frag_id,
+                    protocol: pkt.protocol,
+                    family: pkt.family,
+                    _pad: 0,
+                };
+                let entry = FragEntry {
+                    sport: pkt.sport,
+                    dport: pkt.dport,
+                    _reserved: 0,
+                };
                 let _ = FRAGMENTS.insert(&key, &entry, BPF_ANY as u64);
             }
             (reason, peer, Some(pkt))
@@ -307,7 +414,14 @@ pub fn classify(ctx: &TcContext, dir: u8) -> i32 {
         debug!(
             ctx,
             "verdict ifindex={} dir={} proto={} sport={} dport={} peer_id={} peer_cidr={} reason={}",
-            ifindex, dir, protocol, sport, dport, peer.identity, peer.cidr_identity, reason as u8
+            ifindex,
+            dir,
+            protocol,
+            sport,
+            dport,
+            peer.identity,
+            peer.cidr_identity,
+            reason as u8
         );
     }
     if reason.is_drop() {

@@ -23,8 +23,7 @@ const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 pub static CONFIG: Array<Config, 1> = Array::new();
 
 #[btf_map]
-pub static ENDPOINTS: HashMap<u32, EndpointInfo, { capacity::ENDPOINTS as usize }> =
-    HashMap::new();
+pub static ENDPOINTS: HashMap<u32, EndpointInfo, { capacity::ENDPOINTS as usize }> = HashMap::new();
 
 #[btf_map]
 pub static IPCACHE_V4: LpmTrie<Ipv4Bytes, IpcacheEntry, { capacity::IPCACHE as usize }> =
@@ -57,9 +56,17 @@ pub static DROP_EVENTS: RingBuf<DropEvent, { capacity::DROP_EVENTS_BYTES as usiz
 // Userspace-only metadata, pinned with the rest so `dump` can name things
 // and a restarted agent can adopt identity numbers.
 #[btf_map]
-pub static IDENTITY_NAMES: HashMap<u32, IdentityName, { capacity::IDENTITIES as usize }, NO_PREALLOC> =
-    HashMap::new();
+pub static IDENTITY_NAMES: HashMap<
+    u32,
+    IdentityName,
+    { capacity::IDENTITIES as usize },
+    NO_PREALLOC,
+> = HashMap::new();
 
 #[btf_map]
-pub static ENDPOINT_META: HashMap<u32, EndpointMeta, { capacity::ENDPOINTS as usize }, NO_PREALLOC> =
-    HashMap::new();
+pub static ENDPOINT_META: HashMap<
+    u32,
+    EndpointMeta,
+    { capacity::ENDPOINTS as usize },
+    NO_PREALLOC,
+> = HashMap::new();

@@ -30,6 +30,10 @@ const IPPROTO_FRAGMENT: u8 = 44;
 const IPPROTO_AH: u8 = 51;
 const IPPROTO_DSTOPTS: u8 = 60;
 
+/// ICMP errors quoting a header further in than this are judged as plain
+/// ICMP (no Ethernet + IP + ICMP header stack reaches it in practice).
+const MAX_QUOTED_OFFSET: usize = 1024;
+
 pub const FRAG_NONE: u8 = 0;
 /// First fragment of a fragmented datagram (offset 0, more fragments).
 pub const FRAG_FIRST: u8 = 1;
@@ -300,6 +304,10 @@ fn parse_l4(ctx: &TcContext, l4: usize, mut pkt: IpPacket) -> Parsed {
 /// about, as that flow's packets travelled). `None` if it cannot be read:
 /// the error is then judged as an ordinary ICMP packet.
 pub fn quoted_flow(ctx: &TcContext, off: usize, v6: bool, key: &mut CtKey) -> Option<()> {
+    // A bound the verifier can see; real quoted headers start far earlier.
+    if off > MAX_QUOTED_OFFSET {
+        return None;
+    }
     let l4;
     if v6 {
         let ip = read::<Ipv6Hdr>(ctx, off)?;

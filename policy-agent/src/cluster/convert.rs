@@ -29,17 +29,31 @@ pub fn protocol_number(name: Option<&str>) -> Option<u8> {
 }
 
 pub fn namespace_info(ns: &Namespace) -> Result<(String, NamespaceInfo), ConvertError> {
-    let name = ns.metadata.name.clone().ok_or(ConvertError::MissingName { kind: "Namespace" })?;
+    let name = ns
+        .metadata
+        .name
+        .clone()
+        .ok_or(ConvertError::MissingName { kind: "Namespace" })?;
     let mut labels = ns.metadata.labels.clone().unwrap_or_default();
     // The API server sets this label on every namespace (1.21+); manifests
     // written by hand may lack it, and policies rely on it.
-    labels.entry("kubernetes.io/metadata.name".to_owned()).or_insert_with(|| name.clone());
+    labels
+        .entry("kubernetes.io/metadata.name".to_owned())
+        .or_insert_with(|| name.clone());
     Ok((name, NamespaceInfo { labels }))
 }
 
 pub fn pod_info(pod: &Pod) -> Result<(ObjectRef, PodInfo), ConvertError> {
-    let name = pod.metadata.name.clone().ok_or(ConvertError::MissingName { kind: "Pod" })?;
-    let namespace = pod.metadata.namespace.clone().unwrap_or_else(|| "default".to_owned());
+    let name = pod
+        .metadata
+        .name
+        .clone()
+        .ok_or(ConvertError::MissingName { kind: "Pod" })?;
+    let namespace = pod
+        .metadata
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".to_owned());
     let key = ObjectRef::new(namespace, name);
     let spec = pod.spec.as_ref();
     let status = pod.status.as_ref();
@@ -55,9 +69,10 @@ pub fn pod_info(pod: &Pod) -> Result<(ObjectRef, PodInfo), ConvertError> {
     }
     let mut ips = Vec::with_capacity(raw_ips.len());
     for raw in raw_ips {
-        let ip: IpAddr = raw
-            .parse()
-            .map_err(|_| ConvertError::BadPodIp { pod: key.clone(), ip: raw.clone() })?;
+        let ip: IpAddr = raw.parse().map_err(|_| ConvertError::BadPodIp {
+            pod: key.clone(),
+            ip: raw.clone(),
+        })?;
         if !ips.contains(&ip) {
             ips.push(ip);
         }
@@ -69,12 +84,21 @@ pub fn pod_info(pod: &Pod) -> Result<(ObjectRef, PodInfo), ConvertError> {
             let port = u16::try_from(p.container_port)
                 .ok()
                 .filter(|p| *p != 0)
-                .ok_or(ConvertError::BadContainerPort { pod: key.clone(), port: p.container_port })?;
-            let protocol = protocol_number(p.protocol.as_deref()).ok_or_else(|| ConvertError::BadProtocol {
-                pod: key.clone(),
-                protocol: p.protocol.clone().unwrap_or_default(),
+                .ok_or(ConvertError::BadContainerPort {
+                    pod: key.clone(),
+                    port: p.container_port,
+                })?;
+            let protocol = protocol_number(p.protocol.as_deref()).ok_or_else(|| {
+                ConvertError::BadProtocol {
+                    pod: key.clone(),
+                    protocol: p.protocol.clone().unwrap_or_default(),
+                }
             })?;
-            ports.push(ContainerPort { name: p.name.clone(), port, protocol });
+            ports.push(ContainerPort {
+                name: p.name.clone(),
+                port,
+                protocol,
+            });
         }
     }
     ports.sort();
@@ -88,7 +112,12 @@ pub fn pod_info(pod: &Pod) -> Result<(ObjectRef, PodInfo), ConvertError> {
         ports,
         host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
         terminal: matches!(phase, Some("Succeeded" | "Failed")),
-        created: pod.metadata.creation_timestamp.as_ref().map(|t| t.0.as_second()).unwrap_or(0),
+        created: pod
+            .metadata
+            .creation_timestamp
+            .as_ref()
+            .map(|t| t.0.as_second())
+            .unwrap_or(0),
     };
     Ok((key, info))
 }

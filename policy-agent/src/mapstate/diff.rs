@@ -28,7 +28,7 @@ use super::MapState;
 /// One map write.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MapOp<K> {
-    UpsertIdentity(u32, IdentityName),
+    UpsertIdentity(u32, Box<IdentityName>),
     UpsertPolicy(PolicyKey, PolicyEntry),
     UpsertEndpoint(K, EndpointInfo),
     UpsertIpcache(IpNet, IpcacheEntry),
@@ -57,7 +57,10 @@ fn removals<'a, K: Ord + Clone, V>(
 /// The minimal ordered list of writes turning `old` into `new`.
 pub fn diff<K: Ord + Clone>(old: &MapState<K>, new: &MapState<K>) -> Vec<MapOp<K>> {
     let mut ops = Vec::new();
-    ops.extend(upserts(&old.identities, &new.identities).map(|(k, v)| MapOp::UpsertIdentity(k, v)));
+    ops.extend(
+        upserts(&old.identities, &new.identities)
+            .map(|(k, v)| MapOp::UpsertIdentity(k, Box::new(v))),
+    );
     ops.extend(upserts(&old.policy, &new.policy).map(|(k, v)| MapOp::UpsertPolicy(k, v)));
     ops.extend(upserts(&old.endpoints, &new.endpoints).map(|(k, v)| MapOp::UpsertEndpoint(k, v)));
     ops.extend(upserts(&old.ipcache, &new.ipcache).map(|(k, v)| MapOp::UpsertIpcache(k, v)));
@@ -75,7 +78,14 @@ pub fn diff<K: Ord + Clone>(old: &MapState<K>, new: &MapState<K>) -> Vec<MapOp<K
 /// Verdicts of an endpoint depend on its own entry, the policy entries of
 /// its identity, and the whole ipcache (any peer may have moved).
 pub fn assign_revisions<K: Ord + Clone>(old: &MapState<K>, new: &mut MapState<K>) {
-    let next = old.endpoints.values().map(|e| e.revision).max().unwrap_or(0).wrapping_add(1).max(1);
+    let next = old
+        .endpoints
+        .values()
+        .map(|e| e.revision)
+        .max()
+        .unwrap_or(0)
+        .wrapping_add(1)
+        .max(1);
     let ipcache_changed = old.ipcache != new.ipcache;
     let mut policy_changed: BTreeMap<u32, bool> = BTreeMap::new();
     let mut changed_for = |identity: u32, old: &MapState<K>, new: &MapState<K>| -> bool {
@@ -85,7 +95,9 @@ pub fn assign_revisions<K: Ord + Clone>(old: &MapState<K>, new: &mut MapState<K>
     };
     let keys: Vec<K> = new.endpoints.keys().cloned().collect();
     for key in keys {
-        let Some(mut ep) = new.endpoints.get(&key).copied() else { continue };
+        let Some(mut ep) = new.endpoints.get(&key).copied() else {
+            continue;
+        };
         let same = match old.endpoints.get(&key) {
             Some(prev) => {
                 let mut prev_cmp = *prev;
@@ -112,10 +124,19 @@ mod tests {
 
     fn state() -> MapState<u32> {
         let mut s = MapState::default();
-        s.endpoints.insert(7, EndpointInfo { identity: 300, ..Default::default() });
+        s.endpoints.insert(
+            7,
+            EndpointInfo {
+                identity: 300,
+                ..Default::default()
+            },
+        );
         s.ipcache.insert(
             IpNet::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 7)), 32).unwrap(),
-            IpcacheEntry { identity: 300, cidr_identity: identity::WORLD },
+            IpcacheEntry {
+                identity: 300,
+                cidr_identity: identity::WORLD,
+            },
         );
         s.finalize();
         s
@@ -138,7 +159,9 @@ mod tests {
         assign_revisions(&old, &mut new);
         let ops = diff(&old, &new);
         assert!(matches!(ops[0], MapOp::UpsertPolicy(k, _) if k == key));
-        assert!(matches!(ops[1], MapOp::UpsertEndpoint(7, e) if e.flags == ENDPOINT_INGRESS_ISOLATED && e.revision == 1));
+        assert!(
+            matches!(ops[1], MapOp::UpsertEndpoint(7, e) if e.flags == ENDPOINT_INGRESS_ISOLATED && e.revision == 1)
+        );
         assert_eq!(ops.len(), 2);
 
         // And back: the endpoint opens before the entry goes.
@@ -153,9 +176,19 @@ mod tests {
     fn unrelated_change_keeps_revision() {
         let mut old = state();
         old.endpoints.get_mut(&7).unwrap().revision = 5;
-        old.endpoints.insert(8, EndpointInfo { identity: 400, revision: 3, ..Default::default() });
+        old.endpoints.insert(
+            8,
+            EndpointInfo {
+                identity: 400,
+                revision: 3,
+                ..Default::default()
+            },
+        );
         let mut new = old.clone();
-        new.policy.insert(PolicyKey::new(400, direction::INGRESS, 0, proto::ANY, 0, 0), PolicyEntry::default());
+        new.policy.insert(
+            PolicyKey::new(400, direction::INGRESS, 0, proto::ANY, 0, 0),
+            PolicyEntry::default(),
+        );
         new.finalize();
         assign_revisions(&old, &mut new);
         assert_eq!(new.endpoints[&7].revision, 5);

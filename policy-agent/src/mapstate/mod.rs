@@ -51,7 +51,10 @@ impl<K: Ord> Default for MapState<K> {
 /// The lookup bits an endpoint identity needs in one direction: which
 /// port prefix lengths, any-protocol and any-peer entries exist.
 pub fn lookup_bits(policy: &BTreeMap<PolicyKey, PolicyEntry>, identity: u32, dir: u8) -> u32 {
-    let start = PolicyKey { endpoint_identity: identity, ..PolicyKey::default() };
+    let start = PolicyKey {
+        endpoint_identity: identity,
+        ..PolicyKey::default()
+    };
     let mut bits = 0;
     for key in policy
         .range(start..)
@@ -104,7 +107,10 @@ impl<K: Ord + Clone> MapState<K> {
 
     /// The policy entries of one endpoint identity.
     pub fn policy_of(&self, identity: u32) -> impl Iterator<Item = (&PolicyKey, &PolicyEntry)> {
-        let start = PolicyKey { endpoint_identity: identity, ..PolicyKey::default() };
+        let start = PolicyKey {
+            endpoint_identity: identity,
+            ..PolicyKey::default()
+        };
         self.policy
             .range(start..)
             .take_while(move |(k, _)| k.endpoint_identity == identity)

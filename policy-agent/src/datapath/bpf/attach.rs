@@ -1,0 +1,319 @@
+//! Attaching the classifiers to a host-side interface, and undoing it.
+//!
+//! TCX (Linux >= 6.6): one link per hook, pinned under `links/` so it
+//! outlives the agent. Older kernels (or `--force-netlink`): a clsact qdisc
+//! and direct-action cls_bpf filters at a fixed priority and handle, which
+//! the kernel keeps after the agent exits; the agent records whether it
+//! created the qdisc so `reset` removes only what it added.
+use std::{error::Error as StdError, ffi::CStr};
+
+use aya::{
+    programs::{
+        LinkOrder, SchedClassifier,
+        links::{FdLink, PinnedLink},
+        tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
+    },
+    util::KernelVersion,
+};
+use policy_common::endpoint::{ATTACH_CREATED_CLSACT, ATTACH_NETLINK, ATTACH_TCX};
+use tracing::debug;
+
+use super::{Error, Hook, PinLayout, loader::remove_pin, loader::tc_type};
+
+/// Priority and handle of our netlink filters: fixed, so a restarted agent
+/// (and `reset`) finds exactly its own filters.
+pub const NETLINK_PRIORITY: u16 = 20;
+pub const NETLINK_HANDLE: TcHandle = TcHandle::new(0, 0x4e50);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttachMode {
+    Tcx,
+    Netlink,
+}
+
+impl AttachMode {
+    /// TCX where the kernel has it (>= 6.6), unless netlink is forced.
+    pub fn detect(force_netlink: bool) -> Self {
+        let tcx = KernelVersion::current()
+            .map(|v| v >= KernelVersion::new(6, 6, 0))
+            .unwrap_or(false);
+        if tcx && !force_netlink {
+            Self::Tcx
+        } else {
+            Self::Netlink
+        }
+    }
+
+    pub fn bit(self) -> u32 {
+        match self {
+            Self::Tcx => ATTACH_TCX,
+            Self::Netlink => ATTACH_NETLINK,
+        }
+    }
+}
+
+/// The interface name of an ifindex.
+pub fn if_name(ifindex: u32) -> Result<String, Error> {
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: buf holds IF_NAMESIZE bytes as if_indextoname requires.
+    let p = unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) };
+    if p.is_null() {
+        return Err(Error::NoInterface(ifindex));
+    }
+    // SAFETY: on success the buffer holds a NUL-terminated name.
+    Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned())
+}
+
+fn os_error(e: &(dyn StdError + 'static)) -> Option<i32> {
+    let mut cur: Option<&(dyn StdError + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(nl) = err.downcast_ref::<aya::sys::NetlinkError>()
+            && let Some(code) = nl.raw_os_error()
+        {
+            return Some(code);
+        }
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && let Some(code) = io.raw_os_error()
+        {
+            return Some(code);
+        }
+        cur = err.source();
+    }
+    None
+}
+
+/// BPF_LINK_DETACH (Linux 5.9): detaches a link at once, whoever else
+/// still holds it. aya 0.14 has no wrapper for it.
+fn link_detach(pin: &std::path::Path) -> std::io::Result<()> {
+    use std::os::fd::{FromRawFd as _, OwnedFd};
+    const BPF_OBJ_GET: libc::c_long = 7;
+    const BPF_LINK_DETACH: libc::c_long = 34;
+    let bpf = |cmd: libc::c_long, attr: &mut [u64; 8]| -> std::io::Result<libc::c_long> {
+        // SAFETY: attr is a valid, zeroed union bpf_attr of the size passed.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                cmd,
+                attr.as_mut_ptr(),
+                std::mem::size_of_val(attr) as libc::c_uint,
+            )
+        };
+        if rc < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(rc)
+        }
+    };
+    let path = std::ffi::CString::new(pin.as_os_str().as_encoded_bytes())
+        .map_err(std::io::Error::other)?;
+    // BPF_OBJ_GET: { __u64 pathname; __u32 bpf_fd; __u32 file_flags; }
+    let mut attr = [0u64; 8];
+    attr[0] = path.as_ptr() as u64;
+    let fd = bpf(BPF_OBJ_GET, &mut attr)?;
+    // SAFETY: the kernel just returned this fd to us; we own it.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // BPF_LINK_DETACH: { __u32 link_fd; }
+    let mut attr = [0u64; 8];
+    attr[0] = u64::from(std::os::fd::AsRawFd::as_raw_fd(&fd) as u32);
+    bpf(BPF_LINK_DETACH, &mut attr).map(|_| ())
+}
+
+/// What the agent did to one interface.
+pub struct Attachment<'a> {
+    layout: &'a PinLayout,
+    ifindex: u32,
+    /// `ATTACH_*` bits, as stored in ENDPOINT_META.
+    pub bits: u32,
+}
+
+impl<'a> Attachment<'a> {
+    pub fn new(layout: &'a PinLayout, ifindex: u32, bits: u32) -> Self {
+        Self {
+            layout,
+            ifindex,
+            bits,
+        }
+    }
+
+    fn attach_err<E: StdError + Send + Sync + 'static>(
+        &self,
+        hook: Hook,
+    ) -> impl FnOnce(E) -> Error + '_ {
+        move |e| Error::Attach {
+            interface: if_name(self.ifindex)
+                .unwrap_or_else(|_| format!("ifindex {}", self.ifindex)),
+            direction: hook.name(),
+            source: Box::new(e),
+        }
+    }
+
+    /// Makes sure `prog` runs at `hook` of this interface.
+    pub fn ensure(
+        &mut self,
+        prog: &mut SchedClassifier,
+        hook: Hook,
+        mode: AttachMode,
+    ) -> Result<(), Error> {
+        let name = if_name(self.ifindex)?;
+        match mode {
+            AttachMode::Tcx => self.ensure_tcx(prog, hook, &name),
+            AttachMode::Netlink => self.ensure_netlink(prog, hook, &name),
+        }
+    }
+
+    fn ensure_tcx(
+        &mut self,
+        prog: &mut SchedClassifier,
+        hook: Hook,
+        name: &str,
+    ) -> Result<(), Error> {
+        let path = self.layout.link(self.ifindex, hook);
+        let ours = prog.info().map_err(self.attach_err(hook))?.id();
+        if let Ok(pinned) = PinnedLink::from_pin(&path) {
+            let attached: Vec<u32> = SchedClassifier::query_tcx(name, tc_type(hook))
+                .map(|(_, progs)| progs.iter().map(|p| p.id()).collect())
+                .unwrap_or_default();
+            let link: FdLink = pinned.into();
+            let linked = link.info().map(|i| i.program_id()).unwrap_or(0);
+            if attached.contains(&linked) {
+                if linked != ours {
+                    let link =
+                        SchedClassifierLink::try_from(link).map_err(self.attach_err(hook))?;
+                    prog.attach_to_link(link).map_err(self.attach_err(hook))?;
+                }
+                self.bits |= ATTACH_TCX;
+                return Ok(());
+            }
+            // The pin outlived its interface (a new one got the ifindex).
+            debug!(path = %path.display(), "removing stale link pin");
+            remove_pin(&path)?;
+        }
+        let id = prog
+            .attach_with_options(
+                name,
+                tc_type(hook),
+                TcAttachOptions::TcxOrder(LinkOrder::default()),
+            )
+            .map_err(self.attach_err(hook))?;
+        let link = prog.take_link(id).map_err(self.attach_err(hook))?;
+        let fd: FdLink = link.try_into().map_err(self.attach_err(hook))?;
+        fd.pin(&path).map_err(|e| Error::Pin {
+            path: path.clone(),
+            source: Box::new(e),
+        })?;
+        self.bits |= ATTACH_TCX;
+        Ok(())
+    }
+
+    fn ensure_netlink(
+        &mut self,
+        prog: &mut SchedClassifier,
+        hook: Hook,
+        name: &str,
+    ) -> Result<(), Error> {
+        match tc::qdisc_add_clsact(name) {
+            Ok(()) => self.bits |= ATTACH_CREATED_CLSACT,
+            Err(e) if os_error(&e) == Some(libc::EEXIST) => {}
+            Err(e) => {
+                return Err(Error::Clsact {
+                    interface: name.to_owned(),
+                    source: Box::new(e),
+                });
+            }
+        }
+        let options = NlOptions {
+            priority: NETLINK_PRIORITY,
+            handle: NETLINK_HANDLE,
+            classid: None,
+        };
+        let id = match prog.attach_with_options(
+            name,
+            tc_type(hook),
+            TcAttachOptions::Netlink(options),
+        ) {
+            Ok(id) => id,
+            Err(e) if os_error(&e) == Some(libc::EEXIST) => {
+                // Our filter is there already (an earlier agent): replace its program.
+                let existing = SchedClassifierLink::attached(
+                    name,
+                    tc_type(hook),
+                    NETLINK_PRIORITY,
+                    NETLINK_HANDLE,
+                    None,
+                )
+                .map_err(self.attach_err(hook))?;
+                prog.attach_to_link(existing)
+                    .map_err(self.attach_err(hook))?
+            }
+            Err(e) => return Err(self.attach_err(hook)(e)),
+        };
+        // The kernel keeps the filter; dropping aya's handle would detach it.
+        std::mem::forget(prog.take_link(id).map_err(self.attach_err(hook))?);
+        self.bits |= ATTACH_NETLINK;
+        Ok(())
+    }
+
+    /// Points an existing attachment at `prog` (an upgraded program).
+    pub fn replace_program(&mut self, prog: &mut SchedClassifier, hook: Hook) -> Result<(), Error> {
+        let Ok(name) = if_name(self.ifindex) else {
+            return Ok(()); // The interface is gone; nothing to move.
+        };
+        if self.bits & ATTACH_TCX != 0 {
+            return self.ensure_tcx(prog, hook, &name);
+        }
+        if self.bits & ATTACH_NETLINK != 0 {
+            return self.ensure_netlink(prog, hook, &name);
+        }
+        Ok(())
+    }
+
+    /// Removes what the agent attached here. Errors are collected so one
+    /// failure does not leave the rest in place.
+    pub fn detach(&self, errors: &mut Vec<Error>) {
+        for hook in Hook::BOTH {
+            let path = self.layout.link(self.ifindex, hook);
+            // Detach now: dropping the last reference (the pin) frees the
+            // link only later, from a workqueue.
+            if path.exists()
+                && let Err(source) = link_detach(&path)
+                && source.raw_os_error() != Some(libc::ENOLINK)
+            {
+                errors.push(Error::Io {
+                    what: "detaching link",
+                    path: path.clone(),
+                    source,
+                });
+            }
+            if let Err(e) = remove_pin(&path) {
+                errors.push(e);
+            }
+        }
+        if self.bits & ATTACH_NETLINK == 0 {
+            return;
+        }
+        let Ok(name) = if_name(self.ifindex) else {
+            return; // Interface gone: its filters went with it.
+        };
+        for hook in Hook::BOTH {
+            match SchedClassifierLink::attached(
+                &name,
+                tc_type(hook),
+                NETLINK_PRIORITY,
+                NETLINK_HANDLE,
+                None,
+            ) {
+                Ok(link) => {
+                    use aya::programs::Link as _;
+                    if let Err(e) = link.detach()
+                        && os_error(&e) != Some(libc::ENOENT)
+                    {
+                        errors.push(self.attach_err(hook)(e));
+                    }
+                }
+                Err(_) => return,
+            }
+        }
+    }
+}

@@ -1,0 +1,108 @@
+use std::path::PathBuf;
+
+/// Errors of the BPF datapath. Each says what was being done and where.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0} is not a mounted bpf filesystem (mount -t bpf bpf /sys/fs/bpf)")]
+    NoBpffs(PathBuf),
+    #[error("this agent was built without the eBPF object (AYA_BUILD_SKIP); rebuild without it")]
+    NoObject,
+    #[error("creating pin directory {path}: {source}")]
+    PinDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("loading the eBPF object (maps pinned under {pins}): {source}")]
+    Load {
+        pins: PathBuf,
+        #[source]
+        source: Box<aya::EbpfError>,
+    },
+    #[error("the object has no program {0}")]
+    MissingProgram(&'static str),
+    #[error("the object has no map {0}")]
+    MissingMap(&'static str),
+    #[error(
+        "pinned map {path} has {found} but this agent expects {expected}: it was written by an \
+         incompatible agent; run `policy-agent reset` (or use another --pin-dir)"
+    )]
+    LayoutMismatch {
+        path: PathBuf,
+        expected: String,
+        found: String,
+    },
+    #[error("program {name}: {source}")]
+    Program {
+        name: &'static str,
+        #[source]
+        source: Box<aya::programs::ProgramError>,
+    },
+    #[error("map {name}: {source}")]
+    Map {
+        name: &'static str,
+        #[source]
+        source: Box<aya::maps::MapError>,
+    },
+    #[error("map {name} is full ({capacity} entries); raise its capacity")]
+    MapFull { name: &'static str, capacity: u32 },
+    #[error("pinning {path}: {source}")]
+    Pin {
+        path: PathBuf,
+        #[source]
+        source: Box<aya::pin::PinError>,
+    },
+    #[error("attaching to {interface} ({direction}): {source}")]
+    Attach {
+        interface: String,
+        direction: &'static str,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error("adding the clsact qdisc to {interface}: {source}")]
+    Clsact {
+        interface: String,
+        #[source]
+        source: Box<aya::programs::tc::TcError>,
+    },
+    #[error("interface with ifindex {0} does not exist")]
+    NoInterface(u32),
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    pub(crate) fn map(name: &'static str) -> impl FnOnce(aya::maps::MapError) -> Self {
+        move |e| Self::Map {
+            name,
+            source: Box::new(e),
+        }
+    }
+
+    pub(crate) fn program(name: &'static str) -> impl FnOnce(aya::programs::ProgramError) -> Self {
+        move |e| Self::Program {
+            name,
+            source: Box::new(e),
+        }
+    }
+
+    /// A short label for metrics.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Self::NoBpffs(_) | Self::NoObject | Self::PinDir { .. } => "setup",
+            Self::Load { .. } | Self::MissingProgram(_) | Self::MissingMap(_) => "load",
+            Self::LayoutMismatch { .. } => "layout",
+            Self::Program { .. } => "program",
+            Self::Map { .. } => "map",
+            Self::MapFull { .. } => "map_full",
+            Self::Pin { .. } => "pin",
+            Self::Attach { .. } | Self::Clsact { .. } | Self::NoInterface(_) => "attach",
+            Self::Io { .. } => "io",
+        }
+    }
+}

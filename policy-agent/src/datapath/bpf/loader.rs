@@ -1,0 +1,273 @@
+//! Loading the object with its maps pinned, reusing what an earlier agent
+//! left, and keeping programs pinned so enforcement outlives the agent.
+use std::path::Path;
+
+use aya::{
+    EbpfLoader,
+    programs::{SchedClassifier, TcAttachType},
+};
+use policy_common::{
+    endpoint::{ENDPOINT_NAME_LEN, EndpointMeta},
+    maps as names,
+};
+use tracing::{debug, info};
+
+use super::{
+    BpfMaps, Error, Hook, PinLayout,
+    attach::{AttachMode, Attachment},
+    object::{OBJECT, object_hash},
+};
+
+/// Knobs for opening the datapath.
+#[derive(Clone, Debug, Default)]
+pub struct LoadOptions {
+    /// Attach with netlink clsact filters even where TCX exists.
+    pub force_netlink: bool,
+    /// Map capacity overrides (map name → entries), applied when a map is
+    /// first created.
+    pub capacities: Vec<(&'static str, u32)>,
+}
+
+/// The two classifiers, loaded or opened from their pins.
+pub struct Classifiers {
+    pub from_pod: SchedClassifier,
+    pub to_pod: SchedClassifier,
+}
+
+impl Classifiers {
+    pub fn get_mut(&mut self, hook: Hook) -> &mut SchedClassifier {
+        match hook {
+            Hook::Ingress => &mut self.from_pod,
+            Hook::Egress => &mut self.to_pod,
+        }
+    }
+
+    pub fn id(&self, hook: Hook) -> Option<u32> {
+        let prog = match hook {
+            Hook::Ingress => &self.from_pod,
+            Hook::Egress => &self.to_pod,
+        };
+        prog.info().ok().map(|i| i.id())
+    }
+}
+
+pub(crate) fn tc_type(hook: Hook) -> TcAttachType {
+    match hook {
+        Hook::Ingress => TcAttachType::Ingress,
+        Hook::Egress => TcAttachType::Egress,
+    }
+}
+
+/// The pinned BPF datapath: maps, programs, attachments.
+pub struct BpfDatapath {
+    pub layout: PinLayout,
+    pub maps: BpfMaps,
+    pub programs: Classifiers,
+    pub mode: AttachMode,
+}
+
+fn loader<'a>(
+    opts: &'a LoadOptions,
+    paths: &'a [(&'static str, std::path::PathBuf)],
+) -> EbpfLoader<'a> {
+    let mut loader = EbpfLoader::new();
+    for (name, path) in paths {
+        loader.map_pin_path(name, path.as_path());
+    }
+    for (name, entries) in &opts.capacities {
+        loader.map_max_entries(name, *entries);
+    }
+    loader
+}
+
+impl BpfDatapath {
+    /// Opens the datapath pinned under `layout`, creating it if absent.
+    ///
+    /// Maps are reused when pinned (their content is the enforced state).
+    /// Programs are reused when they came from this very object; otherwise
+    /// fresh ones are loaded, every existing attachment is switched to them
+    /// atomically, and they replace the old pins.
+    pub fn open(layout: &PinLayout, opts: &LoadOptions) -> Result<Self, Error> {
+        if OBJECT.is_empty() {
+            return Err(Error::NoObject);
+        }
+        layout.create()?;
+        let paths: Vec<(&'static str, std::path::PathBuf)> =
+            names::ALL.iter().map(|n| (*n, layout.map(n))).collect();
+        let mut ebpf = loader(opts, &paths).load(OBJECT).map_err(|e| Error::Load {
+            pins: layout.maps_dir(),
+            source: Box::new(e),
+        })?;
+        let mut maps = BpfMaps::from_ebpf(&mut ebpf, Some(layout))?;
+        let mode = AttachMode::detect(opts.force_netlink);
+
+        let hash = object_hash();
+        let mut config = maps.config()?;
+        let pinned = Hook::BOTH
+            .iter()
+            .all(|h| layout.program(h.program()).exists());
+        let programs = if pinned && config.object_hash == hash {
+            debug!(pins = %layout.progs_dir().display(), "reusing pinned programs");
+            open_pinned(layout)?
+        } else {
+            info!(pins = %layout.progs_dir().display(), "loading classifier programs");
+            let meta = maps.read_meta()?;
+            for hook in Hook::BOTH {
+                let name = hook.program();
+                let prog: &mut SchedClassifier = ebpf
+                    .program_mut(name)
+                    .ok_or(Error::MissingProgram(name))?
+                    .try_into()
+                    .map_err(Error::program(name))?;
+                prog.load().map_err(Error::program(name))?;
+                // Move existing attachments over before the old pin goes,
+                // so no interface is ever without a program.
+                for (ifindex, m) in &meta {
+                    Attachment::new(layout, *ifindex, m.attach).replace_program(prog, hook)?;
+                }
+                let path = layout.program(name);
+                remove_pin(&path)?;
+                prog.pin(&path).map_err(|e| Error::Pin {
+                    path: path.clone(),
+                    source: Box::new(e),
+                })?;
+            }
+            config.object_hash = hash;
+            maps.set_config(config)?;
+            open_pinned(layout)?
+        };
+        Ok(Self {
+            layout: layout.clone(),
+            maps,
+            programs,
+            mode,
+        })
+    }
+}
+
+impl BpfDatapath {
+    /// Attaches both classifiers to the interface `ifindex` and records it
+    /// (with `name`, e.g. "namespace/pod") in ENDPOINT_META. Write the
+    /// endpoint's map entry first, so its first packet is already judged.
+    pub fn attach(&mut self, ifindex: u32, name: &str) -> Result<(), Error> {
+        let known = self
+            .maps
+            .endpoint_meta
+            .get(&ifindex, 0)
+            .map(|m| m.attach)
+            .unwrap_or(0);
+        let mut attachment = Attachment::new(&self.layout, ifindex, known);
+        let mut result = Ok(());
+        for hook in Hook::BOTH {
+            result = attachment.ensure(self.programs.get_mut(hook), hook, self.mode);
+            if result.is_err() {
+                break;
+            }
+        }
+        // Record what was done even on failure, so `reset` can undo it.
+        self.maps
+            .set_meta(ifindex, &endpoint_meta(name, attachment.bits))?;
+        result
+    }
+
+    /// Removes the attachments of `ifindex` and its record.
+    pub fn detach(&mut self, ifindex: u32) -> Result<(), Vec<Error>> {
+        let known = self
+            .maps
+            .endpoint_meta
+            .get(&ifindex, 0)
+            .map(|m| m.attach)
+            .unwrap_or(0);
+        let mut errors = Vec::new();
+        Attachment::new(&self.layout, ifindex, known).detach(&mut errors);
+        if let Err(e) = self.maps.remove_meta(ifindex) {
+            errors.push(e);
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
+        }
+    }
+}
+
+/// The ENDPOINT_META value for an interface.
+pub fn endpoint_meta(name: &str, attach: u32) -> EndpointMeta {
+    let mut meta = EndpointMeta {
+        attach,
+        name_len: 0,
+        name: [0; ENDPOINT_NAME_LEN],
+    };
+    let bytes = name.as_bytes();
+    let n = bytes.len().min(ENDPOINT_NAME_LEN);
+    meta.name[..n].copy_from_slice(&bytes[..n]);
+    meta.name_len = n as u32;
+    meta
+}
+
+fn open_pinned(layout: &PinLayout) -> Result<Classifiers, Error> {
+    let open = |hook: Hook| {
+        let name = hook.program();
+        SchedClassifier::from_pin(layout.program(name)).map_err(Error::program(name))
+    };
+    Ok(Classifiers {
+        from_pod: open(Hook::Ingress)?,
+        to_pod: open(Hook::Egress)?,
+    })
+}
+
+pub(crate) fn remove_pin(path: &Path) -> Result<(), Error> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(Error::Io {
+            what: "removing pin",
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// The object loaded without pins, for packet tests and benchmarks.
+pub struct Unpinned {
+    pub ebpf: aya::Ebpf,
+    pub maps: BpfMaps,
+}
+
+impl Unpinned {
+    /// Loads both programs with fresh, private maps.
+    pub fn load() -> Result<Self, Error> {
+        Self::load_with(&[])
+    }
+
+    /// As [`Unpinned::load`], with map capacity overrides.
+    pub fn load_with(capacities: &[(&str, u32)]) -> Result<Self, Error> {
+        if OBJECT.is_empty() {
+            return Err(Error::NoObject);
+        }
+        let mut loader = EbpfLoader::new();
+        for (name, entries) in capacities {
+            loader.map_max_entries(name, *entries);
+        }
+        let mut ebpf = loader.load(OBJECT).map_err(|e| Error::Load {
+            pins: Default::default(),
+            source: Box::new(e),
+        })?;
+        let maps = BpfMaps::from_ebpf(&mut ebpf, None)?;
+        let mut this = Self { ebpf, maps };
+        for hook in Hook::BOTH {
+            let name = hook.program();
+            this.program(hook)?.load().map_err(Error::program(name))?;
+        }
+        Ok(this)
+    }
+
+    pub fn program(&mut self, hook: Hook) -> Result<&mut SchedClassifier, Error> {
+        let name = hook.program();
+        self.ebpf
+            .program_mut(name)
+            .ok_or(Error::MissingProgram(name))?
+            .try_into()
+            .map_err(Error::program(name))
+    }
+}

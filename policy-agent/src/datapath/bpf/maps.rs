@@ -1,0 +1,320 @@
+//! Typed handles on the pinned maps, reading their content back and
+//! applying ordered writes.
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
+
+use aya::maps::{
+    Array, HashMap, IterableMap as _, LpmTrie, Map, MapData, MapError, PerCpuArray, lpm_trie::Key,
+};
+use ipnet::IpNet;
+use policy_common::{
+    config::Config,
+    conntrack::{CtEntry, CtKey, FragEntry, FragKey},
+    endpoint::{EndpointInfo, EndpointMeta},
+    identity::IdentityName,
+    ipcache::IpcacheEntry,
+    maps as names,
+    policy::{PolicyEntry, PolicyKey},
+    verdict::{COUNTER_SLOTS, Reason, counter_index},
+};
+
+use super::{Error, PinLayout};
+use crate::mapstate::{MapOp, MapState};
+
+/// Every map the agent reads or writes (the drop-event ring is opened by
+/// the event reader on its own).
+pub struct BpfMaps {
+    pub config: Array<MapData, Config>,
+    pub endpoints: HashMap<MapData, u32, EndpointInfo>,
+    pub endpoint_meta: HashMap<MapData, u32, EndpointMeta>,
+    pub ipcache_v4: LpmTrie<MapData, [u8; 4], IpcacheEntry>,
+    pub ipcache_v6: LpmTrie<MapData, [u8; 16], IpcacheEntry>,
+    pub policy: HashMap<MapData, PolicyKey, PolicyEntry>,
+    pub identities: HashMap<MapData, u32, IdentityName>,
+    pub conntrack: HashMap<MapData, CtKey, CtEntry>,
+    pub fragments: HashMap<MapData, FragKey, FragEntry>,
+    pub counters: PerCpuArray<MapData, u64>,
+}
+
+/// Turns aya's size checks into a layout error naming the pin.
+fn typed<T>(name: &'static str, layout: Option<&PinLayout>, map: Map) -> Result<T, Error>
+where
+    T: TryFrom<Map, Error = MapError>,
+{
+    T::try_from(map).map_err(|e| match (&e, layout) {
+        (MapError::InvalidKeySize { size, expected }, Some(l)) => Error::LayoutMismatch {
+            path: l.map(name),
+            expected: format!("key size {expected}"),
+            found: format!("key size {size}"),
+        },
+        (MapError::InvalidValueSize { size, expected }, Some(l)) => Error::LayoutMismatch {
+            path: l.map(name),
+            expected: format!("value size {expected}"),
+            found: format!("value size {size}"),
+        },
+        (MapError::InvalidMapType { map_type }, Some(l)) => Error::LayoutMismatch {
+            path: l.map(name),
+            expected: "the map type of this layout".to_owned(),
+            found: format!("map type {map_type}"),
+        },
+        _ => Error::map(name)(e),
+    })
+}
+
+impl BpfMaps {
+    /// Takes the maps out of a loaded object.
+    pub fn from_ebpf(ebpf: &mut aya::Ebpf, layout: Option<&PinLayout>) -> Result<Self, Error> {
+        let mut take = |name: &'static str| ebpf.take_map(name).ok_or(Error::MissingMap(name));
+        Ok(Self {
+            config: typed(names::CONFIG, layout, take(names::CONFIG)?)?,
+            endpoints: typed(names::ENDPOINTS, layout, take(names::ENDPOINTS)?)?,
+            endpoint_meta: typed(names::ENDPOINT_META, layout, take(names::ENDPOINT_META)?)?,
+            ipcache_v4: typed(names::IPCACHE_V4, layout, take(names::IPCACHE_V4)?)?,
+            ipcache_v6: typed(names::IPCACHE_V6, layout, take(names::IPCACHE_V6)?)?,
+            policy: typed(names::POLICY, layout, take(names::POLICY)?)?,
+            identities: typed(names::IDENTITY_NAMES, layout, take(names::IDENTITY_NAMES)?)?,
+            conntrack: typed(names::CONNTRACK, layout, take(names::CONNTRACK)?)?,
+            fragments: typed(names::FRAGMENTS, layout, take(names::FRAGMENTS)?)?,
+            counters: typed(names::COUNTERS, layout, take(names::COUNTERS)?)?,
+        })
+    }
+
+    /// Opens the maps pinned under `layout` (for `dump`, `events`, `reset`).
+    pub fn from_pins(layout: &PinLayout) -> Result<Self, Error> {
+        let open = |name: &'static str| -> Result<Map, Error> {
+            let path = layout.map(name);
+            let data = MapData::from_pin(&path).map_err(Error::map(name))?;
+            Map::from_map_data(data).map_err(Error::map(name))
+        };
+        Ok(Self {
+            config: typed(names::CONFIG, Some(layout), open(names::CONFIG)?)?,
+            endpoints: typed(names::ENDPOINTS, Some(layout), open(names::ENDPOINTS)?)?,
+            endpoint_meta: typed(
+                names::ENDPOINT_META,
+                Some(layout),
+                open(names::ENDPOINT_META)?,
+            )?,
+            ipcache_v4: typed(names::IPCACHE_V4, Some(layout), open(names::IPCACHE_V4)?)?,
+            ipcache_v6: typed(names::IPCACHE_V6, Some(layout), open(names::IPCACHE_V6)?)?,
+            policy: typed(names::POLICY, Some(layout), open(names::POLICY)?)?,
+            identities: typed(
+                names::IDENTITY_NAMES,
+                Some(layout),
+                open(names::IDENTITY_NAMES)?,
+            )?,
+            conntrack: typed(names::CONNTRACK, Some(layout), open(names::CONNTRACK)?)?,
+            fragments: typed(names::FRAGMENTS, Some(layout), open(names::FRAGMENTS)?)?,
+            counters: typed(names::COUNTERS, Some(layout), open(names::COUNTERS)?)?,
+        })
+    }
+
+    pub fn config(&self) -> Result<Config, Error> {
+        self.config.get(&0, 0).map_err(Error::map(names::CONFIG))
+    }
+
+    pub fn set_config(&mut self, config: Config) -> Result<(), Error> {
+        self.config
+            .set(0, config, 0)
+            .map_err(Error::map(names::CONFIG))
+    }
+
+    /// Reads the policy-relevant content back (the "old" side of a diff).
+    pub fn read_state(&self) -> Result<MapState<u32>, Error> {
+        let mut state = MapState::default();
+        for item in self.endpoints.iter() {
+            let (k, v) = item.map_err(Error::map(names::ENDPOINTS))?;
+            state.endpoints.insert(k, v);
+        }
+        for item in self.ipcache_v4.iter() {
+            let (k, v) = item.map_err(Error::map(names::IPCACHE_V4))?;
+            if let Ok(net) = IpNet::new(IpAddr::V4(Ipv4Addr::from(k.data())), k.prefix_len() as u8)
+            {
+                state.ipcache.insert(net, v);
+            }
+        }
+        for item in self.ipcache_v6.iter() {
+            let (k, v) = item.map_err(Error::map(names::IPCACHE_V6))?;
+            if let Ok(net) = IpNet::new(IpAddr::V6(Ipv6Addr::from(k.data())), k.prefix_len() as u8)
+            {
+                state.ipcache.insert(net, v);
+            }
+        }
+        for item in self.policy.iter() {
+            let (k, v) = item.map_err(Error::map(names::POLICY))?;
+            state.policy.insert(k, v);
+        }
+        for item in self.identities.iter() {
+            let (k, v) = item.map_err(Error::map(names::IDENTITY_NAMES))?;
+            state.identities.insert(k, v);
+        }
+        Ok(state)
+    }
+
+    pub fn read_meta(&self) -> Result<BTreeMap<u32, EndpointMeta>, Error> {
+        self.endpoint_meta
+            .iter()
+            .map(|r| r.map_err(Error::map(names::ENDPOINT_META)))
+            .collect()
+    }
+
+    /// Applies writes in the given order; stops at the first failure (the
+    /// order keeps every prefix of the list safe to leave in place).
+    pub fn apply(&mut self, ops: &[MapOp<u32>]) -> Result<(), Error> {
+        for op in ops {
+            self.apply_one(op)?;
+        }
+        Ok(())
+    }
+
+    fn apply_one(&mut self, op: &MapOp<u32>) -> Result<(), Error> {
+        match op {
+            MapOp::UpsertIdentity(id, name) => insert(
+                names::IDENTITY_NAMES,
+                self.identities.insert(id, name.as_ref(), 0),
+                self.identities.map(),
+            ),
+            MapOp::UpsertPolicy(k, v) => insert(
+                names::POLICY,
+                self.policy.insert(k, v, 0),
+                self.policy.map(),
+            ),
+            MapOp::UpsertEndpoint(k, v) => insert(
+                names::ENDPOINTS,
+                self.endpoints.insert(k, v, 0),
+                self.endpoints.map(),
+            ),
+            MapOp::UpsertIpcache(net, v) => match lpm_key(net) {
+                LpmKey::V4(k) => insert(
+                    names::IPCACHE_V4,
+                    self.ipcache_v4.insert(&k, v, 0),
+                    self.ipcache_v4.map(),
+                ),
+                LpmKey::V6(k) => insert(
+                    names::IPCACHE_V6,
+                    self.ipcache_v6.insert(&k, v, 0),
+                    self.ipcache_v6.map(),
+                ),
+            },
+            MapOp::DeletePolicy(k) => remove(names::POLICY, self.policy.remove(k)),
+            MapOp::DeleteEndpoint(k) => remove(names::ENDPOINTS, self.endpoints.remove(k)),
+            MapOp::DeleteIdentity(k) => remove(names::IDENTITY_NAMES, self.identities.remove(k)),
+            MapOp::DeleteIpcache(net) => match lpm_key(net) {
+                LpmKey::V4(k) => remove(names::IPCACHE_V4, self.ipcache_v4.remove(&k)),
+                LpmKey::V6(k) => remove(names::IPCACHE_V6, self.ipcache_v6.remove(&k)),
+            },
+        }
+    }
+
+    pub fn set_meta(&mut self, ifindex: u32, meta: &EndpointMeta) -> Result<(), Error> {
+        insert(
+            names::ENDPOINT_META,
+            self.endpoint_meta.insert(ifindex, meta, 0),
+            self.endpoint_meta.map(),
+        )
+    }
+
+    pub fn remove_meta(&mut self, ifindex: u32) -> Result<(), Error> {
+        remove(names::ENDPOINT_META, self.endpoint_meta.remove(&ifindex))
+    }
+
+    /// Verdict counters summed over CPUs: (reason, direction) → packets.
+    pub fn counters(&self) -> Result<BTreeMap<(Reason, u8), u64>, Error> {
+        let mut out = BTreeMap::new();
+        for reason in Reason::ALL {
+            for dir in [
+                policy_common::direction::INGRESS,
+                policy_common::direction::EGRESS,
+            ] {
+                let idx = counter_index(reason, dir);
+                if idx >= COUNTER_SLOTS {
+                    continue;
+                }
+                let per_cpu = self
+                    .counters
+                    .get(&idx, 0)
+                    .map_err(Error::map(names::COUNTERS))?;
+                out.insert((reason, dir), per_cpu.iter().sum());
+            }
+        }
+        Ok(out)
+    }
+
+    /// Number of entries per map, for fill metrics.
+    pub fn fill(&self) -> Vec<(&'static str, usize, u32)> {
+        fn cap(m: &MapData) -> u32 {
+            m.info().map(|i| i.max_entries()).unwrap_or(0)
+        }
+        vec![
+            (
+                names::ENDPOINTS,
+                self.endpoints.keys().count(),
+                cap(self.endpoints.map()),
+            ),
+            (
+                names::IPCACHE_V4,
+                self.ipcache_v4.keys().count(),
+                cap(self.ipcache_v4.map()),
+            ),
+            (
+                names::IPCACHE_V6,
+                self.ipcache_v6.keys().count(),
+                cap(self.ipcache_v6.map()),
+            ),
+            (
+                names::POLICY,
+                self.policy.keys().count(),
+                cap(self.policy.map()),
+            ),
+            (
+                names::CONNTRACK,
+                self.conntrack.keys().count(),
+                cap(self.conntrack.map()),
+            ),
+            (
+                names::IDENTITY_NAMES,
+                self.identities.keys().count(),
+                cap(self.identities.map()),
+            ),
+        ]
+    }
+}
+
+enum LpmKey {
+    V4(Key<[u8; 4]>),
+    V6(Key<[u8; 16]>),
+}
+
+fn lpm_key(net: &IpNet) -> LpmKey {
+    match net.trunc() {
+        IpNet::V4(n) => LpmKey::V4(Key::new(u32::from(n.prefix_len()), n.addr().octets())),
+        IpNet::V6(n) => LpmKey::V6(Key::new(u32::from(n.prefix_len()), n.addr().octets())),
+    }
+}
+
+fn insert(name: &'static str, r: Result<(), MapError>, map: &MapData) -> Result<(), Error> {
+    r.map_err(|e| match &e {
+        MapError::SyscallError(s)
+            if matches!(
+                s.io_error.raw_os_error(),
+                Some(libc::E2BIG) | Some(libc::ENOSPC)
+            ) =>
+        {
+            Error::MapFull {
+                name,
+                capacity: map.info().map(|i| i.max_entries()).unwrap_or(0),
+            }
+        }
+        _ => Error::map(name)(e),
+    })
+}
+
+/// A missing key is fine: the state we wanted is reached.
+fn remove(name: &'static str, r: Result<(), MapError>) -> Result<(), Error> {
+    match r {
+        Err(MapError::KeyNotFound) => Ok(()),
+        Err(MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        other => other.map_err(Error::map(name)),
+    }
+}

@@ -1,0 +1,257 @@
+//! Crafted Ethernet frames for BPF_PROG_TEST_RUN (tests and benchmarks).
+//!
+//! Checksums are left zero: the classifier never reads them.
+use std::net::IpAddr;
+
+use policy_common::proto;
+
+/// The transport part of a crafted packet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum L4 {
+    Tcp {
+        sport: u16,
+        dport: u16,
+        flags: u8,
+    },
+    Udp {
+        sport: u16,
+        dport: u16,
+    },
+    Sctp {
+        sport: u16,
+        dport: u16,
+    },
+    /// ICMP or ICMPv6 echo (request, or reply when `reply`).
+    Echo {
+        id: u16,
+        reply: bool,
+    },
+    /// ICMP/ICMPv6 destination unreachable quoting `quoted`.
+    Unreachable {
+        quoted: Box<Packet>,
+    },
+    /// Any ICMP/ICMPv6 type with an empty body (e.g. ND types).
+    Icmp {
+        kind: u8,
+    },
+    /// Another protocol with this payload.
+    Raw {
+        protocol: u8,
+        payload: Vec<u8>,
+    },
+}
+
+/// Fragmentation of the IP packet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fragment {
+    pub id: u32,
+    /// Offset in 8-byte units.
+    pub offset: u16,
+    pub more: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Packet {
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub l4: L4,
+    pub fragment: Option<Fragment>,
+    /// IPv4 option bytes (a multiple of 4, at most 40).
+    pub ipv4_options: Vec<u8>,
+    /// IPv6: number of empty destination-options headers before L4.
+    pub ipv6_ext_headers: usize,
+}
+
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
+pub const TCP_ACK: u8 = 0x10;
+
+impl Packet {
+    pub fn new(src: IpAddr, dst: IpAddr, l4: L4) -> Self {
+        Self {
+            src,
+            dst,
+            l4,
+            fragment: None,
+            ipv4_options: Vec::new(),
+            ipv6_ext_headers: 0,
+        }
+    }
+
+    pub fn tcp(src: IpAddr, sport: u16, dst: IpAddr, dport: u16, flags: u8) -> Self {
+        Self::new(
+            src,
+            dst,
+            L4::Tcp {
+                sport,
+                dport,
+                flags,
+            },
+        )
+    }
+
+    pub fn udp(src: IpAddr, sport: u16, dst: IpAddr, dport: u16) -> Self {
+        Self::new(src, dst, L4::Udp { sport, dport })
+    }
+
+    pub fn protocol(&self) -> u8 {
+        let v6 = self.src.is_ipv6();
+        match &self.l4 {
+            L4::Tcp { .. } => proto::TCP,
+            L4::Udp { .. } => proto::UDP,
+            L4::Sctp { .. } => proto::SCTP,
+            L4::Echo { .. } | L4::Unreachable { .. } | L4::Icmp { .. } if v6 => proto::ICMPV6,
+            L4::Echo { .. } | L4::Unreachable { .. } | L4::Icmp { .. } => proto::ICMP,
+            L4::Raw { protocol, .. } => *protocol,
+        }
+    }
+
+    /// The transport bytes.
+    fn l4_bytes(&self) -> Vec<u8> {
+        let v6 = self.src.is_ipv6();
+        match &self.l4 {
+            L4::Tcp {
+                sport,
+                dport,
+                flags,
+            } => {
+                let mut b = vec![0u8; 20];
+                b[0..2].copy_from_slice(&sport.to_be_bytes());
+                b[2..4].copy_from_slice(&dport.to_be_bytes());
+                b[12] = 5 << 4;
+                b[13] = *flags;
+                b[14..16].copy_from_slice(&64240u16.to_be_bytes());
+                b
+            }
+            L4::Udp { sport, dport } => {
+                let mut b = vec![0u8; 8];
+                b[0..2].copy_from_slice(&sport.to_be_bytes());
+                b[2..4].copy_from_slice(&dport.to_be_bytes());
+                b[4..6].copy_from_slice(&8u16.to_be_bytes());
+                b
+            }
+            L4::Sctp { sport, dport } => {
+                // Common header (12 bytes) + an INIT chunk header.
+                let mut b = vec![0u8; 16];
+                b[0..2].copy_from_slice(&sport.to_be_bytes());
+                b[2..4].copy_from_slice(&dport.to_be_bytes());
+                b[12] = 1;
+                b[14..16].copy_from_slice(&4u16.to_be_bytes());
+                b
+            }
+            L4::Echo { id, reply } => {
+                let kind = match (v6, reply) {
+                    (false, false) => 8,
+                    (false, true) => 0,
+                    (true, false) => 128,
+                    (true, true) => 129,
+                };
+                let mut b = vec![kind, 0, 0, 0];
+                b.extend_from_slice(&id.to_be_bytes());
+                b.extend_from_slice(&1u16.to_be_bytes());
+                b
+            }
+            L4::Unreachable { quoted } => {
+                let mut b = vec![
+                    if v6 { 1 } else { 3 },
+                    if v6 { 4 } else { 3 },
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                ];
+                let inner = quoted.ip_bytes();
+                b.extend_from_slice(&inner[..inner.len().min(if v6 { 40 + 8 } else { 28 })]);
+                b
+            }
+            L4::Icmp { kind } => vec![*kind, 0, 0, 0, 0, 0, 0, 0],
+            L4::Raw { payload, .. } => payload.clone(),
+        }
+    }
+
+    /// The IP packet (no Ethernet header).
+    pub fn ip_bytes(&self) -> Vec<u8> {
+        let l4 = match self.fragment {
+            Some(f) if f.offset != 0 => vec![0u8; 16],
+            _ => self.l4_bytes(),
+        };
+        match (self.src, self.dst) {
+            (IpAddr::V4(s), IpAddr::V4(d)) => {
+                let hlen = 20 + self.ipv4_options.len();
+                let mut b = vec![0u8; hlen];
+                b[0] = 0x40 | (hlen / 4) as u8;
+                let total = (hlen + l4.len()) as u16;
+                b[2..4].copy_from_slice(&total.to_be_bytes());
+                let mut frag = 0u16;
+                if let Some(f) = self.fragment {
+                    b[4..6].copy_from_slice(&(f.id as u16).to_be_bytes());
+                    frag = (f.offset & 0x1fff) | if f.more { 0x2000 } else { 0 };
+                }
+                b[6..8].copy_from_slice(&frag.to_be_bytes());
+                b[8] = 64;
+                b[9] = self.protocol();
+                b[12..16].copy_from_slice(&s.octets());
+                b[16..20].copy_from_slice(&d.octets());
+                b[20..].copy_from_slice(&self.ipv4_options);
+                b.extend_from_slice(&l4);
+                b
+            }
+            (IpAddr::V6(s), IpAddr::V6(d)) => {
+                let mut ext = Vec::new();
+                let mut chain: Vec<u8> = vec![60; self.ipv6_ext_headers];
+                if self.fragment.is_some() {
+                    chain.push(44);
+                }
+                let mut next_after = chain.iter().skip(1).copied().collect::<Vec<_>>();
+                next_after.push(self.protocol());
+                for (i, kind) in chain.iter().enumerate() {
+                    let next = next_after[i];
+                    if *kind == 44 {
+                        let f = self.fragment.unwrap_or(Fragment {
+                            id: 0,
+                            offset: 0,
+                            more: false,
+                        });
+                        let field = (f.offset << 3) | u16::from(f.more);
+                        ext.push(next);
+                        ext.push(0);
+                        ext.extend_from_slice(&field.to_be_bytes());
+                        ext.extend_from_slice(&f.id.to_be_bytes());
+                    } else {
+                        ext.extend_from_slice(&[next, 0, 1, 4, 0, 0, 0, 0]);
+                    }
+                }
+                let first = chain.first().copied().unwrap_or(self.protocol());
+                let mut b = vec![0u8; 40];
+                b[0] = 0x60;
+                let payload = (ext.len() + l4.len()) as u16;
+                b[4..6].copy_from_slice(&payload.to_be_bytes());
+                b[6] = first;
+                b[7] = 64;
+                b[8..24].copy_from_slice(&s.octets());
+                b[24..40].copy_from_slice(&d.octets());
+                b.extend_from_slice(&ext);
+                b.extend_from_slice(&l4);
+                b
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// The Ethernet frame.
+    pub fn frame(&self) -> Vec<u8> {
+        let ether_type: u16 = if self.src.is_ipv6() { 0x86dd } else { 0x0800 };
+        ethernet(ether_type, &self.ip_bytes())
+    }
+}
+
+/// An Ethernet frame around `payload`.
+pub fn ethernet(ether_type: u16, payload: &[u8]) -> Vec<u8> {
+    let mut b = vec![0x02, 0, 0, 0, 0, 0x02, 0x02, 0, 0, 0, 0, 0x01];
+    b.extend_from_slice(&ether_type.to_be_bytes());
+    b.extend_from_slice(payload);
+    b
+}

@@ -1,0 +1,156 @@
+//! Where everything is pinned.
+//!
+//! `<root>/v<LAYOUT_VERSION>/maps/<MAP>`, `.../progs/<program>`,
+//! `.../links/<ifindex>-<ingress|egress>` (TCX links). The version in the
+//! path keeps an agent from ever opening a map of another layout.
+use std::path::{Path, PathBuf};
+
+use policy_common::LAYOUT_VERSION;
+
+use super::Error;
+
+/// Default pin root.
+pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/policy-agent";
+
+/// tc hook of a program: host-veth ingress or egress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hook {
+    /// Host-veth ingress: packets the pod sends.
+    Ingress,
+    /// Host-veth egress: packets delivered to the pod.
+    Egress,
+}
+
+impl Hook {
+    pub const BOTH: [Hook; 2] = [Hook::Ingress, Hook::Egress];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Hook::Ingress => "ingress",
+            Hook::Egress => "egress",
+        }
+    }
+
+    /// The program attached at this hook.
+    pub fn program(self) -> &'static str {
+        match self {
+            Hook::Ingress => policy_common::maps::programs::FROM_POD,
+            Hook::Egress => policy_common::maps::programs::TO_POD,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PinLayout {
+    root: PathBuf,
+}
+
+impl PinLayout {
+    /// The layout under `root` (the versioned subdirectory is added).
+    pub fn new(root: impl AsRef<Path>) -> Self {
+        Self {
+            root: root.as_ref().to_path_buf(),
+        }
+    }
+
+    /// The unversioned root given by the user.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// `<root>/v<LAYOUT_VERSION>`.
+    pub fn versioned(&self) -> PathBuf {
+        self.root.join(format!("v{LAYOUT_VERSION}"))
+    }
+
+    pub fn maps_dir(&self) -> PathBuf {
+        self.versioned().join("maps")
+    }
+
+    pub fn progs_dir(&self) -> PathBuf {
+        self.versioned().join("progs")
+    }
+
+    pub fn links_dir(&self) -> PathBuf {
+        self.versioned().join("links")
+    }
+
+    pub fn map(&self, name: &str) -> PathBuf {
+        self.maps_dir().join(name)
+    }
+
+    pub fn program(&self, name: &str) -> PathBuf {
+        self.progs_dir().join(name)
+    }
+
+    pub fn link(&self, ifindex: u32, hook: Hook) -> PathBuf {
+        self.links_dir().join(format!("{ifindex}-{}", hook.name()))
+    }
+
+    /// Whether anything is pinned here.
+    pub fn exists(&self) -> bool {
+        self.versioned().exists()
+    }
+
+    /// Creates the directories (the root must be on a bpf filesystem; the
+    /// standard /sys/fs/bpf is mounted if it is not yet, as Cilium does).
+    pub fn create(&self) -> Result<(), Error> {
+        if check_bpffs(&self.root).is_err() && self.root.starts_with(BPFFS) {
+            mount_bpffs()?;
+        }
+        check_bpffs(&self.root)?;
+        for dir in [self.maps_dir(), self.progs_dir(), self.links_dir()] {
+            std::fs::create_dir_all(&dir).map_err(|source| Error::PinDir {
+                path: dir.clone(),
+                source,
+            })?;
+        }
+        Ok(())
+    }
+}
+
+const BPFFS: &str = "/sys/fs/bpf";
+
+fn mount_bpffs() -> Result<(), Error> {
+    let target = std::ffi::CString::new(BPFFS).map_err(|_| Error::NoBpffs(BPFFS.into()))?;
+    let fstype = std::ffi::CString::new("bpf").map_err(|_| Error::NoBpffs(BPFFS.into()))?;
+    // SAFETY: all pointers are valid NUL-terminated strings; data may be null.
+    let rc = unsafe {
+        libc::mount(
+            fstype.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        return Err(Error::PinDir {
+            path: BPFFS.into(),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    tracing::info!("mounted the bpf filesystem at {BPFFS}");
+    Ok(())
+}
+
+/// Refuses a root that is not on bpffs: pins elsewhere fail obscurely.
+fn check_bpffs(root: &Path) -> Result<(), Error> {
+    const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+    // The root may not exist yet: check its closest existing ancestor.
+    let mut probe = root.to_path_buf();
+    while !probe.exists() {
+        if !probe.pop() {
+            return Err(Error::NoBpffs(root.to_path_buf()));
+        }
+    }
+    let c = std::ffi::CString::new(probe.as_os_str().as_encoded_bytes())
+        .map_err(|_| Error::NoBpffs(root.to_path_buf()))?;
+    // SAFETY: statfs writes into the zeroed struct we pass; the path is NUL-terminated.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    let rc = unsafe { libc::statfs(c.as_ptr(), &mut st) };
+    if rc != 0 || st.f_type as i64 != BPF_FS_MAGIC {
+        return Err(Error::NoBpffs(root.to_path_buf()));
+    }
+    Ok(())
+}

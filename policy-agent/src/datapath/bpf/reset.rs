@@ -1,0 +1,87 @@
+//! Undoing everything the agent installed under one pin directory.
+use std::path::PathBuf;
+
+use policy_common::endpoint::ATTACH_CREATED_CLSACT;
+use tracing::{info, warn};
+
+use super::{Attachment, BpfMaps, Error, PinLayout, attach::if_name};
+
+/// What `reset` removed.
+#[derive(Debug, Default)]
+pub struct ResetReport {
+    /// Interfaces whose attachments were removed.
+    pub interfaces: Vec<String>,
+    /// Pin directory removed (None when nothing was pinned).
+    pub removed: Option<PathBuf>,
+}
+
+/// Detaches from every interface recorded in ENDPOINT_META, removes the
+/// clsact qdiscs the agent created, then removes the pin directory, which
+/// unloads programs and maps once nothing else holds them. Carries on past
+/// failures and reports them all.
+pub fn reset(layout: &PinLayout) -> Result<ResetReport, Vec<Error>> {
+    let mut report = ResetReport::default();
+    let mut errors = Vec::new();
+    if !layout.exists() {
+        return Ok(report);
+    }
+    match BpfMaps::from_pins(layout).and_then(|m| m.read_meta()) {
+        Ok(meta) => {
+            for (ifindex, m) in meta {
+                let name = if_name(ifindex).unwrap_or_else(|_| format!("ifindex {ifindex} (gone)"));
+                Attachment::new(layout, ifindex, m.attach).detach(&mut errors);
+                if m.attach & ATTACH_CREATED_CLSACT != 0 {
+                    remove_clsact_if_empty(ifindex, &mut errors);
+                }
+                report.interfaces.push(name);
+            }
+        }
+        Err(e) => {
+            warn!(error = %e, "cannot read endpoint metadata; removing pins only");
+            errors.push(e);
+        }
+    }
+    let dir = layout.versioned();
+    match std::fs::remove_dir_all(&dir) {
+        Ok(()) => report.removed = Some(dir.clone()),
+        Err(source) => errors.push(Error::Io {
+            what: "removing pin directory",
+            path: dir.clone(),
+            source,
+        }),
+    }
+    // The unversioned root too, if nothing else lives there.
+    let _ = std::fs::remove_dir(layout.root());
+    info!(pins = %dir.display(), interfaces = report.interfaces.len(), "reset done");
+    if errors.is_empty() {
+        Ok(report)
+    } else {
+        Err(errors)
+    }
+}
+
+/// Deletes the clsact qdisc the agent added, unless someone else's filters
+/// now hang off it.
+fn remove_clsact_if_empty(ifindex: u32, errors: &mut Vec<Error>) {
+    let Ok(name) = if_name(ifindex) else { return };
+    let has_filters = ["ingress", "egress"].iter().any(|hook| {
+        std::process::Command::new("tc")
+            .args(["filter", "show", "dev", &name, hook])
+            .output()
+            .map(|o| !o.stdout.is_empty())
+            .unwrap_or(true)
+    });
+    if has_filters {
+        return;
+    }
+    let out = std::process::Command::new("tc")
+        .args(["qdisc", "del", "dev", &name, "clsact"])
+        .output();
+    if let Err(source) = out {
+        errors.push(Error::Io {
+            what: "running tc qdisc del on",
+            path: PathBuf::from(&name),
+            source,
+        });
+    }
+}

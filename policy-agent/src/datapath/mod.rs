@@ -1,0 +1,2 @@
+//! Datapaths: where compiled policy is enforced.
+pub mod bpf;

@@ -1,0 +1,275 @@
+//! The compiled map content, kept up to date in place, with the bookkeeping
+//! that makes incremental updates exact:
+//! - which rules produced each policy key (a key stays while any does; its
+//!   `rule_ref` is the smallest);
+//! - per endpoint identity and direction, how many keys of each lookup
+//!   shape exist (the endpoint lookup bits, without rescanning);
+//! - a journal of the first old value of every entry touched, from which
+//!   the same ordered ops as [`crate::mapstate::diff`] are produced without
+//!   comparing the whole state.
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use ipnet::IpNet;
+use policy_common::{
+    endpoint::{EndpointInfo, lookups},
+    identity::{ANY, IdentityName},
+    ipcache::IpcacheEntry,
+    policy::{PolicyEntry, PolicyKey},
+    proto,
+};
+
+use crate::{
+    cluster::PodRef,
+    mapstate::{MapOp, MapState},
+};
+
+/// Counter slots: 0..=16 port prefix lengths, 17 any protocol, 18 any peer
+/// (the bit positions of [`lookups`]).
+const SLOTS: usize = 19;
+const ANY_PROTOCOL_SLOT: usize = 17;
+const ANY_PEER_SLOT: usize = 18;
+const _: () = assert!(lookups::ANY_PROTOCOL == 1 << ANY_PROTOCOL_SLOT);
+const _: () = assert!(lookups::ANY_PEER == 1 << ANY_PEER_SLOT);
+
+fn note<K: Ord + Clone, V: Clone>(journal: &mut Option<BTreeMap<K, Option<V>>>, key: &K, old: Option<&V>) {
+    if let Some(j) = journal {
+        j.entry(key.clone()).or_insert_with(|| old.cloned());
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Output {
+    pub maps: MapState<PodRef>,
+    /// Contributors of keys produced by more than one rule (sorted, with
+    /// repeats); a key absent here has exactly its entry's `rule_ref`.
+    shared: HashMap<PolicyKey, Vec<u32>>,
+    counts: HashMap<(u32, u8), [u32; SLOTS]>,
+    /// Endpoint identities whose lookup bits may have changed.
+    pub dirty_lookups: BTreeSet<u32>,
+    /// First old value of each entry touched since the journal started.
+    journal_identities: Option<BTreeMap<u32, Option<IdentityName>>>,
+    journal_policy: Option<BTreeMap<PolicyKey, Option<PolicyEntry>>>,
+    journal_endpoints: Option<BTreeMap<PodRef, Option<EndpointInfo>>>,
+    journal_ipcache: Option<BTreeMap<IpNet, Option<IpcacheEntry>>>,
+}
+
+fn slots(key: &PolicyKey) -> (usize, Option<usize>) {
+    let shape = if key.protocol == proto::ANY {
+        ANY_PROTOCOL_SLOT
+    } else {
+        usize::from(key.port_prefix_len.min(16))
+    };
+    (shape, (key.peer_identity == ANY).then_some(ANY_PEER_SLOT))
+}
+
+impl Output {
+    /// Starts recording old values (see [`Self::take_ops`]).
+    pub fn start_journal(&mut self) {
+        self.journal_identities = Some(BTreeMap::new());
+        self.journal_policy = Some(BTreeMap::new());
+        self.journal_endpoints = Some(BTreeMap::new());
+        self.journal_ipcache = Some(BTreeMap::new());
+    }
+
+    pub fn stop_journal(&mut self) {
+        self.journal_identities = None;
+        self.journal_policy = None;
+        self.journal_endpoints = None;
+        self.journal_ipcache = None;
+    }
+
+    fn count(&mut self, key: &PolicyKey, delta: i64) {
+        let c = self.counts.entry((key.endpoint_identity, key.direction)).or_insert([0; SLOTS]);
+        let (shape, peer) = slots(key);
+        for slot in std::iter::once(shape).chain(peer) {
+            let before = c[slot];
+            c[slot] = if delta > 0 { before.saturating_add(1) } else { before.saturating_sub(1) };
+            if (before == 0) != (c[slot] == 0) {
+                self.dirty_lookups.insert(key.endpoint_identity);
+            }
+        }
+    }
+
+    /// The lookup bits of endpoint identity `e` in `dir`.
+    pub fn lookup_bits(&self, e: u32, dir: u8) -> u32 {
+        self.counts.get(&(e, dir)).map_or(0, |c| {
+            c.iter().enumerate().filter(|(_, n)| **n > 0).fold(0, |bits, (slot, _)| bits | (1 << slot))
+        })
+    }
+
+    /// Rule `rule_ref` produces `key`.
+    pub fn add_policy(&mut self, key: PolicyKey, rule_ref: u32) {
+        match self.maps.policy.get_mut(&key) {
+            None => {
+                note(&mut self.journal_policy, &key, None);
+                self.maps.policy.insert(key, PolicyEntry { rule_ref, _reserved: 0 });
+                self.count(&key, 1);
+            }
+            Some(entry) => {
+                let list = self.shared.entry(key).or_insert_with(|| vec![entry.rule_ref]);
+                let at = list.partition_point(|r| *r <= rule_ref);
+                list.insert(at, rule_ref);
+                let min = list.first().copied().unwrap_or(rule_ref);
+                if min != entry.rule_ref {
+                    note(&mut self.journal_policy, &key, Some(entry));
+                    entry.rule_ref = min;
+                }
+            }
+        }
+    }
+
+    /// Rule `rule_ref` no longer produces `key`.
+    pub fn remove_policy(&mut self, key: PolicyKey, rule_ref: u32) {
+        if let Some(list) = self.shared.get_mut(&key) {
+            let Some(at) = list.iter().position(|r| *r == rule_ref) else {
+                debug_assert!(false, "removing a contribution never added: {key:?} {rule_ref}");
+                return;
+            };
+            list.remove(at);
+            let min = list.first().copied().unwrap_or(rule_ref);
+            if list.len() <= 1 {
+                self.shared.remove(&key);
+            }
+            if let Some(entry) = self.maps.policy.get_mut(&key)
+                && entry.rule_ref != min
+            {
+                note(&mut self.journal_policy, &key, Some(entry));
+                entry.rule_ref = min;
+            }
+        } else if let Some(entry) = self.maps.policy.get(&key) {
+            debug_assert_eq!(entry.rule_ref, rule_ref, "sole contributor of {key:?}");
+            note(&mut self.journal_policy, &key, Some(entry));
+            self.maps.policy.remove(&key);
+            self.count(&key, -1);
+        } else {
+            debug_assert!(false, "removing a key never added: {key:?}");
+        }
+    }
+
+    /// Drops every key of endpoint identity `e`.
+    pub fn remove_endpoint_identity(&mut self, e: u32) {
+        let start = PolicyKey { endpoint_identity: e, ..PolicyKey::default() };
+        let keys: Vec<PolicyKey> = self
+            .maps
+            .policy
+            .range(start..)
+            .map(|(k, _)| *k)
+            .take_while(|k| k.endpoint_identity == e)
+            .collect();
+        for key in keys {
+            self.shared.remove(&key);
+            if let Some(old) = self.maps.policy.remove(&key) {
+                note(&mut self.journal_policy, &key, Some(&old));
+            }
+        }
+        for dir in [0, 1] {
+            if self.counts.remove(&(e, dir)).is_some() {
+                self.dirty_lookups.insert(e);
+            }
+        }
+    }
+
+    pub fn set_endpoint(&mut self, pod: &PodRef, info: Option<EndpointInfo>) {
+        let old = self.maps.endpoints.get(pod);
+        if old == info.as_ref() {
+            return;
+        }
+        note(&mut self.journal_endpoints, pod, old);
+        match info {
+            Some(i) => self.maps.endpoints.insert(pod.clone(), i),
+            None => self.maps.endpoints.remove(pod),
+        };
+    }
+
+    pub fn set_ipcache(&mut self, net: IpNet, entry: Option<IpcacheEntry>) {
+        let old = self.maps.ipcache.get(&net);
+        if old == entry.as_ref() {
+            return;
+        }
+        note(&mut self.journal_ipcache, &net, old);
+        match entry {
+            Some(e) => self.maps.ipcache.insert(net, e),
+            None => self.maps.ipcache.remove(&net),
+        };
+    }
+
+    pub fn set_identity(&mut self, id: u32, name: Option<IdentityName>) {
+        let old = self.maps.identities.get(&id);
+        if old == name.as_ref() {
+            return;
+        }
+        note(&mut self.journal_identities, &id, old);
+        match name {
+            Some(n) => self.maps.identities.insert(id, n),
+            None => self.maps.identities.remove(&id),
+        };
+    }
+
+    /// The map content as it was when the journal started.
+    pub fn journal_start_state(&self) -> MapState<PodRef> {
+        fn revert<K: Ord + Clone, V: Clone>(map: &mut BTreeMap<K, V>, journal: Option<&BTreeMap<K, Option<V>>>) {
+            for (k, old) in journal.into_iter().flatten() {
+                match old {
+                    Some(v) => map.insert(k.clone(), v.clone()),
+                    None => map.remove(k),
+                };
+            }
+        }
+        let mut m = self.maps.clone();
+        revert(&mut m.identities, self.journal_identities.as_ref());
+        revert(&mut m.policy, self.journal_policy.as_ref());
+        revert(&mut m.endpoints, self.journal_endpoints.as_ref());
+        revert(&mut m.ipcache, self.journal_ipcache.as_ref());
+        m
+    }
+
+    /// The ordered writes from the journal start to now (the same list
+    /// [`crate::mapstate::diff`] would give), and a fresh journal.
+    pub fn take_ops(&mut self) -> Vec<MapOp<PodRef>> {
+        fn split<K: Ord + Clone, V: Clone + PartialEq>(
+            current: &BTreeMap<K, V>,
+            journal: Option<BTreeMap<K, Option<V>>>,
+        ) -> (Vec<(K, V)>, Vec<K>) {
+            let (mut up, mut del) = (Vec::new(), Vec::new());
+            for (k, old) in journal.into_iter().flatten() {
+                match (old, current.get(&k)) {
+                    (old, Some(new)) if old.as_ref() != Some(new) => up.push((k, new.clone())),
+                    (Some(_), None) => del.push(k),
+                    _ => {}
+                }
+            }
+            (up, del)
+        }
+        let (id_up, id_del) = split(&self.maps.identities, self.journal_identities.take());
+        let (pol_up, pol_del) = split(&self.maps.policy, self.journal_policy.take());
+        let (ep_up, ep_del) = split(&self.maps.endpoints, self.journal_endpoints.take());
+        let (ip_up, ip_del) = split(&self.maps.ipcache, self.journal_ipcache.take());
+        let mut ops = Vec::with_capacity(
+            id_up.len() + id_del.len() + pol_up.len() + pol_del.len() + ep_up.len() + ep_del.len() + ip_up.len() + ip_del.len(),
+        );
+        ops.extend(id_up.into_iter().map(|(k, v)| MapOp::UpsertIdentity(k, v)));
+        ops.extend(pol_up.into_iter().map(|(k, v)| MapOp::UpsertPolicy(k, v)));
+        ops.extend(ep_up.into_iter().map(|(k, v)| MapOp::UpsertEndpoint(k, v)));
+        ops.extend(ip_up.into_iter().map(|(k, v)| MapOp::UpsertIpcache(k, v)));
+        ops.extend(pol_del.into_iter().map(MapOp::DeletePolicy));
+        ops.extend(ip_del.into_iter().map(MapOp::DeleteIpcache));
+        ops.extend(ep_del.into_iter().map(MapOp::DeleteEndpoint));
+        ops.extend(id_del.into_iter().map(MapOp::DeleteIdentity));
+        self.start_journal();
+        ops
+    }
+
+    /// Memory estimate of the content and the bookkeeping, in bytes:
+    /// entries × (key + value) plus the shared-contributor lists and
+    /// counters (no allocator overhead).
+    pub fn approx_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let m = &self.maps;
+        m.policy.len() * (size_of::<PolicyKey>() + size_of::<PolicyEntry>())
+            + m.ipcache.len() * (size_of::<IpNet>() + size_of::<IpcacheEntry>())
+            + m.endpoints.len() * (size_of::<PodRef>() + size_of::<EndpointInfo>())
+            + m.identities.len() * (4 + size_of::<IdentityName>())
+            + self.shared.iter().map(|(_, v)| size_of::<PolicyKey>() + 24 + v.len() * 4).sum::<usize>()
+            + self.counts.len() * (8 + SLOTS * 4)
+    }
+}

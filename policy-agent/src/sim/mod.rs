@@ -1,0 +1,44 @@
+//! A simulated node: a node network namespace and pods in their own
+//! namespaces behind routed veths, as Calico wires them (a /32 and /128
+//! route per pod interface, proxy ARP for the pods' 169.254.1.1 gateway).
+//!
+//! Used by the demo, the kernel end-to-end tests and the benchmarks. It only
+//! ever creates, and sends traffic between, namespaces it made itself.
+mod netns;
+mod node;
+mod probe;
+mod serve;
+
+pub use self::{
+    netns::{NetNs, run},
+    node::{NODE_V4, NODE_V6, PodNet, SimNode, SimPod, cleanup_prefix, pods_from_manifests},
+    probe::{Outcome, Probe, Transport, matrix, probe_all},
+    serve::Servers,
+};
+
+/// Errors of the simulated node.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("running {command}: {source}")]
+    Spawn {
+        command: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{command} failed: {stderr}")]
+    Command { command: String, stderr: String },
+    #[error("entering network namespace {name}: {source}")]
+    Enter {
+        name: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("socket in {netns}: {source}")]
+    Socket {
+        netns: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}

@@ -1,0 +1,278 @@
+//! Building the simulated node.
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use super::{Error, NetNs, netns::run};
+
+/// A pod of the simulated node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SimPod {
+    pub namespace: String,
+    pub name: String,
+    pub ips: Vec<IpAddr>,
+    pub tcp_ports: Vec<u16>,
+    pub udp_ports: Vec<u16>,
+}
+
+impl SimPod {
+    pub fn id(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+/// A created pod: its namespace and host-side interface.
+#[derive(Debug)]
+pub struct PodNet {
+    pub pod: SimPod,
+    pub netns: NetNs,
+    pub host_if: String,
+}
+
+/// The node namespace and its pods. Dropping it deletes every namespace
+/// (and with them every veth) it created.
+#[derive(Debug)]
+pub struct SimNode {
+    pub prefix: String,
+    pub pods: Vec<PodNet>,
+    /// Declared last so it is deleted after the pods.
+    pub node: NetNs,
+}
+
+/// The node's own addresses (on a stand-in uplink in the node namespace).
+pub const NODE_V4: Ipv4Addr = Ipv4Addr::new(192, 168, 200, 1);
+pub const NODE_V6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xffff, 0, 0, 0, 0, 0, 1);
+/// The gateway pods route through (answered by proxy ARP / the host veth).
+const GATEWAY_V4: &str = "169.254.1.1";
+const GATEWAY_V6: &str = "fe80::1";
+
+impl SimNode {
+    /// Creates `<prefix>-node` and one namespace per pod. `prefix` keeps
+    /// parallel tests apart: at most 9 characters (interface names are
+    /// `<prefix>h<index>`, 15 characters at most).
+    pub fn create(prefix: &str, pods: &[SimPod]) -> Result<Self, Error> {
+        if prefix.len() > 9
+            || prefix.is_empty()
+            || !prefix.chars().all(|c| c.is_ascii_alphanumeric())
+        {
+            return Err(Error::Invalid(format!(
+                "sim prefix {prefix:?} must be 1-9 alphanumerics"
+            )));
+        }
+        let node = NetNs::create(&format!("{prefix}-node"))?;
+        let mut this = Self {
+            prefix: prefix.to_owned(),
+            pods: Vec::new(),
+            node,
+        };
+        this.setup_node()?;
+        for (i, pod) in pods.iter().enumerate() {
+            this.add_pod(i, pod)?;
+        }
+        Ok(this)
+    }
+
+    fn setup_node(&self) -> Result<(), Error> {
+        self.node.sysctl("net.ipv4.ip_forward", "1")?;
+        self.node.sysctl("net.ipv6.conf.all.forwarding", "1")?;
+        self.node.sysctl("net.ipv6.conf.default.accept_dad", "0")?;
+        self.node
+            .sysctl("net.ipv4.ping_group_range", "0 2147483647")?;
+        let v4 = format!("{NODE_V4}/32");
+        let v6 = format!("{NODE_V6}/128");
+        for args in [
+            // The kernel may lack the dummy driver: a veth pair whose far
+            // end stays in the node namespace stands in for the uplink.
+            vec![
+                "link", "add", "uplink0", "type", "veth", "peer", "name", "uplink1",
+            ],
+            vec!["link", "set", "uplink1", "up"],
+            vec!["addr", "add", &v4, "dev", "uplink0"],
+            vec!["-6", "addr", "add", &v6, "dev", "uplink0", "nodad"],
+            vec!["link", "set", "uplink0", "up"],
+            // A default route out of the uplink makes the pods' gateway
+            // routable, so proxy ARP answers for it (as on a Calico node).
+            vec!["route", "add", "default", "dev", "uplink0"],
+            vec!["-6", "route", "add", "default", "dev", "uplink0"],
+        ] {
+            self.node.ip(&args)?;
+        }
+        Ok(())
+    }
+
+    fn add_pod(&mut self, index: usize, pod: &SimPod) -> Result<(), Error> {
+        let netns = NetNs::create(&format!("{}-p{index}", self.prefix))?;
+        let host_if = format!("{}h{index}", self.prefix);
+        netns.sysctl("net.ipv6.conf.all.accept_dad", "0")?;
+        netns.sysctl("net.ipv6.conf.default.accept_dad", "0")?;
+        // Unprivileged ICMP sockets, so probes can ping without raw sockets.
+        netns.sysctl("net.ipv4.ping_group_range", "0 2147483647")?;
+        self.node.ip(&[
+            "link",
+            "add",
+            &host_if,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            &netns.name,
+        ])?;
+        self.node
+            .sysctl(&format!("net.ipv4.conf.{host_if}.proxy_arp"), "1")?;
+        self.node
+            .sysctl(&format!("net.ipv4.neigh.{host_if}.proxy_delay"), "0")?;
+        self.node
+            .sysctl(&format!("net.ipv6.conf.{host_if}.accept_dad"), "0")?;
+        self.node.ip(&["link", "set", &host_if, "up"])?;
+        self.node.ip(&[
+            "-6",
+            "addr",
+            "add",
+            &format!("{GATEWAY_V6}/64"),
+            "dev",
+            &host_if,
+            "nodad",
+        ])?;
+        netns.ip(&["link", "set", "eth0", "up"])?;
+        for ip in &pod.ips {
+            match ip {
+                IpAddr::V4(a) => {
+                    netns.ip(&["addr", "add", &format!("{a}/32"), "dev", "eth0"])?;
+                    self.node
+                        .ip(&["route", "add", &format!("{a}/32"), "dev", &host_if])?;
+                }
+                IpAddr::V6(a) => {
+                    netns.ip(&[
+                        "-6",
+                        "addr",
+                        "add",
+                        &format!("{a}/128"),
+                        "dev",
+                        "eth0",
+                        "nodad",
+                    ])?;
+                    self.node
+                        .ip(&["-6", "route", "add", &format!("{a}/128"), "dev", &host_if])?;
+                }
+            }
+        }
+        if pod.ips.iter().any(IpAddr::is_ipv4) {
+            netns.ip(&["route", "add", GATEWAY_V4, "dev", "eth0", "scope", "link"])?;
+            netns.ip(&["route", "add", "default", "via", GATEWAY_V4, "dev", "eth0"])?;
+        }
+        if pod.ips.iter().any(IpAddr::is_ipv6) {
+            netns.ip(&[
+                "-6", "route", "add", "default", "via", GATEWAY_V6, "dev", "eth0",
+            ])?;
+        }
+        self.pods.push(PodNet {
+            pod: pod.clone(),
+            netns,
+            host_if,
+        });
+        Ok(())
+    }
+
+    pub fn pod(&self, id: &str) -> Option<&PodNet> {
+        self.pods.iter().find(|p| p.pod.id() == id)
+    }
+
+    /// Replaces a pod's addresses (pod IP changes, IP reuse).
+    pub fn readdress(&mut self, id: &str, ips: &[IpAddr]) -> Result<(), Error> {
+        let Some(i) = self.pods.iter().position(|p| p.pod.id() == id) else {
+            return Err(Error::Invalid(format!("no pod {id}")));
+        };
+        let (host_if, netns_name, old) = {
+            let p = &self.pods[i];
+            (p.host_if.clone(), p.netns.name.clone(), p.pod.ips.clone())
+        };
+        let netns = NetNs::borrow(&netns_name);
+        for ip in &old {
+            let (fam, len) = if ip.is_ipv4() {
+                ("-4", 32)
+            } else {
+                ("-6", 128)
+            };
+            let net = format!("{ip}/{len}");
+            netns.ip(&[fam, "addr", "del", &net, "dev", "eth0"])?;
+            self.node
+                .ip(&[fam, "route", "del", &net, "dev", &host_if])?;
+        }
+        for ip in ips {
+            let (fam, len) = if ip.is_ipv4() {
+                ("-4", 32)
+            } else {
+                ("-6", 128)
+            };
+            let net = format!("{ip}/{len}");
+            if ip.is_ipv6() {
+                netns.ip(&[fam, "addr", "add", &net, "dev", "eth0", "nodad"])?;
+            } else {
+                netns.ip(&[fam, "addr", "add", &net, "dev", "eth0"])?;
+            }
+            self.node
+                .ip(&[fam, "route", "add", &net, "dev", &host_if])?;
+        }
+        self.pods[i].pod.ips = ips.to_vec();
+        Ok(())
+    }
+
+    /// Removes a pod (its namespace and veth).
+    pub fn remove_pod(&mut self, id: &str) -> Option<SimPod> {
+        let i = self.pods.iter().position(|p| p.pod.id() == id)?;
+        let p = self.pods.remove(i);
+        Some(p.pod.clone())
+    }
+
+    /// Deletes everything now (also done on drop).
+    pub fn destroy(self) {}
+
+    /// Every namespace and interface name this node uses (for leak checks).
+    pub fn netns_names(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.pods.iter().map(|p| p.netns.name.clone()).collect();
+        v.push(self.node.name.clone());
+        v
+    }
+}
+
+/// Deletes leftovers of an earlier run with this prefix (a killed test).
+pub fn cleanup_prefix(prefix: &str) {
+    if let Ok(list) = run("ip", &["netns", "list"]) {
+        for line in list.lines() {
+            let name = line.split_whitespace().next().unwrap_or_default();
+            if name.starts_with(&format!("{prefix}-")) {
+                let _ = run("ip", &["netns", "del", name]);
+            }
+        }
+    }
+}
+
+/// Pods of the simulated node from the manifests: every Pod of `node`
+/// with IPs, serving its container ports.
+pub fn pods_from_manifests(
+    pods: &[(crate::cluster::ObjectRef, crate::cluster::PodInfo)],
+    node: &str,
+) -> Vec<SimPod> {
+    pods.iter()
+        .filter(|(_, p)| {
+            p.node_name.as_deref() == Some(node) && !p.host_network && !p.ips.is_empty()
+        })
+        .map(|(r, p)| SimPod {
+            namespace: r.namespace.clone(),
+            name: r.name.clone(),
+            ips: p.ips.clone(),
+            tcp_ports: p
+                .ports
+                .iter()
+                .filter(|c| c.protocol == policy_common::proto::TCP)
+                .map(|c| c.port)
+                .collect(),
+            udp_ports: p
+                .ports
+                .iter()
+                .filter(|c| c.protocol == policy_common::proto::UDP)
+                .map(|c| c.port)
+                .collect(),
+        })
+        .collect()
+}

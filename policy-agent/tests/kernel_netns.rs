@@ -1,0 +1,341 @@
+//! End to end on the real kernel: pods in their own network namespaces
+//! behind routed veths of a simulated node, the classifier attached to the
+//! host-side veths (TCX, and netlink clsact when forced), real TCP, UDP and
+//! ping. Enforcement must outlive the loader; removing it restores traffic.
+//! Needs root.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, SocketAddr},
+    time::Duration,
+};
+
+use ipnet::IpNet;
+use policy_agent::{
+    datapath::bpf::{BpfDatapath, LoadOptions, PinLayout, reset},
+    mapstate::{MapState, diff},
+    sim::{
+        NODE_V4, NODE_V6, NetNs, Outcome, Probe, Servers, SimNode, SimPod, Transport,
+        cleanup_prefix, matrix,
+    },
+};
+use policy_common::{
+    direction::INGRESS,
+    endpoint::{ENDPOINT_INGRESS_ISOLATED, EndpointInfo},
+    identity::{NODE, WORLD},
+    ipcache::IpcacheEntry,
+    policy::{PolicyEntry, PolicyKey},
+    proto::TCP,
+};
+
+const A: u32 = 300;
+const B: u32 = 301;
+const C: u32 = 302;
+const TIMEOUT: Duration = Duration::from_millis(400);
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+fn pods() -> Vec<SimPod> {
+    ["a", "b", "c"]
+        .iter()
+        .enumerate()
+        .map(|(i, name)| SimPod {
+            namespace: "default".into(),
+            name: (*name).into(),
+            ips: vec![
+                ip(&format!("10.244.0.{}", 10 + i)),
+                ip(&format!("fd00:244::{}", 10 + i)),
+            ],
+            tcp_ports: vec![80, 8080],
+            udp_ports: vec![53],
+        })
+        .collect()
+}
+
+/// Removes the namespaces and pins even when an assertion fails.
+struct Cleanup {
+    prefix: &'static str,
+    layout: PinLayout,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let _ = reset(&self.layout);
+        let _ = std::fs::remove_dir_all(self.layout.root());
+        cleanup_prefix(self.prefix);
+    }
+}
+
+/// "a" isolated for ingress, reachable only from "b" on TCP 80.
+fn desired(node: &SimNode) -> (MapState<u32>, Vec<(u32, String)>) {
+    let ids = [A, B, C];
+    let mut state = MapState::default();
+    let mut ifaces = Vec::new();
+    let ifindexes: Vec<u32> = node
+        .pods
+        .iter()
+        .map(|p| {
+            let out = node.node.ip(&["-o", "link", "show", &p.host_if]).unwrap();
+            out.split(':').next().unwrap().trim().parse().unwrap()
+        })
+        .collect();
+    for (i, p) in node.pods.iter().enumerate() {
+        let flags = if p.pod.name == "a" {
+            ENDPOINT_INGRESS_ISOLATED
+        } else {
+            0
+        };
+        state.endpoints.insert(
+            ifindexes[i],
+            EndpointInfo {
+                identity: ids[i],
+                flags,
+                revision: 1,
+                ..Default::default()
+            },
+        );
+        for addr in &p.pod.ips {
+            let len = if addr.is_ipv4() { 32 } else { 128 };
+            state.ipcache.insert(
+                IpNet::new(*addr, len).unwrap(),
+                IpcacheEntry {
+                    identity: ids[i],
+                    cidr_identity: WORLD,
+                },
+            );
+        }
+        ifaces.push((ifindexes[i], p.pod.id()));
+    }
+    for n in [IpAddr::V4(NODE_V4), IpAddr::V6(NODE_V6)] {
+        let len = if n.is_ipv4() { 32 } else { 128 };
+        state.ipcache.insert(
+            IpNet::new(n, len).unwrap(),
+            IpcacheEntry {
+                identity: NODE,
+                cidr_identity: WORLD,
+            },
+        );
+    }
+    state.policy.insert(
+        PolicyKey::new(A, INGRESS, B, TCP, 16, 80),
+        PolicyEntry::default(),
+    );
+    state.finalize();
+    (state, ifaces)
+}
+
+/// Loads, fills and attaches from a thread inside the node namespace, then
+/// drops every handle: what is left is what the pins hold.
+fn enforce(node: &SimNode, layout: &PinLayout, force_netlink: bool) {
+    let (state, ifaces) = desired(node);
+    let layout = layout.clone();
+    node.node
+        .spawn(move || {
+            let mut dp = BpfDatapath::open(
+                &layout,
+                &LoadOptions {
+                    force_netlink,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let old = dp.maps.read_state().unwrap();
+            dp.maps.apply(&diff(&old, &state)).unwrap();
+            for (ifindex, name) in ifaces {
+                dp.attach(ifindex, &name).unwrap();
+            }
+        })
+        .unwrap()
+        .join()
+        .unwrap()
+        .unwrap();
+}
+
+type Results = BTreeMap<(String, SocketAddr, Transport), Outcome>;
+
+fn probe_everything(node: &SimNode) -> Results {
+    let mut sources: Vec<&NetNs> = node.pods.iter().map(|p| &p.netns).collect();
+    sources.push(&node.node);
+    let mut names: Vec<String> = node.pods.iter().map(|p| p.pod.name.clone()).collect();
+    names.push("node".into());
+    let targets: Vec<Probe> = node
+        .pods
+        .iter()
+        .flat_map(|p| {
+            p.pod.ips.iter().flat_map(|ip| {
+                let mut v = vec![
+                    Probe {
+                        to: SocketAddr::new(*ip, 80),
+                        transport: Transport::Tcp,
+                    },
+                    Probe {
+                        to: SocketAddr::new(*ip, 8080),
+                        transport: Transport::Tcp,
+                    },
+                    Probe {
+                        to: SocketAddr::new(*ip, 53),
+                        transport: Transport::Udp,
+                    },
+                    Probe {
+                        to: SocketAddr::new(*ip, 0),
+                        transport: Transport::Ping,
+                    },
+                ];
+                v.retain(|_| true);
+                v
+            })
+        })
+        .collect();
+    let per_source: Vec<Vec<Probe>> = sources.iter().map(|_| targets.clone()).collect();
+    let raw = matrix(&sources, &per_source, TIMEOUT).unwrap();
+    raw.into_iter()
+        .map(|((i, p), o)| ((names[i].clone(), p.to, p.transport), o))
+        .collect()
+}
+
+fn expect(results: &Results, from: &str, to: &str, port: u16, t: Transport) -> Outcome {
+    let key = (from.to_owned(), SocketAddr::new(ip(to), port), t);
+    *results
+        .get(&key)
+        .unwrap_or_else(|| panic!("no probe {key:?}"))
+}
+
+fn assert_policy_enforced(r: &Results) {
+    for a in ["10.244.0.10", "fd00:244::10"] {
+        assert_eq!(
+            expect(r, "b", a, 80, Transport::Tcp),
+            Outcome::Open,
+            "b -> a:80 allowed ({a})"
+        );
+        assert_eq!(
+            expect(r, "b", a, 8080, Transport::Tcp),
+            Outcome::Blocked,
+            "b -> a:8080 denied ({a})"
+        );
+        assert_eq!(
+            expect(r, "b", a, 53, Transport::Udp),
+            Outcome::Blocked,
+            "a TCP rule does not open UDP ({a})"
+        );
+        assert_eq!(
+            expect(r, "b", a, 0, Transport::Ping),
+            Outcome::Blocked,
+            "ping b -> a denied ({a})"
+        );
+        assert_eq!(
+            expect(r, "c", a, 80, Transport::Tcp),
+            Outcome::Blocked,
+            "c -> a:80 denied ({a})"
+        );
+        // The node always reaches its pods (kubelet probes).
+        assert_eq!(
+            expect(r, "node", a, 8080, Transport::Tcp),
+            Outcome::Open,
+            "node -> a ({a})"
+        );
+        assert_eq!(
+            expect(r, "node", a, 0, Transport::Ping),
+            Outcome::Open,
+            "node pings a ({a})"
+        );
+    }
+    for b in ["10.244.0.11", "fd00:244::11"] {
+        // "a" is not egress-isolated: its own connections and their replies pass.
+        assert_eq!(
+            expect(r, "a", b, 8080, Transport::Tcp),
+            Outcome::Open,
+            "a -> b:8080 and its reply"
+        );
+        assert_eq!(
+            expect(r, "a", b, 53, Transport::Udp),
+            Outcome::Open,
+            "a -> b udp and its reply"
+        );
+        assert_eq!(
+            expect(r, "a", b, 0, Transport::Ping),
+            Outcome::Open,
+            "a pings b, the echo reply passes"
+        );
+        assert_eq!(
+            expect(r, "c", b, 53, Transport::Udp),
+            Outcome::Open,
+            "unisolated b is open"
+        );
+    }
+}
+
+fn assert_all_open(r: &Results) {
+    let closed: Vec<_> = r.iter().filter(|(_, o)| **o != Outcome::Open).collect();
+    assert!(
+        closed.is_empty(),
+        "everything must be open, but: {closed:#?}"
+    );
+}
+
+fn scenario(prefix: &'static str, force_netlink: bool) {
+    let layout = PinLayout::new(format!("/sys/fs/bpf/policy-agent-test-{prefix}"));
+    let _cleanup = Cleanup {
+        prefix,
+        layout: layout.clone(),
+    };
+    cleanup_prefix(prefix);
+    let node = SimNode::create(prefix, &pods()).unwrap();
+    let _servers = Servers::start(&node).unwrap();
+
+    assert_all_open(&probe_everything(&node));
+    enforce(&node, &layout, force_netlink);
+    // The loader is gone (every fd dropped): the pins keep enforcing.
+    assert_policy_enforced(&probe_everything(&node));
+
+    // Opening again adopts the pinned state and changes nothing.
+    enforce(&node, &layout, force_netlink);
+    assert_policy_enforced(&probe_everything(&node));
+
+    // Reset removes everything: traffic is open again, no pins remain.
+    let layout2 = layout.clone();
+    node.node
+        .spawn(move || reset(&layout2).unwrap())
+        .unwrap()
+        .join()
+        .unwrap()
+        .unwrap();
+    assert!(!layout.exists(), "pins removed");
+    assert_all_open(&probe_everything(&node));
+    if force_netlink {
+        for p in &node.pods {
+            for hook in ["ingress", "egress"] {
+                let out = policy_agent::sim::run(
+                    "nsenter",
+                    &[
+                        &format!("--net={}", node.node.path().display()),
+                        "tc",
+                        "filter",
+                        "show",
+                        "dev",
+                        &p.host_if,
+                        hook,
+                    ],
+                )
+                .unwrap();
+                assert!(
+                    out.trim().is_empty(),
+                    "no filters left on {} {hook}: {out}",
+                    p.host_if
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn tcx_attachments_enforce_and_outlive_the_loader() {
+    scenario("e2etcx", false);
+}
+
+#[test]
+fn netlink_attachments_enforce_and_outlive_the_loader() {
+    scenario("e2enl", true);
+}

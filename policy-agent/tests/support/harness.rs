@@ -1,0 +1,128 @@
+//! A loaded classifier with private maps, driven by BPF_PROG_TEST_RUN.
+use std::net::IpAddr;
+
+use aya::programs::{TestRun as _, TestRunOptions};
+use ipnet::IpNet;
+use policy_agent::{
+    datapath::bpf::{Hook, Unpinned},
+    mapstate::{MapState, diff},
+};
+use policy_common::{
+    direction,
+    endpoint::EndpointInfo,
+    ipcache::IpcacheEntry,
+    policy::{PolicyEntry, PolicyKey},
+    verdict::Reason,
+};
+
+/// The ifindex BPF_PROG_TEST_RUN gives an skb: the loopback device.
+pub const TEST_IFINDEX: u32 = 1;
+
+pub struct Harness {
+    pub dp: Unpinned,
+    pub state: MapState<u32>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    Pass,
+    Drop,
+}
+
+impl Harness {
+    pub fn new() -> Self {
+        Self {
+            dp: Unpinned::load().expect("load classifier (are you root?)"),
+            state: MapState::default(),
+        }
+    }
+
+    /// Writes `self.state` (after finalize) to the maps.
+    pub fn sync(&mut self) {
+        let old = self.dp.maps.read_state().unwrap();
+        self.state.finalize();
+        let ops = diff(&old, &self.state);
+        self.dp.maps.apply(&ops).unwrap();
+    }
+
+    pub fn endpoint(&mut self, identity: u32, flags: u32, revision: u32) {
+        self.state.endpoints.insert(
+            TEST_IFINDEX,
+            EndpointInfo {
+                identity,
+                flags,
+                revision,
+                ..Default::default()
+            },
+        );
+    }
+
+    pub fn ipcache(&mut self, net: &str, identity: u32, cidr_identity: u32) {
+        let net: IpNet = net.parse().unwrap();
+        self.state.ipcache.insert(
+            net.trunc(),
+            IpcacheEntry {
+                identity,
+                cidr_identity,
+            },
+        );
+    }
+
+    pub fn allow(&mut self, key: PolicyKey) {
+        self.state.policy.insert(key, PolicyEntry::default());
+    }
+
+    /// Runs one frame through the program at `hook`.
+    pub fn run(&mut self, hook: Hook, frame: &[u8]) -> Verdict {
+        let prog = self.dp.program(hook).unwrap();
+        let opts = TestRunOptions {
+            data_in: Some(frame),
+            ..TestRunOptions::default()
+        };
+        let r = prog.test_run(opts).expect("BPF_PROG_TEST_RUN");
+        match r.return_value as i32 {
+            -1 => Verdict::Pass,
+            2 => Verdict::Drop,
+            other => panic!("unexpected tc verdict {other}"),
+        }
+    }
+
+    /// Runs a frame and reports which reason counter moved.
+    pub fn run_reason(&mut self, hook: Hook, frame: &[u8]) -> (Verdict, Reason) {
+        let before = self.dp.maps.counters().unwrap();
+        let verdict = self.run(hook, frame);
+        let after = self.dp.maps.counters().unwrap();
+        let dir = hook_direction(hook);
+        let moved: Vec<Reason> = after
+            .iter()
+            .filter(|((r, d), n)| {
+                *d == dir && before.get(&(*r, *d)) != Some(n) && *r != Reason::EventLost
+            })
+            .map(|((r, _), _)| *r)
+            .collect();
+        assert_eq!(
+            moved.len(),
+            1,
+            "exactly one verdict counter must move, moved: {moved:?}"
+        );
+        assert_eq!(
+            verdict == Verdict::Drop,
+            moved[0].is_drop(),
+            "counter {:?} disagrees with verdict {verdict:?}",
+            moved[0]
+        );
+        (verdict, moved[0])
+    }
+}
+
+/// Host-veth ingress judges the pod's egress, host-veth egress its ingress.
+pub fn hook_direction(hook: Hook) -> u8 {
+    match hook {
+        Hook::Ingress => direction::EGRESS,
+        Hook::Egress => direction::INGRESS,
+    }
+}
+
+pub fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}

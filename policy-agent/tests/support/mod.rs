@@ -1,0 +1,4 @@
+//! Shared helpers for the kernel tests.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+pub mod harness;
