@@ -63,7 +63,12 @@ struct Range {
 
 impl Range {
     fn new(start: u32, end: u32) -> Self {
-        Self { start, end, next: start, free: BTreeSet::new() }
+        Self {
+            start,
+            end,
+            next: start,
+            free: BTreeSet::new(),
+        }
     }
 
     fn contains(&self, n: u32) -> bool {
@@ -161,7 +166,11 @@ impl IdentityAllocator {
             }
             a.quarantine.insert(
                 id,
-                Quarantined { since: 0, key: None, adopted: claimable.then_some(hash_key) },
+                Quarantined {
+                    since: 0,
+                    key: None,
+                    adopted: claimable.then_some(hash_key),
+                },
             );
         }
         a
@@ -210,13 +219,16 @@ impl IdentityAllocator {
         let id = if let Some(id) = self.released.remove(&key) {
             self.quarantine.remove(&id);
             id
-        } else if let Some(id) =
-            self.adopted.remove(&(kind, identity_name(kind, canonical).name_hash))
+        } else if let Some(id) = self
+            .adopted
+            .remove(&(kind, identity_name(kind, canonical).name_hash))
         {
             self.quarantine.remove(&id);
             id
         } else {
-            range.take_lowest().ok_or(IdentityError::Exhausted { kind })?
+            range
+                .take_lowest()
+                .ok_or(IdentityError::Exhausted { kind })?
         };
         self.live.insert(key.clone(), id);
         self.by_id.insert(id, key);
@@ -225,12 +237,18 @@ impl IdentityAllocator {
 
     /// Stops using `id`; it stays quarantined until two generations later.
     pub fn release(&mut self, id: u32) {
-        let Some(key) = self.by_id.remove(&id) else { return };
+        let Some(key) = self.by_id.remove(&id) else {
+            return;
+        };
         self.live.remove(&key);
         self.released.insert(key.clone(), id);
         self.quarantine.insert(
             id,
-            Quarantined { since: self.generation, key: Some(key), adopted: None },
+            Quarantined {
+                since: self.generation,
+                key: Some(key),
+                adopted: None,
+            },
         );
     }
 
@@ -258,7 +276,9 @@ impl IdentityAllocator {
             .map(|(id, _)| *id)
             .collect();
         for id in expired {
-            let Some(q) = self.quarantine.remove(&id) else { continue };
+            let Some(q) = self.quarantine.remove(&id) else {
+                continue;
+            };
             if let Some(key) = q.key {
                 self.released.remove(&key);
             }
@@ -318,7 +338,10 @@ mod tests {
         pinned.insert(FIRST_CIDR + 3, identity_name(kind::CIDR, "10.0.0.0/8"));
         let mut a = IdentityAllocator::adopt(&pinned);
         assert_eq!(a.allocate(kind::LABELS, "web").unwrap(), FIRST_LABEL + 7);
-        assert_eq!(a.allocate(kind::CIDR, "10.0.0.0/8").unwrap(), FIRST_CIDR + 3);
+        assert_eq!(
+            a.allocate(kind::CIDR, "10.0.0.0/8").unwrap(),
+            FIRST_CIDR + 3
+        );
         // "gone"'s number stays quarantined: a new key gets a fresh one.
         let n = a.allocate(kind::LABELS, "new").unwrap();
         assert!(n != FIRST_LABEL && n != FIRST_LABEL + 7);

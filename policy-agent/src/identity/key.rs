@@ -48,11 +48,14 @@ impl LabelKey {
             .ports
             .iter()
             .filter_map(|p| {
-                p.name.as_ref().filter(|n| !n.is_empty()).map(|name| NamedPort {
-                    name: name.clone(),
-                    protocol: p.protocol,
-                    port: p.port,
-                })
+                p.name
+                    .as_ref()
+                    .filter(|n| !n.is_empty())
+                    .map(|name| NamedPort {
+                        name: name.clone(),
+                        protocol: p.protocol,
+                        port: p.port,
+                    })
             })
             .collect();
         Self {
@@ -135,10 +138,17 @@ mod tests {
 
     fn pod(labels: &[(&str, &str)], ports: &[(&str, u8, u16)]) -> PodInfo {
         PodInfo {
-            labels: labels.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
+            labels: labels
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
             ports: ports
                 .iter()
-                .map(|(n, p, port)| ContainerPort { name: Some((*n).to_owned()), protocol: *p, port: *port })
+                .map(|(n, p, port)| ContainerPort {
+                    name: Some((*n).to_owned()),
+                    protocol: *p,
+                    port: *port,
+                })
                 .collect(),
             ..Default::default()
         }
@@ -149,7 +159,10 @@ mod tests {
         let key = LabelKey::of_pod(
             "default",
             &default_namespace_labels("default"),
-            &pod(&[("tier", "x"), ("app", "web")], &[("http", proto::TCP, 80)]),
+            &pod(
+                &[("tier", "x"), ("app", "web")],
+                &[("http", proto::TCP, 80)],
+            ),
         );
         assert_eq!(
             key.canonical(),
@@ -164,7 +177,11 @@ mod tests {
         let honest = LabelKey::of_pod("a", &ns, &pod(&[("x", "1"), ("y", "2")], &[]));
         assert_ne!(forged.canonical(), honest.canonical());
         let colon = LabelKey::of_pod("a", &Labels::new(), &pod(&[("nsl:k", "v")], &[]));
-        let nsl = LabelKey::of_pod("a", &Labels::from([("k".into(), "v".into())]), &pod(&[], &[]));
+        let nsl = LabelKey::of_pod(
+            "a",
+            &Labels::from([("k".into(), "v".into())]),
+            &pod(&[], &[]),
+        );
         assert_ne!(colon.canonical(), nsl.canonical());
     }
 
@@ -173,10 +190,20 @@ mod tests {
         let key = LabelKey::of_pod(
             "a",
             &Labels::new(),
-            &pod(&[], &[("dns", proto::UDP, 53), ("dns", proto::TCP, 5353), ("web", proto::TCP, 80)]),
+            &pod(
+                &[],
+                &[
+                    ("dns", proto::UDP, 53),
+                    ("dns", proto::TCP, 5353),
+                    ("web", proto::TCP, 80),
+                ],
+            ),
         );
         assert_eq!(key.resolve("dns", proto::UDP).collect::<Vec<_>>(), vec![53]);
-        assert_eq!(key.resolve("dns", proto::TCP).collect::<Vec<_>>(), vec![5353]);
+        assert_eq!(
+            key.resolve("dns", proto::TCP).collect::<Vec<_>>(),
+            vec![5353]
+        );
         assert_eq!(key.resolve("web", proto::SCTP).count(), 0);
     }
 }

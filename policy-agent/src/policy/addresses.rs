@@ -34,7 +34,12 @@ pub fn identity_addresses<K: Ord>(maps: &MapState<K>) -> BTreeMap<u32, AddressSe
         .identities
         .iter()
         .filter(|(id, n)| is_cidr(**id) && n.kind == kind::CIDR)
-        .filter_map(|(id, n)| identity_name_str(n).parse::<IpNet>().ok().map(|net| (*id, net)))
+        .filter_map(|(id, n)| {
+            identity_name_str(n)
+                .parse::<IpNet>()
+                .ok()
+                .map(|net| (*id, net))
+        })
         .collect();
     let inside = |outer: &IpNet, inner: &IpNet| outer != inner && outer.contains(inner);
     // Only the outermost carved prefixes inside another need excluding.
@@ -44,17 +49,35 @@ pub fn identity_addresses<K: Ord>(maps: &MapState<K>) -> BTreeMap<u32, AddressSe
             .filter(|n| outer.is_none_or(|o| inside(o, n)))
             .copied()
             .collect();
-        let mut keep: Vec<IpNet> =
-            within.iter().filter(|n| !within.iter().any(|m| inside(m, n))).copied().collect();
+        let mut keep: Vec<IpNet> = within
+            .iter()
+            .filter(|n| !within.iter().any(|m| inside(m, n)))
+            .copied()
+            .collect();
         keep.sort();
         keep.dedup();
         keep
     };
     for (id, net) in &carved {
-        out.insert(*id, AddressSet { include: vec![*net], exclude: maximal_inside(Some(net)) });
+        out.insert(
+            *id,
+            AddressSet {
+                include: vec![*net],
+                exclude: maximal_inside(Some(net)),
+            },
+        );
     }
-    let world: Vec<IpNet> = ["0.0.0.0/0", "::/0"].iter().filter_map(|s| s.parse().ok()).collect();
-    out.insert(WORLD, AddressSet { include: world, exclude: maximal_inside(None) });
+    let world: Vec<IpNet> = ["0.0.0.0/0", "::/0"]
+        .iter()
+        .filter_map(|s| s.parse().ok())
+        .collect();
+    out.insert(
+        WORLD,
+        AddressSet {
+            include: world,
+            exclude: maximal_inside(None),
+        },
+    );
     out.entry(NODE).or_default();
     out
 }

@@ -44,7 +44,12 @@ impl Classes {
                 .collect();
             set.into_iter().rev().collect()
         };
-        Self { v4_lens: lens(true), v6_lens: lens(false), by_net, ids }
+        Self {
+            v4_lens: lens(true),
+            v6_lens: lens(false),
+            by_net,
+            ids,
+        }
     }
 
     /// Carved prefix → class identity.
@@ -59,7 +64,11 @@ impl Classes {
 
     /// The class of an address: its longest carved prefix, or WORLD.
     pub fn class_of(&self, ip: IpAddr) -> u32 {
-        let lens = if ip.is_ipv4() { &self.v4_lens } else { &self.v6_lens };
+        let lens = if ip.is_ipv4() {
+            &self.v4_lens
+        } else {
+            &self.v6_lens
+        };
         lens.iter()
             .filter_map(|len| IpNet::new(ip, *len).ok())
             .find_map(|net| self.by_net.get(&net.trunc()).copied())
@@ -67,10 +76,12 @@ impl Classes {
     }
 
     /// The classes an ipBlock matches (see the module comment).
-    pub fn allowed(&self, block: &IpBlock) -> impl Iterator<Item = u32> + '_ {
+    pub fn allowed<'a>(&'a self, block: &'a IpBlock) -> impl Iterator<Item = u32> + 'a {
         self.ids
             .iter()
-            .filter(move |(p, _)| block.cidr.contains(*p) && !block.except.iter().any(|e| e.contains(*p)))
+            .filter(move |(p, _)| {
+                block.cidr.contains(*p) && !block.except.iter().any(|e| e.contains(*p))
+            })
             .map(|(_, id)| *id)
     }
 }

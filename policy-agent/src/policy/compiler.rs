@@ -71,7 +71,10 @@ pub enum Change {
     UpsertPolicy(PolicyRef, Box<NetworkPolicy>),
     DeletePolicy(PolicyRef),
     /// The node's name or addresses changed.
-    Node { name: String, ips: Vec<IpAddr> },
+    Node {
+        name: String,
+        ips: Vec<IpAddr>,
+    },
 }
 
 /// `members` bit: a selector peer of the rule matches the identity.
@@ -173,7 +176,15 @@ fn base_ports(rule: &Rule, e_key: &LabelKey) -> Vec<PortKey> {
     }
 }
 
-fn write_keys(out: &mut Output, e: u32, dir: u8, peer: u32, ports: &[PortKey], rule_ref: u32, add: bool) {
+fn write_keys(
+    out: &mut Output,
+    e: u32,
+    dir: u8,
+    peer: u32,
+    ports: &[PortKey],
+    rule_ref: u32,
+    add: bool,
+) {
     for &(protocol, len, port) in ports {
         let key = PolicyKey::new(e, dir, peer, protocol, len, port);
         if add {
@@ -196,7 +207,9 @@ fn write_member(
     bits: u8,
     add: bool,
 ) {
-    let Some(e_ident) = idents.get(&e) else { return };
+    let Some(e_ident) = idents.get(&e) else {
+        return;
+    };
     let mut ports: Vec<PortKey> = Vec::new();
     if bits & SEL != 0 {
         match base {
@@ -215,8 +228,17 @@ fn write_member(
 }
 
 /// Every key rule `rule` gives endpoint `e`.
-fn write_rule(out: &mut Output, idents: &BTreeMap<u32, Ident>, rule: &Rule, rs: &RuleState, e: u32, add: bool) {
-    let Some(e_ident) = idents.get(&e) else { return };
+fn write_rule(
+    out: &mut Output,
+    idents: &BTreeMap<u32, Ident>,
+    rule: &Rule,
+    rs: &RuleState,
+    e: u32,
+    add: bool,
+) {
+    let Some(e_ident) = idents.get(&e) else {
+        return;
+    };
     let base = base_ports(rule, &e_ident.key);
     if matches!(rule.peers, Peers::All) {
         write_keys(out, e, rule.direction, ANY, &base, rule.rule_ref, add);
@@ -237,7 +259,9 @@ fn member_bits(rule: &Rule, rs: &RuleState, x: &Ident) -> u8 {
         let covered = || {
             rule.blocks().next().is_some()
                 && !x.ips.is_empty()
-                && x.ips.iter().all(|ip| rule.blocks().any(|b| b.contains(*ip)))
+                && x.ips
+                    .iter()
+                    .all(|ip| rule.blocks().any(|b| b.contains(*ip)))
         };
         if sel || matches!(rule.peers, Peers::All) || covered() {
             bits |= NAMED;
@@ -275,7 +299,11 @@ impl Compiler {
     }
 
     /// Compiles `state` from scratch (one identity generation).
-    pub fn build(state: &ClusterState, ids: &mut IdentityAllocator, options: CompileOptions) -> Self {
+    pub fn build(
+        state: &ClusterState,
+        ids: &mut IdentityAllocator,
+        options: CompileOptions,
+    ) -> Self {
         let mut c = Self::empty(options);
         c.node_name = state.node_name.clone();
         c.node_ips = state.node_ips.iter().copied().collect();
@@ -283,7 +311,14 @@ impl Compiler {
         c.pods = state.pods.clone();
         for (name, np) in &state.policies {
             let parsed = ParsedPolicy::parse(name, np);
-            c.policies.insert(name.clone(), PolicyState { parsed, selected: BTreeSet::new(), rules: Vec::new() });
+            c.policies.insert(
+                name.clone(),
+                PolicyState {
+                    parsed,
+                    selected: BTreeSet::new(),
+                    rules: Vec::new(),
+                },
+            );
         }
         c.rebuild(ids);
         ids.end_generation();
@@ -293,8 +328,10 @@ impl Compiler {
     /// Recomputes everything from the stored inputs, keeping identity
     /// numbers of keys still in use.
     fn rebuild(&mut self, ids: &mut IdentityAllocator) {
-        let parsed: Vec<ParsedPolicy> =
-            std::mem::take(&mut self.policies).into_values().map(|p| p.parsed).collect();
+        let parsed: Vec<ParsedPolicy> = std::mem::take(&mut self.policies)
+            .into_values()
+            .map(|p| p.parsed)
+            .collect();
         let fresh = Self::empty(self.options);
         let inputs = (
             std::mem::take(&mut self.node_name),
@@ -306,26 +343,31 @@ impl Compiler {
         (self.node_name, self.node_ips, self.namespaces, self.pods) = inputs;
 
         // Address classes, allocated in canonical order.
-        for p in parsed.iter().filter(|p| p.is_valid()) {
-            for net in p.prefixes() {
-                *self.carve_refs.entry(net).or_insert(0) += 1;
-            }
-        }
-        let mut by_name: Vec<(String, IpNet)> = self.carve_refs.keys().map(|n| (n.to_string(), *n)).collect();
+        // (add_policy_state counts the references, below.)
+        let carved: BTreeSet<IpNet> = parsed
+            .iter()
+            .filter(|p| p.is_valid())
+            .flat_map(ParsedPolicy::prefixes)
+            .collect();
+        let mut by_name: Vec<(String, IpNet)> =
+            carved.iter().map(|n| (n.to_string(), *n)).collect();
         by_name.sort();
         let mut class_ids = BTreeMap::new();
         for (name, net) in by_name {
             match ids.allocate(kind::CIDR, &name) {
                 Ok(id) => {
                     class_ids.insert(net, id);
-                    self.out.set_identity(id, Some(identity_name(kind::CIDR, &name)));
+                    self.out
+                        .set_identity(id, Some(identity_name(kind::CIDR, &name)));
                 }
                 Err(e) => self.identity_errors.push(e.into()),
             }
         }
         self.classes = Classes::new(class_ids);
-        self.out.set_identity(NODE, Some(identity_name(kind::RESERVED, "reserved:node")));
-        self.out.set_identity(WORLD, Some(identity_name(kind::RESERVED, "reserved:world")));
+        self.out
+            .set_identity(NODE, Some(identity_name(kind::RESERVED, "reserved:node")));
+        self.out
+            .set_identity(WORLD, Some(identity_name(kind::RESERVED, "reserved:world")));
         let carved: Vec<IpNet> = self.classes.prefixes().keys().copied().collect();
         for net in carved {
             let entry = self.ipcache_net_entry(net);
@@ -359,7 +401,11 @@ impl Compiler {
     /// Pod and namespace changes, and policy changes that carve no new
     /// address prefix and drop none, are incremental; others (and node
     /// changes) recompile in full and diff.
-    pub fn apply(&mut self, changes: impl IntoIterator<Item = Change>, ids: &mut IdentityAllocator) -> Vec<MapOp<PodRef>> {
+    pub fn apply(
+        &mut self,
+        changes: impl IntoIterator<Item = Change>,
+        ids: &mut IdentityAllocator,
+    ) -> Vec<MapOp<PodRef>> {
         self.out.start_journal();
         self.rebuild_pending = false;
         for change in changes {
@@ -419,17 +465,28 @@ impl Compiler {
             return;
         }
         let start = PodRef::new(ns, "");
-        let affected: BTreeSet<PodRef> =
-            self.pods.range(start..).map(|(k, _)| k).take_while(|k| k.namespace == ns).cloned().collect();
+        let affected: BTreeSet<PodRef> = self
+            .pods
+            .range(start..)
+            .map(|(k, _)| k)
+            .take_while(|k| k.namespace == ns)
+            .cloned()
+            .collect();
         self.sync_pods(affected, ids);
     }
 
     /// Whether replacing `old` by `new` changes the set of carved prefixes.
     fn carving_changes(&self, old: Option<&ParsedPolicy>, new: Option<&ParsedPolicy>) -> bool {
-        let prefixes = |p: Option<&ParsedPolicy>| p.filter(|p| p.is_valid()).map(ParsedPolicy::prefixes).unwrap_or_default();
+        let prefixes = |p: Option<&ParsedPolicy>| {
+            p.filter(|p| p.is_valid())
+                .map(ParsedPolicy::prefixes)
+                .unwrap_or_default()
+        };
         let (old, new) = (prefixes(old), prefixes(new));
         new.iter().any(|n| !self.carve_refs.contains_key(n))
-            || old.iter().any(|n| !new.contains(n) && self.carve_refs.get(n).is_some_and(|c| *c <= 1))
+            || old
+                .iter()
+                .any(|n| !new.contains(n) && self.carve_refs.get(n).is_some_and(|c| *c <= 1))
     }
 
     fn replace_policy(&mut self, name: &PolicyRef, new: Option<ParsedPolicy>) {
@@ -439,9 +496,14 @@ impl Compiler {
         }
         if self.rebuild_pending {
             match new {
-                Some(parsed) => {
-                    self.policies.insert(name.clone(), PolicyState { parsed, selected: BTreeSet::new(), rules: Vec::new() })
-                }
+                Some(parsed) => self.policies.insert(
+                    name.clone(),
+                    PolicyState {
+                        parsed,
+                        selected: BTreeSet::new(),
+                        rules: Vec::new(),
+                    },
+                ),
                 None => self.policies.remove(name),
             };
             return;
@@ -455,7 +517,9 @@ impl Compiler {
     }
 
     fn remove_policy_state(&mut self, name: &PolicyRef) {
-        let Some(ps) = self.policies.remove(name) else { return };
+        let Some(ps) = self.policies.remove(name) else {
+            return;
+        };
         for e in ps.selected.iter().filter(|e| self.endpoint_ids.contains(e)) {
             for (rule, rs) in ps.parsed.rules.iter().zip(&ps.rules) {
                 write_rule(&mut self.out, &self.idents, rule, rs, *e, false);
@@ -479,7 +543,8 @@ impl Compiler {
             named_egress: rule.direction == direction::EGRESS && rule.has_named_ports(),
             ..RuleState::default()
         };
-        rs.ip_sensitive = rs.named_egress && !matches!(rule.peers, Peers::All) && rule.blocks().next().is_some();
+        rs.ip_sensitive =
+            rs.named_egress && !matches!(rule.peers, Peers::All) && rule.blocks().next().is_some();
         let mut classes: BTreeSet<u32> = BTreeSet::new();
         for b in rule.blocks() {
             classes.extend(self.classes.allowed(b));
@@ -509,7 +574,11 @@ impl Compiler {
             .get(&ns)
             .into_iter()
             .flatten()
-            .filter(|x| self.idents.get(x).is_some_and(|i| parsed.selects(&i.key.namespace, &i.key.labels)))
+            .filter(|x| {
+                self.idents
+                    .get(x)
+                    .is_some_and(|i| parsed.selects(&i.key.namespace, &i.key.labels))
+            })
             .copied()
             .collect();
         for e in selected.iter().filter(|e| self.endpoint_ids.contains(e)) {
@@ -518,7 +587,14 @@ impl Compiler {
             }
             self.flags_dirty.insert(*e);
         }
-        self.policies.insert(parsed.name.clone(), PolicyState { parsed, selected, rules });
+        self.policies.insert(
+            parsed.name.clone(),
+            PolicyState {
+                parsed,
+                selected,
+                rules,
+            },
+        );
     }
 
     fn namespace_labels(&self, ns: &str) -> Cow<'_, Labels> {
@@ -536,27 +612,45 @@ impl Compiler {
     fn ipcache_entry(&self, ip: IpAddr) -> Option<IpcacheEntry> {
         let cidr_identity = self.classes.class_of(ip);
         if self.node_ips.contains(&ip) {
-            return Some(IpcacheEntry { identity: NODE, cidr_identity });
+            return Some(IpcacheEntry {
+                identity: NODE,
+                cidr_identity,
+            });
         }
         if let Some(pod) = self.holders.get(&ip) {
             let identity = self.pod_ident.get(pod).copied().unwrap_or(ANY);
-            return Some(IpcacheEntry { identity, cidr_identity });
+            return Some(IpcacheEntry {
+                identity,
+                cidr_identity,
+            });
         }
-        self.classes.id_of(&host_net(ip)).map(|c| IpcacheEntry { identity: ANY, cidr_identity: c })
+        self.classes.id_of(&host_net(ip)).map(|c| IpcacheEntry {
+            identity: ANY,
+            cidr_identity: c,
+        })
     }
 
     fn ipcache_net_entry(&self, net: IpNet) -> Option<IpcacheEntry> {
         if net.prefix_len() == net.max_prefix_len() {
             return self.ipcache_entry(net.addr());
         }
-        self.classes.id_of(&net).map(|c| IpcacheEntry { identity: ANY, cidr_identity: c })
+        self.classes.id_of(&net).map(|c| IpcacheEntry {
+            identity: ANY,
+            cidr_identity: c,
+        })
     }
 
     fn flags_of(&self, e: u32) -> u32 {
-        let Some(x) = self.idents.get(&e) else { return 0 };
+        let Some(x) = self.idents.get(&e) else {
+            return 0;
+        };
         let start = PolicyRef::new(x.key.namespace.clone(), "");
         let mut flags = 0;
-        for (_, ps) in self.policies.range(start..).take_while(|(k, _)| k.namespace == x.key.namespace) {
+        for (_, ps) in self
+            .policies
+            .range(start..)
+            .take_while(|(k, _)| k.namespace == x.key.namespace)
+        {
             if ps.selected.contains(&e) {
                 if ps.parsed.ingress {
                     flags |= ENDPOINT_INGRESS_ISOLATED;
@@ -584,7 +678,9 @@ impl Compiler {
                 egress_lookups: self.out.lookup_bits(*e, direction::EGRESS),
                 _reserved: 0,
             };
-            let Some(ident) = self.idents.get(e) else { continue };
+            let Some(ident) = self.idents.get(e) else {
+                continue;
+            };
             for pod in &ident.endpoints {
                 self.out.set_endpoint(pod, Some(info));
             }
@@ -598,7 +694,10 @@ impl Compiler {
         let mut ips_touched: BTreeSet<IpAddr> = BTreeSet::new();
         for pod in &affected {
             if let Some((created, old)) = self.pod_claims.remove(pod) {
-                let claim = Claim { newest: Reverse(created), pod: pod.clone() };
+                let claim = Claim {
+                    newest: Reverse(created),
+                    pod: pod.clone(),
+                };
                 for ip in old {
                     if let Some(set) = self.claims.get_mut(&ip) {
                         set.remove(&claim);
@@ -610,10 +709,18 @@ impl Compiler {
                 }
             }
             if let Some(info) = self.pods.get(pod).filter(|i| eligible(i)) {
-                let mut ips: Vec<IpAddr> = info.ips.iter().copied().filter(|ip| !self.node_ips.contains(ip)).collect();
+                let mut ips: Vec<IpAddr> = info
+                    .ips
+                    .iter()
+                    .copied()
+                    .filter(|ip| !self.node_ips.contains(ip))
+                    .collect();
                 ips.sort_unstable();
                 ips.dedup();
-                let claim = Claim { newest: Reverse(info.created), pod: pod.clone() };
+                let claim = Claim {
+                    newest: Reverse(info.created),
+                    pod: pod.clone(),
+                };
                 for ip in &ips {
                     self.claims.entry(*ip).or_default().insert(claim.clone());
                     ips_touched.insert(*ip);
@@ -625,7 +732,11 @@ impl Compiler {
         // 2. Who holds each touched address now.
         let mut touched = affected;
         for ip in &ips_touched {
-            let new = self.claims.get(ip).and_then(|s| s.first()).map(|c| c.pod.clone());
+            let new = self
+                .claims
+                .get(ip)
+                .and_then(|s| s.first())
+                .map(|c| c.pod.clone());
             let old = match &new {
                 Some(n) => self.holders.insert(*ip, n.clone()),
                 None => self.holders.remove(ip),
@@ -647,14 +758,26 @@ impl Compiler {
             .iter()
             .map(|pod| {
                 let info = self.pods.get(pod).filter(|i| eligible(i));
-                let key = info.map(|i| LabelKey::of_pod(&pod.namespace, &self.namespace_labels(&pod.namespace), i));
+                let key = info.map(|i| {
+                    LabelKey::of_pod(&pod.namespace, &self.namespace_labels(&pod.namespace), i)
+                });
                 let held: BTreeSet<IpAddr> = self
                     .pod_claims
                     .get(pod)
-                    .map(|(_, ips)| ips.iter().filter(|ip| self.holders.get(ip) == Some(pod)).copied().collect())
+                    .map(|(_, ips)| {
+                        ips.iter()
+                            .filter(|ip| self.holders.get(ip) == Some(pod))
+                            .copied()
+                            .collect()
+                    })
                     .unwrap_or_default();
                 let local = info.is_some_and(|i| self.is_local(i));
-                Delta { pod: pod.clone(), key, held, local }
+                Delta {
+                    pod: pod.clone(),
+                    key,
+                    held,
+                    local,
+                }
             })
             .collect();
 
@@ -669,12 +792,21 @@ impl Compiler {
         for (canonical, key) in fresh {
             match ids.allocate(kind::LABELS, &canonical) {
                 Ok(id) => {
-                    self.out.set_identity(id, Some(identity_name(kind::LABELS, &canonical)));
-                    self.ns_idents.entry(key.namespace.clone()).or_default().insert(id);
+                    self.out
+                        .set_identity(id, Some(identity_name(kind::LABELS, &canonical)));
+                    self.ns_idents
+                        .entry(key.namespace.clone())
+                        .or_default()
+                        .insert(id);
                     self.key_ids.insert(key.clone(), id);
                     self.idents.insert(
                         id,
-                        Ident { key, pods: BTreeSet::new(), endpoints: BTreeSet::new(), ips: BTreeSet::new() },
+                        Ident {
+                            key,
+                            pods: BTreeSet::new(),
+                            endpoints: BTreeSet::new(),
+                            ips: BTreeSet::new(),
+                        },
                     );
                     born.push(id);
                 }
@@ -721,7 +853,8 @@ impl Compiler {
                 self.pod_ident.insert(d.pod.clone(), id);
             }
             if endpoint {
-                self.local_pods.insert(d.pod.clone(), d.held.iter().copied().collect());
+                self.local_pods
+                    .insert(d.pod.clone(), d.held.iter().copied().collect());
             } else {
                 self.local_pods.remove(&d.pod);
             }
@@ -756,7 +889,10 @@ impl Compiler {
             self.forget_identity(*x, ids);
         }
         // 6c. Identities whose addresses moved: ipBlock-dependent members.
-        for x in ips_changed.iter().filter(|x| !gone.contains(x) && !born.contains(x)) {
+        for x in ips_changed
+            .iter()
+            .filter(|x| !gone.contains(x) && !born.contains(x))
+        {
             self.recheck_member(*x);
         }
         // 6d. New identities: selection and membership; keys for existing
@@ -772,7 +908,11 @@ impl Compiler {
 
         // 7. Endpoint entries.
         let mut refresh: BTreeSet<u32> = ep_born.into_iter().collect();
-        refresh.extend(touched_ids.iter().filter(|id| self.endpoint_ids.contains(id)));
+        refresh.extend(
+            touched_ids
+                .iter()
+                .filter(|id| self.endpoint_ids.contains(id)),
+        );
         refresh.append(&mut self.flags_dirty);
         for (pod, endpoint) in &now_endpoint {
             if !endpoint {
@@ -789,7 +929,13 @@ impl Compiler {
     }
 
     fn forget_identity(&mut self, x: u32, ids: &mut IdentityAllocator) {
-        let Self { policies, idents, out, endpoint_ids, .. } = self;
+        let Self {
+            policies,
+            idents,
+            out,
+            endpoint_ids,
+            ..
+        } = self;
         for ps in policies.values_mut() {
             ps.selected.remove(&x);
             for (rule, rs) in ps.parsed.rules.iter().zip(ps.rules.iter_mut()) {
@@ -814,7 +960,13 @@ impl Compiler {
     }
 
     fn recheck_member(&mut self, x: u32) {
-        let Self { policies, idents, out, endpoint_ids, .. } = self;
+        let Self {
+            policies,
+            idents,
+            out,
+            endpoint_ids,
+            ..
+        } = self;
         let Some(ident) = idents.get(&x) else { return };
         for ps in policies.values_mut() {
             for (rule, rs) in ps.parsed.rules.iter().zip(ps.rules.iter_mut()) {
@@ -844,7 +996,13 @@ impl Compiler {
     }
 
     fn introduce_identity(&mut self, x: u32) {
-        let Self { policies, idents, out, endpoint_ids, .. } = self;
+        let Self {
+            policies,
+            idents,
+            out,
+            endpoint_ids,
+            ..
+        } = self;
         let Some(ident) = idents.get(&x) else { return };
         for ps in policies.values_mut() {
             if ps.parsed.selects(&ident.key.namespace, &ident.key.labels) {
@@ -864,10 +1022,16 @@ impl Compiler {
     }
 
     fn write_endpoint_keys(&mut self, e: u32) {
-        let Some(ident) = self.idents.get(&e) else { return };
+        let Some(ident) = self.idents.get(&e) else {
+            return;
+        };
         let start = PolicyRef::new(ident.key.namespace.clone(), "");
         let ns = &ident.key.namespace;
-        for (_, ps) in self.policies.range(start..).take_while(|(k, _)| k.namespace == *ns) {
+        for (_, ps) in self
+            .policies
+            .range(start..)
+            .take_while(|(k, _)| k.namespace == *ns)
+        {
             if !ps.selected.contains(&e) {
                 continue;
             }
@@ -902,7 +1066,11 @@ impl Compiler {
         let mut out: BTreeMap<u32, RuleOrigin> = BTreeMap::new();
         for ps in self.policies.values() {
             for r in &ps.parsed.rules {
-                let origin = RuleOrigin { policy: ps.parsed.name.clone(), direction: r.direction, rule_index: r.index };
+                let origin = RuleOrigin {
+                    policy: ps.parsed.name.clone(),
+                    direction: r.direction,
+                    rule_index: r.index,
+                };
                 out.entry(r.rule_ref)
                     .and_modify(|o| {
                         if origin < *o {
@@ -948,6 +1116,11 @@ impl Compiler {
     pub fn into_compiled(self) -> Compiled {
         let rules = self.rules();
         let errors = self.errors();
-        Compiled { maps: self.out.maps, local_pods: self.local_pods, rules, errors }
+        Compiled {
+            maps: self.out.maps,
+            local_pods: self.local_pods,
+            rules,
+            errors,
+        }
     }
 }

@@ -6,29 +6,65 @@ use crate::{cluster::PolicyRef, identity::IdentityError};
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
     #[error("networkpolicy {policy}: {field}: {value:?} is not a valid CIDR")]
-    BadCidr { policy: PolicyRef, field: String, value: String },
+    BadCidr {
+        policy: PolicyRef,
+        field: String,
+        value: String,
+    },
     #[error("networkpolicy {policy}: {field}: {except} is not a strict subset of cidr {cidr}")]
-    ExceptOutsideCidr { policy: PolicyRef, field: String, except: String, cidr: String },
+    ExceptOutsideCidr {
+        policy: PolicyRef,
+        field: String,
+        except: String,
+        cidr: String,
+    },
     #[error(
         "networkpolicy {policy}: {field}: ipBlock cannot be combined with podSelector or namespaceSelector in one peer"
     )]
     IpBlockWithSelector { policy: PolicyRef, field: String },
-    #[error("networkpolicy {policy}: {field}: a peer must set podSelector, namespaceSelector or ipBlock")]
+    #[error(
+        "networkpolicy {policy}: {field}: a peer must set podSelector, namespaceSelector or ipBlock"
+    )]
     EmptyPeer { policy: PolicyRef, field: String },
     #[error("networkpolicy {policy}: {field}: {value:?} is not TCP, UDP or SCTP")]
-    UnknownProtocol { policy: PolicyRef, field: String, value: String },
+    UnknownProtocol {
+        policy: PolicyRef,
+        field: String,
+        value: String,
+    },
     #[error("networkpolicy {policy}: {field}: {value} is outside 1-65535")]
-    PortOutOfRange { policy: PolicyRef, field: String, value: i64 },
+    PortOutOfRange {
+        policy: PolicyRef,
+        field: String,
+        value: i64,
+    },
     #[error("networkpolicy {policy}: {field}: {value:?} is not a valid port name (IANA_SVC_NAME)")]
-    BadPortName { policy: PolicyRef, field: String, value: String },
+    BadPortName {
+        policy: PolicyRef,
+        field: String,
+        value: String,
+    },
     #[error("networkpolicy {policy}: {field}: endPort requires a numeric port")]
     EndPortWithoutNumericPort { policy: PolicyRef, field: String },
     #[error("networkpolicy {policy}: {field}: {end_port} is below port {port}")]
-    EndPortBelowPort { policy: PolicyRef, field: String, port: i32, end_port: i32 },
+    EndPortBelowPort {
+        policy: PolicyRef,
+        field: String,
+        port: i32,
+        end_port: i32,
+    },
     #[error("networkpolicy {policy}: {field}: {problem}")]
-    BadSelector { policy: PolicyRef, field: String, problem: String },
+    BadSelector {
+        policy: PolicyRef,
+        field: String,
+        problem: String,
+    },
     #[error("networkpolicy {policy}: {field}: {value:?} is not Ingress or Egress")]
-    BadPolicyType { policy: PolicyRef, field: String, value: String },
+    BadPolicyType {
+        policy: PolicyRef,
+        field: String,
+        value: String,
+    },
     /// Not a problem of any one policy, but reported with them.
     #[error("identity allocation failed: {0}")]
     Identity(#[from] IdentityError),

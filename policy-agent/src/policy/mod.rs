@@ -37,8 +37,8 @@ pub use self::{
     compiler::{Change, CompileOptions, Compiler},
     error::PolicyError,
     explain::{
-        DirectionReport, ExplainError, ExplainQuery, Explanation, FlowEnd, KeyReport, PeerReport, PolicyReport,
-        RuleMatch, explain,
+        DirectionReport, ExplainError, ExplainQuery, Explanation, FlowEnd, KeyReport, PeerReport,
+        PolicyReport, RuleMatch, explain,
     },
     parse::{ParsedPolicy, Peers, Rule, rule_ref},
     peer::{IpBlock, Namespaces, Peer},
@@ -85,6 +85,10 @@ pub fn compile(state: &ClusterState, ids: &mut IdentityAllocator) -> Compiled {
 }
 
 /// Compiles `state` with `options` (e.g. every pod treated as local).
-pub fn compile_with(state: &ClusterState, ids: &mut IdentityAllocator, options: CompileOptions) -> Compiled {
+pub fn compile_with(
+    state: &ClusterState,
+    ids: &mut IdentityAllocator,
+    options: CompileOptions,
+) -> Compiled {
     Compiler::build(state, ids, options).into_compiled()
 }

@@ -31,7 +31,11 @@ const ANY_PEER_SLOT: usize = 18;
 const _: () = assert!(lookups::ANY_PROTOCOL == 1 << ANY_PROTOCOL_SLOT);
 const _: () = assert!(lookups::ANY_PEER == 1 << ANY_PEER_SLOT);
 
-fn note<K: Ord + Clone, V: Clone>(journal: &mut Option<BTreeMap<K, Option<V>>>, key: &K, old: Option<&V>) {
+fn note<K: Ord + Clone, V: Clone>(
+    journal: &mut Option<BTreeMap<K, Option<V>>>,
+    key: &K,
+    old: Option<&V>,
+) {
     if let Some(j) = journal {
         j.entry(key.clone()).or_insert_with(|| old.cloned());
     }
@@ -79,11 +83,18 @@ impl Output {
     }
 
     fn count(&mut self, key: &PolicyKey, delta: i64) {
-        let c = self.counts.entry((key.endpoint_identity, key.direction)).or_insert([0; SLOTS]);
+        let c = self
+            .counts
+            .entry((key.endpoint_identity, key.direction))
+            .or_insert([0; SLOTS]);
         let (shape, peer) = slots(key);
         for slot in std::iter::once(shape).chain(peer) {
             let before = c[slot];
-            c[slot] = if delta > 0 { before.saturating_add(1) } else { before.saturating_sub(1) };
+            c[slot] = if delta > 0 {
+                before.saturating_add(1)
+            } else {
+                before.saturating_sub(1)
+            };
             if (before == 0) != (c[slot] == 0) {
                 self.dirty_lookups.insert(key.endpoint_identity);
             }
@@ -93,7 +104,10 @@ impl Output {
     /// The lookup bits of endpoint identity `e` in `dir`.
     pub fn lookup_bits(&self, e: u32, dir: u8) -> u32 {
         self.counts.get(&(e, dir)).map_or(0, |c| {
-            c.iter().enumerate().filter(|(_, n)| **n > 0).fold(0, |bits, (slot, _)| bits | (1 << slot))
+            c.iter()
+                .enumerate()
+                .filter(|(_, n)| **n > 0)
+                .fold(0, |bits, (slot, _)| bits | (1 << slot))
         })
     }
 
@@ -102,11 +116,20 @@ impl Output {
         match self.maps.policy.get_mut(&key) {
             None => {
                 note(&mut self.journal_policy, &key, None);
-                self.maps.policy.insert(key, PolicyEntry { rule_ref, _reserved: 0 });
+                self.maps.policy.insert(
+                    key,
+                    PolicyEntry {
+                        rule_ref,
+                        _reserved: 0,
+                    },
+                );
                 self.count(&key, 1);
             }
             Some(entry) => {
-                let list = self.shared.entry(key).or_insert_with(|| vec![entry.rule_ref]);
+                let list = self
+                    .shared
+                    .entry(key)
+                    .or_insert_with(|| vec![entry.rule_ref]);
                 let at = list.partition_point(|r| *r <= rule_ref);
                 list.insert(at, rule_ref);
                 let min = list.first().copied().unwrap_or(rule_ref);
@@ -122,7 +145,10 @@ impl Output {
     pub fn remove_policy(&mut self, key: PolicyKey, rule_ref: u32) {
         if let Some(list) = self.shared.get_mut(&key) {
             let Some(at) = list.iter().position(|r| *r == rule_ref) else {
-                debug_assert!(false, "removing a contribution never added: {key:?} {rule_ref}");
+                debug_assert!(
+                    false,
+                    "removing a contribution never added: {key:?} {rule_ref}"
+                );
                 return;
             };
             list.remove(at);
@@ -148,7 +174,10 @@ impl Output {
 
     /// Drops every key of endpoint identity `e`.
     pub fn remove_endpoint_identity(&mut self, e: u32) {
-        let start = PolicyKey { endpoint_identity: e, ..PolicyKey::default() };
+        let start = PolicyKey {
+            endpoint_identity: e,
+            ..PolicyKey::default()
+        };
         let keys: Vec<PolicyKey> = self
             .maps
             .policy
@@ -207,7 +236,10 @@ impl Output {
 
     /// The map content as it was when the journal started.
     pub fn journal_start_state(&self) -> MapState<PodRef> {
-        fn revert<K: Ord + Clone, V: Clone>(map: &mut BTreeMap<K, V>, journal: Option<&BTreeMap<K, Option<V>>>) {
+        fn revert<K: Ord + Clone, V: Clone>(
+            map: &mut BTreeMap<K, V>,
+            journal: Option<&BTreeMap<K, Option<V>>>,
+        ) {
             for (k, old) in journal.into_iter().flatten() {
                 match old {
                     Some(v) => map.insert(k.clone(), v.clone()),
@@ -245,9 +277,20 @@ impl Output {
         let (ep_up, ep_del) = split(&self.maps.endpoints, self.journal_endpoints.take());
         let (ip_up, ip_del) = split(&self.maps.ipcache, self.journal_ipcache.take());
         let mut ops = Vec::with_capacity(
-            id_up.len() + id_del.len() + pol_up.len() + pol_del.len() + ep_up.len() + ep_del.len() + ip_up.len() + ip_del.len(),
+            id_up.len()
+                + id_del.len()
+                + pol_up.len()
+                + pol_del.len()
+                + ep_up.len()
+                + ep_del.len()
+                + ip_up.len()
+                + ip_del.len(),
         );
-        ops.extend(id_up.into_iter().map(|(k, v)| MapOp::UpsertIdentity(k, v)));
+        ops.extend(
+            id_up
+                .into_iter()
+                .map(|(k, v)| MapOp::UpsertIdentity(k, Box::new(v))),
+        );
         ops.extend(pol_up.into_iter().map(|(k, v)| MapOp::UpsertPolicy(k, v)));
         ops.extend(ep_up.into_iter().map(|(k, v)| MapOp::UpsertEndpoint(k, v)));
         ops.extend(ip_up.into_iter().map(|(k, v)| MapOp::UpsertIpcache(k, v)));
@@ -269,7 +312,11 @@ impl Output {
             + m.ipcache.len() * (size_of::<IpNet>() + size_of::<IpcacheEntry>())
             + m.endpoints.len() * (size_of::<PodRef>() + size_of::<EndpointInfo>())
             + m.identities.len() * (4 + size_of::<IdentityName>())
-            + self.shared.iter().map(|(_, v)| size_of::<PolicyKey>() + 24 + v.len() * 4).sum::<usize>()
+            + self
+                .shared
+                .iter()
+                .map(|(_, v)| size_of::<PolicyKey>() + 24 + v.len() * 4)
+                .sum::<usize>()
             + self.counts.len() * (8 + SLOTS * 4)
     }
 }

@@ -104,13 +104,26 @@ fn fnv1a32(bytes: &[u8]) -> u32 {
 
 /// The name of a direction as the spec spells the field.
 pub fn direction_field(dir: u8) -> &'static str {
-    if dir == direction::INGRESS { "ingress" } else { "egress" }
+    if dir == direction::INGRESS {
+        "ingress"
+    } else {
+        "egress"
+    }
 }
 
 /// The stable 32-bit id written in `PolicyEntry::rule_ref`: FNV-1a of
 /// `namespace/name/ingress|egress/index`.
 pub fn rule_ref(policy: &PolicyRef, dir: u8, index: usize) -> u32 {
-    fnv1a32(format!("{}/{}/{}/{}", policy.namespace, policy.name, direction_field(dir), index).as_bytes())
+    fnv1a32(
+        format!(
+            "{}/{}/{}/{}",
+            policy.namespace,
+            policy.name,
+            direction_field(dir),
+            index
+        )
+        .as_bytes(),
+    )
 }
 
 fn parse_rule(
@@ -122,7 +135,11 @@ fn parse_rule(
     errors: &mut Vec<PolicyError>,
 ) -> Rule {
     let field = format!("spec.{}[{index}]", direction_field(dir));
-    let peer_field = if dir == direction::INGRESS { "from" } else { "to" };
+    let peer_field = if dir == direction::INGRESS {
+        "from"
+    } else {
+        "to"
+    };
     let peers = match peers {
         None => Peers::All,
         Some(list) => Peers::List(
@@ -143,12 +160,20 @@ fn parse_rule(
             list.iter()
                 .enumerate()
                 .filter_map(|(i, p)| {
-                    parse_port(policy, &format!("{field}.ports[{i}]"), p).map_err(|e| errors.push(e)).ok()
+                    parse_port(policy, &format!("{field}.ports[{i}]"), p)
+                        .map_err(|e| errors.push(e))
+                        .ok()
                 })
                 .collect(),
         ),
     };
-    Rule { direction: dir, index, rule_ref: rule_ref(policy, dir, index), peers, ports }
+    Rule {
+        direction: dir,
+        index,
+        rule_ref: rule_ref(policy, dir, index),
+        peers,
+        ports,
+    }
 }
 
 impl ParsedPolicy {
@@ -196,7 +221,10 @@ impl ParsedPolicy {
                     }
                 }
             }
-            if errors.iter().any(|e| matches!(e, PolicyError::BadPolicyType { .. })) {
+            if errors
+                .iter()
+                .any(|e| matches!(e, PolicyError::BadPolicyType { .. }))
+            {
                 // Unknown intent: isolate both ways.
                 (ingress, egress) = (true, true);
             }
@@ -207,13 +235,27 @@ impl ParsedPolicy {
         // isolated directions are kept.
         let mut rules = Vec::new();
         for (i, r) in spec.ingress.iter().flatten().enumerate() {
-            let rule = parse_rule(name, direction::INGRESS, i, r.from.as_ref(), r.ports.as_ref(), &mut errors);
+            let rule = parse_rule(
+                name,
+                direction::INGRESS,
+                i,
+                r.from.as_ref(),
+                r.ports.as_ref(),
+                &mut errors,
+            );
             if ingress {
                 rules.push(rule);
             }
         }
         for (i, r) in spec.egress.iter().flatten().enumerate() {
-            let rule = parse_rule(name, direction::EGRESS, i, r.to.as_ref(), r.ports.as_ref(), &mut errors);
+            let rule = parse_rule(
+                name,
+                direction::EGRESS,
+                i,
+                r.to.as_ref(),
+                r.ports.as_ref(),
+                &mut errors,
+            );
             if egress {
                 rules.push(rule);
             }
@@ -221,7 +263,14 @@ impl ParsedPolicy {
         if !errors.is_empty() {
             rules.clear();
         }
-        Self { name: name.clone(), pod_selector, ingress, egress, rules, errors }
+        Self {
+            name: name.clone(),
+            pod_selector,
+            ingress,
+            egress,
+            rules,
+            errors,
+        }
     }
 
     pub fn is_valid(&self) -> bool {
@@ -230,18 +279,27 @@ impl ParsedPolicy {
 
     /// Whether the policy isolates its selected pods in `dir`.
     pub fn isolates(&self, dir: u8) -> bool {
-        if dir == direction::INGRESS { self.ingress } else { self.egress }
+        if dir == direction::INGRESS {
+            self.ingress
+        } else {
+            self.egress
+        }
     }
 
     /// "Selects the pods to which this NetworkPolicy object applies ... in
     /// the policy's namespace" (all of them if the selector is invalid).
     pub fn selects(&self, namespace: &str, labels: &Labels) -> bool {
-        namespace == self.name.namespace && self.pod_selector.as_ref().is_none_or(|s| s.matches(labels))
+        namespace == self.name.namespace
+            && self.pod_selector.as_ref().is_none_or(|s| s.matches(labels))
     }
 
     /// The prefixes the policy's ipBlocks carve out.
     pub fn prefixes(&self) -> BTreeSet<IpNet> {
-        self.rules.iter().flat_map(|r| r.blocks()).flat_map(IpBlock::prefixes).collect()
+        self.rules
+            .iter()
+            .flat_map(|r| r.blocks())
+            .flat_map(IpBlock::prefixes)
+            .collect()
     }
 
     pub fn rules_in(&self, dir: u8) -> impl Iterator<Item = &Rule> {

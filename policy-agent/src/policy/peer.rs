@@ -46,7 +46,10 @@ pub enum Peer {
     /// Otherwise it selects the pods matching podSelector in the policy's
     /// own namespace." podSelector absent with a namespaceSelector: "all
     /// pods in the namespaces selected by namespaceSelector".
-    Pods { namespaces: Namespaces, pods: Selector },
+    Pods {
+        namespaces: Namespaces,
+        pods: Selector,
+    },
     Block(IpBlock),
 }
 
@@ -104,8 +107,13 @@ fn parse_block(policy: &PolicyRef, field: &str, b: &IPBlock) -> Result<IpBlock, 
 }
 
 /// Validates one peer at `field` (`spec.ingress[0].from[1]`).
-pub fn parse_peer(policy: &PolicyRef, field: &str, p: &NetworkPolicyPeer) -> Result<Peer, PolicyError> {
-    let selector = |sel: &k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector, name: &str| {
+pub fn parse_peer(
+    policy: &PolicyRef,
+    field: &str,
+    p: &NetworkPolicyPeer,
+) -> Result<Peer, PolicyError> {
+    let selector = |sel: &k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector,
+                    name: &str| {
         Selector::parse(sel).map_err(|(sub, problem)| PolicyError::BadSelector {
             policy: policy.clone(),
             field: format!("{field}.{name}.{sub}"),
@@ -117,8 +125,15 @@ pub fn parse_peer(policy: &PolicyRef, field: &str, p: &NetworkPolicyPeer) -> Res
             policy: policy.clone(),
             field: field.to_owned(),
         }),
-        (Some(b), None, None) => Ok(Peer::Block(parse_block(policy, &format!("{field}.ipBlock"), b)?)),
-        (None, None, None) => Err(PolicyError::EmptyPeer { policy: policy.clone(), field: field.to_owned() }),
+        (Some(b), None, None) => Ok(Peer::Block(parse_block(
+            policy,
+            &format!("{field}.ipBlock"),
+            b,
+        )?)),
+        (None, None, None) => Err(PolicyError::EmptyPeer {
+            policy: policy.clone(),
+            field: field.to_owned(),
+        }),
         (None, pods, namespaces) => {
             let pods = match pods {
                 Some(s) => selector(s, "podSelector")?,

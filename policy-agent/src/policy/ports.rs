@@ -36,7 +36,9 @@ pub enum PortMatch {
 impl PortMatch {
     pub fn protocol(&self) -> u8 {
         match self {
-            Self::Protocol(p) | Self::Range { protocol: p, .. } | Self::Named { protocol: p, .. } => *p,
+            Self::Protocol(p)
+            | Self::Range { protocol: p, .. }
+            | Self::Named { protocol: p, .. } => *p,
         }
     }
 
@@ -45,9 +47,11 @@ impl PortMatch {
     pub fn matches(&self, protocol: u8, port: u16, destination: Option<&LabelKey>) -> bool {
         match self {
             Self::Protocol(p) => *p == protocol,
-            Self::Range { protocol: p, first, last } => {
-                *p == protocol && (*first..=*last).contains(&port)
-            }
+            Self::Range {
+                protocol: p,
+                first,
+                last,
+            } => *p == protocol && (*first..=*last).contains(&port),
             Self::Named { protocol: p, name } => {
                 *p == protocol
                     && destination.is_some_and(|d| d.resolve(name, *p).any(|n| n == port))
@@ -65,7 +69,12 @@ pub const ANY_PORT: PortKey = (proto::ANY, 0, 0);
 /// The policy-map port entries of `ports`. Named ports resolve on
 /// `destination` when `named` is set (and are skipped otherwise); numeric
 /// ones are included when `numeric` is set. Sorted, without duplicates.
-pub fn port_keys(ports: &Ports, destination: Option<&LabelKey>, numeric: bool, named: bool) -> Vec<PortKey> {
+pub fn port_keys(
+    ports: &Ports,
+    destination: Option<&LabelKey>,
+    numeric: bool,
+    named: bool,
+) -> Vec<PortKey> {
     let mut out = Vec::new();
     match ports {
         Ports::All => {
@@ -77,8 +86,16 @@ pub fn port_keys(ports: &Ports, destination: Option<&LabelKey>, numeric: bool, n
             for m in list {
                 match m {
                     PortMatch::Protocol(p) if numeric => out.push((*p, 0, 0)),
-                    PortMatch::Range { protocol, first, last } if numeric => {
-                        out.extend(range_blocks(*first, *last).into_iter().map(|(port, len)| (*protocol, len, port)));
+                    PortMatch::Range {
+                        protocol,
+                        first,
+                        last,
+                    } if numeric => {
+                        out.extend(
+                            range_blocks(*first, *last)
+                                .into_iter()
+                                .map(|(port, len)| (*protocol, len, port)),
+                        );
                     }
                     PortMatch::Named { protocol, name } if named => {
                         if let Some(d) = destination {
@@ -102,7 +119,11 @@ pub fn range_blocks(first: u16, last: u16) -> Vec<(u16, u8)> {
     let (mut start, end) = (u32::from(first), u32::from(last));
     while start <= end {
         // The largest power-of-two block aligned at `start` within the range.
-        let mut size: u32 = if start == 0 { 1 << 16 } else { 1 << start.trailing_zeros().min(16) };
+        let mut size: u32 = if start == 0 {
+            1 << 16
+        } else {
+            1 << start.trailing_zeros().min(16)
+        };
         while start + size - 1 > end {
             size >>= 1;
         }
@@ -119,7 +140,8 @@ pub fn range_blocks(first: u16, last: u16) -> Vec<(u16, u8)> {
 pub fn is_valid_port_name(name: &str) -> bool {
     let b = name.as_bytes();
     (1..=15).contains(&b.len())
-        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
         && b.iter().any(u8::is_ascii_lowercase)
         && !name.starts_with('-')
         && !name.ends_with('-')
@@ -139,24 +161,34 @@ pub fn parse_protocol(name: Option<&str>) -> Option<u8> {
 }
 
 /// Validates one `ports` element at `field` (`spec.ingress[0].ports[1]`).
-pub fn parse_port(policy: &PolicyRef, field: &str, p: &NetworkPolicyPort) -> Result<PortMatch, PolicyError> {
-    let protocol = parse_protocol(p.protocol.as_deref()).ok_or_else(|| PolicyError::UnknownProtocol {
-        policy: policy.clone(),
-        field: format!("{field}.protocol"),
-        value: p.protocol.clone().unwrap_or_default(),
-    })?;
+pub fn parse_port(
+    policy: &PolicyRef,
+    field: &str,
+    p: &NetworkPolicyPort,
+) -> Result<PortMatch, PolicyError> {
+    let protocol =
+        parse_protocol(p.protocol.as_deref()).ok_or_else(|| PolicyError::UnknownProtocol {
+            policy: policy.clone(),
+            field: format!("{field}.protocol"),
+            value: p.protocol.clone().unwrap_or_default(),
+        })?;
     let in_range = |v: i32| u16::try_from(v).ok().filter(|n| *n != 0);
     match (&p.port, p.end_port) {
         (None, None) => Ok(PortMatch::Protocol(protocol)),
         // "endPort ... cannot be defined if the port field is not defined
         // or if the port field is defined as a named (string) port."
-        (None | Some(IntOrString::String(_)), Some(_)) => Err(PolicyError::EndPortWithoutNumericPort {
-            policy: policy.clone(),
-            field: format!("{field}.endPort"),
-        }),
+        (None | Some(IntOrString::String(_)), Some(_)) => {
+            Err(PolicyError::EndPortWithoutNumericPort {
+                policy: policy.clone(),
+                field: format!("{field}.endPort"),
+            })
+        }
         (Some(IntOrString::String(name)), None) => {
             if is_valid_port_name(name) {
-                Ok(PortMatch::Named { protocol, name: name.clone() })
+                Ok(PortMatch::Named {
+                    protocol,
+                    name: name.clone(),
+                })
             } else {
                 Err(PolicyError::BadPortName {
                     policy: policy.clone(),
@@ -172,7 +204,11 @@ pub fn parse_port(policy: &PolicyRef, field: &str, p: &NetworkPolicyPort) -> Res
                 value: i64::from(*port),
             })?;
             let Some(end) = end else {
-                return Ok(PortMatch::Range { protocol, first, last: first });
+                return Ok(PortMatch::Range {
+                    protocol,
+                    first,
+                    last: first,
+                });
             };
             // "The endPort must be equal or greater than port."
             let last = in_range(end).ok_or_else(|| PolicyError::PortOutOfRange {
@@ -188,7 +224,11 @@ pub fn parse_port(policy: &PolicyRef, field: &str, p: &NetworkPolicyPort) -> Res
                     end_port: end,
                 });
             }
-            Ok(PortMatch::Range { protocol, first, last })
+            Ok(PortMatch::Range {
+                protocol,
+                first,
+                last,
+            })
         }
     }
 }
@@ -216,11 +256,22 @@ mod tests {
         assert_eq!(range_blocks(0, 65535), vec![(0, 0)]);
         assert_eq!(range_blocks(1, 65535).len(), 16);
         assert_eq!(range_blocks(65535, 65535), vec![(65535, 16)]);
-        for (a, b) in [(1, 1), (3, 17), (1000, 2000), (32768, 65535), (65000, 65535), (7, 8)] {
+        for (a, b) in [
+            (1, 1),
+            (3, 17),
+            (1000, 2000),
+            (32768, 65535),
+            (65000, 65535),
+            (7, 8),
+        ] {
             let blocks = range_blocks(a, b);
             assert_eq!(covered(&blocks), (a..=b).collect::<Vec<_>>(), "{a}-{b}");
             for (p, len) in blocks {
-                assert_eq!(p & !policy_common::policy::port_mask(len), 0, "{p}/{len} aligned");
+                assert_eq!(
+                    p & !policy_common::policy::port_mask(len),
+                    0,
+                    "{p}/{len} aligned"
+                );
             }
         }
     }
@@ -230,7 +281,17 @@ mod tests {
         for ok in ["http", "h2c", "a-b", "dns-tcp", "x123456789abcde"] {
             assert!(is_valid_port_name(ok), "{ok}");
         }
-        for bad in ["", "HTTP", "123", "-a", "a-", "a--b", "x123456789abcdef", "a_b", "80"] {
+        for bad in [
+            "",
+            "HTTP",
+            "123",
+            "-a",
+            "a-",
+            "a--b",
+            "x123456789abcdef",
+            "a_b",
+            "80",
+        ] {
             assert!(!is_valid_port_name(bad), "{bad}");
         }
     }

@@ -51,7 +51,9 @@ impl Selector {
 
     /// "The requirements are ANDed": matchLabels and matchExpressions alike.
     pub fn matches(&self, labels: &Labels) -> bool {
-        self.match_labels.iter().all(|(k, v)| labels.get(k) == Some(v))
+        self.match_labels
+            .iter()
+            .all(|(k, v)| labels.get(k) == Some(v))
             && self.match_expressions.iter().all(|r| r.matches(labels))
     }
 
@@ -68,7 +70,10 @@ impl Selector {
         for (i, expr) in sel.match_expressions.iter().flatten().enumerate() {
             let field = format!("matchExpressions[{i}]");
             if expr.key.is_empty() {
-                return Err((format!("{field}.key"), "a label key must not be empty".into()));
+                return Err((
+                    format!("{field}.key"),
+                    "a label key must not be empty".into(),
+                ));
             }
             let values: BTreeSet<String> = expr.values.iter().flatten().cloned().collect();
             let has_values = expr.values.as_ref().is_some_and(|v| !v.is_empty());
@@ -113,7 +118,9 @@ mod tests {
     use super::*;
 
     fn labels(kv: &[(&str, &str)]) -> Labels {
-        kv.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+        kv.iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
     }
 
     fn expr(key: &str, op: &str, values: Option<&[&str]>) -> LabelSelectorRequirement {
@@ -125,22 +132,73 @@ mod tests {
     }
 
     fn sel(exprs: Vec<LabelSelectorRequirement>) -> LabelSelector {
-        LabelSelector { match_expressions: Some(exprs), match_labels: None }
+        LabelSelector {
+            match_expressions: Some(exprs),
+            match_labels: None,
+        }
     }
 
     #[test]
     fn operators() {
         let cases: &[(&str, &str, Option<&[&str]>, &[(&str, &str)], bool)] = &[
-            ("in matches a listed value", "In", Some(&["a", "b"]), &[("k", "b")], true),
-            ("in rejects other values", "In", Some(&["a"]), &[("k", "c")], false),
+            (
+                "in matches a listed value",
+                "In",
+                Some(&["a", "b"]),
+                &[("k", "b")],
+                true,
+            ),
+            (
+                "in rejects other values",
+                "In",
+                Some(&["a"]),
+                &[("k", "c")],
+                false,
+            ),
             ("in rejects a missing key", "In", Some(&["a"]), &[], false),
-            ("notin rejects a listed value", "NotIn", Some(&["a"]), &[("k", "a")], false),
-            ("notin accepts other values", "NotIn", Some(&["a"]), &[("k", "b")], true),
-            ("notin on a missing key is true", "NotIn", Some(&["a"]), &[], true),
+            (
+                "notin rejects a listed value",
+                "NotIn",
+                Some(&["a"]),
+                &[("k", "a")],
+                false,
+            ),
+            (
+                "notin accepts other values",
+                "NotIn",
+                Some(&["a"]),
+                &[("k", "b")],
+                true,
+            ),
+            (
+                "notin on a missing key is true",
+                "NotIn",
+                Some(&["a"]),
+                &[],
+                true,
+            ),
             ("exists", "Exists", None, &[("k", "")], true),
-            ("exists rejects a missing key", "Exists", None, &[("j", "x")], false),
-            ("doesnotexist", "DoesNotExist", Some(&[]), &[("j", "x")], true),
-            ("doesnotexist rejects a present key", "DoesNotExist", None, &[("k", "x")], false),
+            (
+                "exists rejects a missing key",
+                "Exists",
+                None,
+                &[("j", "x")],
+                false,
+            ),
+            (
+                "doesnotexist",
+                "DoesNotExist",
+                Some(&[]),
+                &[("j", "x")],
+                true,
+            ),
+            (
+                "doesnotexist rejects a present key",
+                "DoesNotExist",
+                None,
+                &[("k", "x")],
+                false,
+            ),
         ];
         for (name, op, values, l, want) in cases {
             let s = Selector::parse(&sel(vec![expr("k", op, *values)])).unwrap();
@@ -158,7 +216,11 @@ mod tests {
         assert!(s.matches(&labels(&[("app", "web"), ("tier", "fe")])));
         assert!(!s.matches(&labels(&[("app", "web")])));
         assert!(!s.matches(&labels(&[("tier", "fe")])));
-        assert!(Selector::parse(&LabelSelector::default()).unwrap().matches(&labels(&[])));
+        assert!(
+            Selector::parse(&LabelSelector::default())
+                .unwrap()
+                .matches(&labels(&[]))
+        );
     }
 
     #[test]
@@ -167,7 +229,11 @@ mod tests {
             ("In", None, "matchExpressions[0].values"),
             ("NotIn", Some(&[][..]), "matchExpressions[0].values"),
             ("Exists", Some(&["x"][..]), "matchExpressions[0].values"),
-            ("DoesNotExist", Some(&["x"][..]), "matchExpressions[0].values"),
+            (
+                "DoesNotExist",
+                Some(&["x"][..]),
+                "matchExpressions[0].values",
+            ),
             ("Equals", Some(&["x"][..]), "matchExpressions[0].operator"),
         ] {
             let err = Selector::parse(&sel(vec![expr("k", op, values)])).unwrap_err();

@@ -4,15 +4,17 @@
 //!
 //! Used by the demo, the kernel end-to-end tests and the benchmarks. It only
 //! ever creates, and sends traffic between, namespaces it made itself.
+mod matrix;
 mod netns;
 mod node;
 mod probe;
 mod serve;
 
 pub use self::{
+    matrix::{Matrix, NODE_ROW, Target},
     netns::{NetNs, run},
     node::{NODE_V4, NODE_V6, PodNet, SimNode, SimPod, cleanup_prefix, pods_from_manifests},
-    probe::{Outcome, Probe, Transport, matrix, probe_all},
+    probe::{Outcome, Probe, Transport, connect, echo, matrix, probe_all},
     serve::Servers,
 };
 

@@ -187,31 +187,42 @@ impl SimNode {
             (p.host_if.clone(), p.netns.name.clone(), p.pod.ips.clone())
         };
         let netns = NetNs::borrow(&netns_name);
-        for ip in &old {
-            let (fam, len) = if ip.is_ipv4() {
-                ("-4", 32)
+        let net_of = |ip: &IpAddr| {
+            if ip.is_ipv4() {
+                ("-4", format!("{ip}/32"))
             } else {
-                ("-6", 128)
-            };
-            let net = format!("{ip}/{len}");
-            netns.ip(&[fam, "addr", "del", &net, "dev", "eth0"])?;
-            self.node
-                .ip(&[fam, "route", "del", &net, "dev", &host_if])?;
-        }
-        for ip in ips {
-            let (fam, len) = if ip.is_ipv4() {
-                ("-4", 32)
-            } else {
-                ("-6", 128)
-            };
-            let net = format!("{ip}/{len}");
+                ("-6", format!("{ip}/128"))
+            }
+        };
+        // New addresses first: removing an interface's last address would
+        // flush its routes.
+        for ip in ips.iter().filter(|ip| !old.contains(ip)) {
+            let (fam, net) = net_of(ip);
             if ip.is_ipv6() {
                 netns.ip(&[fam, "addr", "add", &net, "dev", "eth0", "nodad"])?;
             } else {
                 netns.ip(&[fam, "addr", "add", &net, "dev", "eth0"])?;
             }
             self.node
-                .ip(&[fam, "route", "add", &net, "dev", &host_if])?;
+                .ip(&[fam, "route", "replace", &net, "dev", &host_if])?;
+        }
+        for ip in old.iter().filter(|ip| !ips.contains(ip)) {
+            let (fam, net) = net_of(ip);
+            netns.ip(&[fam, "addr", "del", &net, "dev", "eth0"])?;
+            let _ = self.node.ip(&[fam, "route", "del", &net, "dev", &host_if]);
+        }
+        if ips.iter().any(IpAddr::is_ipv4) {
+            netns.ip(&[
+                "route", "replace", GATEWAY_V4, "dev", "eth0", "scope", "link",
+            ])?;
+            netns.ip(&[
+                "route", "replace", "default", "via", GATEWAY_V4, "dev", "eth0",
+            ])?;
+        }
+        if ips.iter().any(IpAddr::is_ipv6) {
+            netns.ip(&[
+                "-6", "route", "replace", "default", "via", GATEWAY_V6, "dev", "eth0",
+            ])?;
         }
         self.pods[i].pod.ips = ips.to_vec();
         Ok(())
@@ -221,6 +232,9 @@ impl SimNode {
     pub fn remove_pod(&mut self, id: &str) -> Option<SimPod> {
         let i = self.pods.iter().position(|p| p.pod.id() == id)?;
         let p = self.pods.remove(i);
+        // Delete the veth now: namespace teardown is asynchronous, and its
+        // routes would linger for a moment.
+        let _ = self.node.ip(&["link", "del", &p.host_if]);
         Some(p.pod.clone())
     }
 

@@ -232,3 +232,41 @@ pub fn matrix(
     }
     Ok(out)
 }
+
+/// Opens a TCP connection from inside `netns` and reads the greeting; the
+/// socket keeps working from any thread afterwards (its namespace is fixed
+/// at creation).
+pub fn connect(
+    netns: &NetNs,
+    to: SocketAddr,
+    timeout: Duration,
+) -> Result<std::net::TcpStream, Error> {
+    let name = netns.name.clone();
+    let handle = netns.spawn(move || -> std::io::Result<std::net::TcpStream> {
+        let mut s = std::net::TcpStream::connect_timeout(&to, timeout)?;
+        s.set_read_timeout(Some(timeout))?;
+        let mut buf = [0u8; 3];
+        s.read_exact(&mut buf)?;
+        Ok(s)
+    })?;
+    let joined = handle
+        .join()
+        .map_err(|_| Error::Invalid(format!("connect thread in {name} panicked")))??;
+    joined.map_err(|source| Error::Socket {
+        netns: name,
+        source,
+    })
+}
+
+/// Sends `payload` on an open connection and waits for its echo.
+pub fn echo(stream: &mut std::net::TcpStream, payload: &[u8], timeout: Duration) -> Outcome {
+    if stream.set_read_timeout(Some(timeout)).is_err() || stream.write_all(payload).is_err() {
+        return Outcome::Blocked;
+    }
+    let mut got = vec![0u8; payload.len()];
+    match stream.read_exact(&mut got) {
+        Ok(()) if got == payload => Outcome::Open,
+        Err(e) if e.kind() == ErrorKind::ConnectionReset => Outcome::Refused,
+        _ => Outcome::Blocked,
+    }
+}

@@ -1,4 +1,5 @@
 //! Shared helpers for the kernel tests.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
+pub mod conformance;
 pub mod harness;

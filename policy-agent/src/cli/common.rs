@@ -1,0 +1,48 @@
+//! Options and helpers shared by subcommands.
+use std::path::PathBuf;
+
+use clap::ValueEnum;
+use policy_agent::{
+    datapath::bpf::{DEFAULT_PIN_ROOT, PinLayout},
+    enforce::Problem,
+};
+
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Where the pinned state lives.
+#[derive(clap::Args, Clone, Debug)]
+pub struct PinArgs {
+    /// Pin directory root (the layout version is appended: <root>/v1).
+    #[arg(long, env = "POLICY_AGENT_PIN_DIR", default_value = DEFAULT_PIN_ROOT)]
+    pub pin_dir: PathBuf,
+}
+
+impl PinArgs {
+    pub fn layout(&self) -> PinLayout {
+        PinLayout::new(&self.pin_dir)
+    }
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DatapathChoice {
+    /// eBPF, falling back to iptables when BPF cannot be used.
+    Auto,
+    Bpf,
+    Iptables,
+}
+
+/// Prints problems to stderr, one per line.
+pub fn print_problems(problems: &[Problem]) {
+    for p in problems {
+        eprintln!("not enforced: {p}");
+    }
+}

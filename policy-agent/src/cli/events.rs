@@ -1,0 +1,39 @@
+//! `policy-agent events`: follow drops live.
+use std::{process::ExitCode, time::Duration};
+
+use anyhow::Context as _;
+use policy_agent::inspect::DropEventReader;
+
+use super::common::PinArgs;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    pub pins: PinArgs,
+    /// JSON lines instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Stop after this many events.
+    #[arg(long)]
+    pub count: Option<usize>,
+}
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let layout = args.pins.layout();
+    let mut reader = DropEventReader::open(&layout)
+        .context("opening the drop-event ring buffer (is the agent installed?)")?;
+    let mut seen = 0usize;
+    loop {
+        for record in reader.next_batch(Duration::from_millis(500)) {
+            if args.json {
+                println!("{}", serde_json::to_string(&record)?);
+            } else {
+                println!("{record}");
+            }
+            seen += 1;
+            if args.count.is_some_and(|c| seen >= c) {
+                return Ok(ExitCode::SUCCESS);
+            }
+        }
+    }
+}

@@ -1,0 +1,81 @@
+//! `policy-agent explain`: the verdict for one flow and why.
+use std::{path::PathBuf, process::ExitCode};
+
+use anyhow::{Context as _, bail};
+use policy_agent::{
+    cluster::ObjectRef,
+    identity::IdentityAllocator,
+    k8s,
+    policy::{CompileOptions, ExplainQuery, FlowEnd, compile_with, explain},
+};
+use policy_common::proto;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Directory of manifests describing the cluster.
+    #[arg(long)]
+    pub manifests: PathBuf,
+    /// Source: NAMESPACE/POD or an IP address.
+    #[arg(long)]
+    pub from: String,
+    /// Destination: NAMESPACE/POD or an IP address.
+    #[arg(long)]
+    pub to: String,
+    /// Destination port.
+    #[arg(long)]
+    pub port: u16,
+    /// TCP, UDP or SCTP.
+    #[arg(long, default_value = "TCP")]
+    pub protocol: String,
+    /// JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn flow_end(s: &str) -> anyhow::Result<FlowEnd> {
+    if let Ok(ip) = s.parse() {
+        return Ok(FlowEnd::Ip(ip));
+    }
+    match s.split_once('/') {
+        Some((ns, pod)) if !ns.is_empty() && !pod.is_empty() => {
+            Ok(FlowEnd::Pod(ObjectRef::new(ns, pod)))
+        }
+        _ => bail!("{s:?} is neither NAMESPACE/POD nor an IP address"),
+    }
+}
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let protocol = match args.protocol.to_ascii_uppercase().as_str() {
+        "TCP" => proto::TCP,
+        "UDP" => proto::UDP,
+        "SCTP" => proto::SCTP,
+        other => bail!("unknown protocol {other:?}: use TCP, UDP or SCTP"),
+    };
+    let mut loaded = k8s::load_dir(&args.manifests);
+    // Explain judges every pod as if it were local: no node is needed.
+    let state = loaded.cluster_state("", Vec::new());
+    for e in &loaded.errors {
+        eprintln!("warning: {e}");
+    }
+    let mut ids = IdentityAllocator::new();
+    let compiled = compile_with(
+        &state,
+        &mut ids,
+        CompileOptions {
+            all_pods_local: true,
+        },
+    );
+    let query = ExplainQuery {
+        src: flow_end(&args.from)?,
+        dst: flow_end(&args.to)?,
+        protocol,
+        port: args.port,
+    };
+    let explanation = explain(&state, &compiled, &query).context("explaining")?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&explanation)?);
+    } else {
+        print!("{explanation}");
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,66 @@
+//! The command line (a fixed contract: scripts depend on it).
+mod apply;
+mod common;
+mod demo;
+mod dump;
+mod events;
+mod explain;
+mod reset;
+mod run;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "policy-agent",
+    version,
+    about = "Kubernetes NetworkPolicy enforcement with eBPF (iptables fallback)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Enforce the state in a directory of manifests once, and exit.
+    Apply(apply::Args),
+    /// Enforce continuously: watch manifests (or the API server), netlink
+    /// link events, and serve /metrics, /healthz and /readyz.
+    Run(run::Args),
+    /// Remove every program, link, pin, chain and set the agent installed.
+    Reset(reset::Args),
+    /// Explain the verdict for one flow, with the rules and map keys behind it.
+    Explain(explain::Args),
+    /// Print the pinned maps decoded into names.
+    Dump(dump::Args),
+    /// Follow drop events live.
+    Events(events::Args),
+    /// Enforce manifests on a simulated node and show the connectivity
+    /// matrix before and after (needs root; creates and removes network
+    /// namespaces of its own).
+    Demo(demo::Args),
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    common::init_tracing();
+    let result = match cli.command {
+        Command::Apply(a) => apply::run(a),
+        Command::Run(a) => run::run(a),
+        Command::Reset(a) => reset::run(a),
+        Command::Explain(a) => explain::run(a),
+        Command::Dump(a) => dump::run(a),
+        Command::Events(a) => events::run(a),
+        Command::Demo(a) => demo::run(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,69 @@
+//! `policy-agent run`: the daemon.
+use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
+
+use anyhow::{Context as _, bail};
+use policy_agent::{
+    daemon::{self, Config, Source},
+    datapath::bpf::LoadOptions,
+};
+
+use super::common::{DatapathChoice, PinArgs};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Watch this directory of manifests instead of an API server.
+    #[arg(long)]
+    pub manifests: Option<PathBuf>,
+    /// This node's name (in a cluster: from the downward API).
+    #[arg(long, env = "NODE_NAME")]
+    pub node: String,
+    /// Address for /metrics, /healthz and /readyz.
+    #[arg(long, default_value = "127.0.0.1:9402")]
+    pub listen: SocketAddr,
+    #[arg(long, value_enum, default_value = "auto")]
+    pub datapath: DatapathChoice,
+    #[command(flatten)]
+    pub pins: PinArgs,
+    /// Attach with netlink clsact filters even where TCX is available.
+    #[arg(long)]
+    pub force_netlink: bool,
+    /// Quiet time (ms) that ends a burst of changes.
+    #[arg(long, default_value_t = 100)]
+    pub debounce_ms: u64,
+}
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let Some(dir) = args.manifests.clone() else {
+        bail!("cluster mode (no --manifests) is not available in this build; pass --manifests DIR");
+    };
+    if args.datapath == DatapathChoice::Iptables {
+        bail!("the iptables datapath is not available in this build");
+    }
+    let mut config = Config::new(args.node.clone(), args.pins.layout());
+    config.listen = args.listen;
+    config.load = LoadOptions {
+        force_netlink: args.force_netlink,
+        ..Default::default()
+    };
+    config.debounce = Duration::from_millis(args.debounce_ms);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    runtime.block_on(async move {
+        let shutdown = async {
+            let mut term =
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(s) => s,
+                    Err(_) => return,
+                };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        };
+        daemon::run(config, Source::Manifests(dir), shutdown).await
+    })?;
+    Ok(ExitCode::SUCCESS)
+}

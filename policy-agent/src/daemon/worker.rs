@@ -1,0 +1,182 @@
+//! The sync worker: one thread owns the datapath; triggers are coalesced
+//! (debounced) and each burst ends in one sync.
+use std::{
+    sync::{
+        Arc,
+        mpsc::{Receiver, RecvTimeoutError},
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use tracing::{error, info, warn};
+
+use super::Config;
+use crate::{
+    cluster::ClusterState,
+    enforce::{BpfEnforcer, Problem, unready_local_pods},
+    inspect::DropEventReader,
+    metrics::Metrics,
+    netlink,
+};
+
+/// A snapshot of the cluster from a source, with what it could not read.
+#[derive(Clone, Debug, Default)]
+pub struct SourceState {
+    pub state: ClusterState,
+    pub problems: Vec<Problem>,
+}
+
+pub enum Trigger {
+    State(Arc<SourceState>),
+    /// A pod interface appeared or changed.
+    Links,
+    /// Periodic: read the maps back and sync.
+    Resync,
+    Stop,
+}
+
+pub fn spawn(
+    config: Config,
+    rx: Receiver<Trigger>,
+    metrics: Arc<Metrics>,
+) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("sync".into())
+        .spawn(move || run(config, rx, metrics))
+}
+
+fn run(config: Config, rx: Receiver<Trigger>, metrics: Arc<Metrics>) {
+    let mut enforcer: Option<BpfEnforcer> = None;
+    let mut current: Option<Arc<SourceState>> = None;
+    let mut last_problems: Vec<Problem> = Vec::new();
+    let mut drops_started = false;
+    let mut retry_at: Option<Instant> = None;
+    loop {
+        // Wait for a trigger (or a pending retry), then let the burst settle.
+        let first = match retry_at {
+            Some(at) => match rx.recv_timeout(at.saturating_duration_since(Instant::now())) {
+                Ok(t) => Some(t),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return,
+            },
+            None => match rx.recv() {
+                Ok(t) => Some(t),
+                Err(_) => return,
+            },
+        };
+        let started = Instant::now();
+        let mut resync = false;
+        let mut pending = first.into_iter().collect::<Vec<_>>();
+        loop {
+            for t in pending.drain(..) {
+                match t {
+                    Trigger::State(s) => current = Some(s),
+                    Trigger::Links => {}
+                    Trigger::Resync => resync = true,
+                    Trigger::Stop => return,
+                }
+            }
+            if started.elapsed() >= config.max_delay {
+                break;
+            }
+            match rx.recv_timeout(config.debounce) {
+                Ok(t) => pending.push(t),
+                Err(RecvTimeoutError::Timeout) => break,
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        }
+        let Some(source) = current.clone() else {
+            continue;
+        };
+
+        if enforcer.is_none() {
+            match BpfEnforcer::open(&config.layout, &config.load) {
+                Ok(e) => enforcer = Some(e),
+                Err(e) => {
+                    error!(error = %e, "cannot open the BPF datapath; retrying in 5s");
+                    metrics.sync_failed(started.elapsed(), e.metric_label());
+                    retry_at = Some(Instant::now() + Duration::from_secs(5));
+                    continue;
+                }
+            }
+        }
+        let Some(enf) = enforcer.as_mut() else {
+            continue;
+        };
+        if resync {
+            enf.forget_cache();
+        }
+        let mut state = source.state.clone();
+        state.node_ips = match netlink::local_addresses() {
+            Ok(ips) => ips,
+            Err(e) => {
+                warn!(error = %e, "reading node addresses; keeping the last known");
+                Vec::new()
+            }
+        };
+        match enf.sync(&state) {
+            Ok(report) => {
+                retry_at = None;
+                let mut problems = source.problems.clone();
+                problems.extend(unready_local_pods(&state));
+                problems.extend(report.problems.iter().cloned());
+                metrics.sync_done(
+                    started.elapsed(),
+                    report.writes,
+                    report.endpoints,
+                    problems.len(),
+                );
+                metrics.set_ready();
+                if report.writes > 0 || !report.attached.is_empty() || !report.detached.is_empty() {
+                    info!(
+                        writes = report.writes,
+                        endpoints = report.endpoints,
+                        attached = ?report.attached,
+                        detached = ?report.detached,
+                        took_ms = started.elapsed().as_millis() as u64,
+                        "synced"
+                    );
+                }
+                if problems != last_problems {
+                    for p in &problems {
+                        warn!(problem = %p, "not enforced as written");
+                    }
+                    last_problems = problems;
+                }
+                if !drops_started {
+                    drops_started = spawn_drop_logger(&config);
+                }
+            }
+            Err(e) => {
+                error!(error = %e, "sync failed; the previous state stays enforced; retrying");
+                metrics.sync_failed(started.elapsed(), e.metric_label());
+                enf.forget_cache();
+                retry_at = Some(Instant::now() + Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+/// Logs drop events with pod names, from a thread of its own.
+fn spawn_drop_logger(config: &Config) -> bool {
+    let layout = config.layout.clone();
+    let reader = match DropEventReader::open(&layout) {
+        Ok(r) => r,
+        Err(e) => {
+            warn!(error = %e, "drop events unavailable");
+            return false;
+        }
+    };
+    std::thread::Builder::new()
+        .name("drop-events".into())
+        .spawn(move || {
+            let mut reader = reader;
+            loop {
+                for record in reader.next_batch(Duration::from_secs(1)) {
+                    info!(target: "drops", "{record}");
+                }
+            }
+        })
+        .is_ok()
+}

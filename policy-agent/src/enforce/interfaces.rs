@@ -1,0 +1,99 @@
+//! Finding each local pod's host-side interface by the route to its IPs
+//! (works for routed veths: Calico, kindnet, Cilium-style ptp).
+use std::{collections::BTreeMap, net::IpAddr};
+
+use super::Problem;
+use crate::{cluster::PodRef, netlink};
+
+/// A pod's host-side interface.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Interface {
+    pub ifindex: u32,
+    pub name: String,
+}
+
+/// Resolves every pod in the calling thread's namespace. A pod is left out
+/// (with a problem) when an IP has no route, routes through a gateway, or
+/// its IPs route to different interfaces, or the interface is not a veth:
+/// attaching to the node's uplink by mistake would judge all traffic.
+pub fn resolve_interfaces(
+    pods: &BTreeMap<PodRef, Vec<IpAddr>>,
+) -> (BTreeMap<PodRef, Interface>, Vec<Problem>) {
+    let mut found = BTreeMap::new();
+    let mut problems = Vec::new();
+    let links: BTreeMap<u32, netlink::Link> = match netlink::links() {
+        Ok(l) => l.into_iter().map(|l| (l.index, l)).collect(),
+        Err(e) => {
+            problems.push(Problem {
+                object: "node".into(),
+                reason: format!("listing interfaces: {e}"),
+            });
+            return (found, problems);
+        }
+    };
+    for (pod, ips) in pods {
+        let mut problem = |reason: String| {
+            problems.push(Problem {
+                object: format!("pod {pod}"),
+                reason,
+            })
+        };
+        let mut ifindex = None;
+        let mut bad = false;
+        for ip in ips {
+            match netlink::route_to(*ip) {
+                Ok(Some(route)) if route.gateway.is_none() => match ifindex {
+                    None => ifindex = Some(route.oif),
+                    Some(i) if i == route.oif => {}
+                    Some(i) => {
+                        problem(format!(
+                            "its IPs route to different interfaces ({i} and {})",
+                            route.oif
+                        ));
+                        bad = true;
+                    }
+                },
+                Ok(Some(route)) => {
+                    problem(format!(
+                        "{ip} routes through a gateway ({:?}), not to a local pod interface",
+                        route.gateway
+                    ));
+                    bad = true;
+                }
+                Ok(None) => {
+                    problem(format!(
+                        "no route to {ip}: its interface is missing (not attached)"
+                    ));
+                    bad = true;
+                }
+                Err(e) => {
+                    problem(format!("route lookup for {ip}: {e}"));
+                    bad = true;
+                }
+            }
+        }
+        let Some(ifindex) = ifindex.filter(|_| !bad) else {
+            continue;
+        };
+        match links.get(&ifindex) {
+            Some(link) if link.kind.as_deref() == Some("veth") => {
+                found.insert(
+                    pod.clone(),
+                    Interface {
+                        ifindex,
+                        name: link.name.clone(),
+                    },
+                );
+            }
+            Some(link) => problem(format!(
+                "its IPs route to {} (kind {}), not a veth: refusing to attach there",
+                link.name,
+                link.kind.as_deref().unwrap_or("unknown")
+            )),
+            None => problem(format!(
+                "its IPs route to ifindex {ifindex}, which does not exist"
+            )),
+        }
+    }
+    (found, problems)
+}

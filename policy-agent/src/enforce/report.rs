@@ -1,0 +1,54 @@
+//! What one sync did, and what it could not do.
+use std::fmt;
+
+/// Something not enforced as asked, naming the object and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    /// e.g. "pod default/web", "networkpolicy shop/deny", "file a.yaml".
+    pub object: String,
+    pub reason: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.object, self.reason)
+    }
+}
+
+/// The outcome of one sync.
+#[derive(Clone, Debug, Default)]
+pub struct SyncReport {
+    /// Map writes applied.
+    pub writes: usize,
+    /// Local endpoints enforced.
+    pub endpoints: usize,
+    /// Interfaces newly attached / detached.
+    pub attached: Vec<String>,
+    pub detached: Vec<String>,
+    /// Objects not enforced as written (policies fail closed).
+    pub problems: Vec<Problem>,
+}
+
+impl SyncReport {
+    pub fn ok(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+/// Local pods that cannot be enforced yet because they hold no IP.
+pub fn unready_local_pods(state: &crate::cluster::ClusterState) -> Vec<Problem> {
+    state
+        .pods
+        .iter()
+        .filter(|(_, p)| {
+            p.node_name.as_deref() == Some(state.node_name.as_str())
+                && !p.host_network
+                && !p.terminal
+        })
+        .filter(|(_, p)| p.ips.is_empty())
+        .map(|(r, _)| Problem {
+            object: format!("pod {r}"),
+            reason: "has no IP (status.podIP/podIPs empty): nothing to enforce on yet".into(),
+        })
+        .collect()
+}

@@ -1,0 +1,271 @@
+//! `policy-agent dump`: the pinned maps decoded into names.
+use std::fmt;
+
+use policy_common::{
+    config::CONFIG_DEBUG_LOG,
+    endpoint::{
+        ATTACH_CREATED_CLSACT, ATTACH_NETLINK, ATTACH_TCX, ENDPOINT_EGRESS_ISOLATED,
+        ENDPOINT_INGRESS_ISOLATED,
+    },
+    identity,
+};
+use serde::Serialize;
+
+use super::names::{Names, address, direction_name, endpoint_text, protocol_name};
+use crate::datapath::bpf::{BpfMaps, Error, PinLayout};
+
+#[derive(Debug, Serialize)]
+pub struct Dump {
+    pub pin_dir: String,
+    pub debug_log: bool,
+    pub endpoints: Vec<EndpointRow>,
+    pub identities: Vec<IdentityRow>,
+    pub ipcache: Vec<IpcacheRow>,
+    pub policy: Vec<PolicyRow>,
+    pub conntrack: Vec<CtRow>,
+    pub counters: Vec<CounterRow>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct EndpointRow {
+    pub ifindex: u32,
+    pub pod: String,
+    pub identity: u32,
+    pub labels: String,
+    pub ingress_isolated: bool,
+    pub egress_isolated: bool,
+    pub revision: u32,
+    pub attach: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct IdentityRow {
+    pub identity: u32,
+    pub kind: &'static str,
+    pub name: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct IpcacheRow {
+    pub prefix: String,
+    pub identity: u32,
+    pub identity_name: String,
+    pub cidr_identity: u32,
+    pub cidr_name: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PolicyRow {
+    pub endpoint_identity: u32,
+    pub endpoint: String,
+    pub direction: &'static str,
+    pub peer_identity: u32,
+    pub peer: String,
+    pub protocol: String,
+    /// "80", "8000/13" (a block of ports) or "any".
+    pub ports: String,
+    pub rule_ref: u32,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CtRow {
+    pub endpoint: String,
+    pub protocol: String,
+    pub src: String,
+    pub dst: String,
+    pub opened: &'static str,
+    pub revision: u32,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CounterRow {
+    pub reason: &'static str,
+    pub direction: &'static str,
+    pub packets: u64,
+}
+
+fn attach_text(bits: u32) -> String {
+    let mut parts = Vec::new();
+    if bits & ATTACH_TCX != 0 {
+        parts.push("tcx");
+    }
+    if bits & ATTACH_NETLINK != 0 {
+        parts.push("netlink");
+    }
+    if bits & ATTACH_CREATED_CLSACT != 0 {
+        parts.push("created-clsact");
+    }
+    if parts.is_empty() {
+        "none".into()
+    } else {
+        parts.join(",")
+    }
+}
+
+/// Reads everything pinned under `layout`.
+pub fn dump(layout: &PinLayout) -> Result<Dump, Error> {
+    let maps = BpfMaps::from_pins(layout)?;
+    let state = maps.read_state()?;
+    let names = Names {
+        identities: state.identities.clone(),
+        endpoints: maps.read_meta()?,
+    };
+    let config = maps.config()?;
+    let endpoints = state
+        .endpoints
+        .iter()
+        .map(|(ifindex, ep)| EndpointRow {
+            ifindex: *ifindex,
+            pod: names.endpoint(*ifindex),
+            identity: ep.identity,
+            labels: names.identity(ep.identity),
+            ingress_isolated: ep.flags & ENDPOINT_INGRESS_ISOLATED != 0,
+            egress_isolated: ep.flags & ENDPOINT_EGRESS_ISOLATED != 0,
+            revision: ep.revision,
+            attach: attach_text(names.endpoints.get(ifindex).map(|m| m.attach).unwrap_or(0)),
+        })
+        .collect();
+    let identities = state
+        .identities
+        .keys()
+        .map(|id| IdentityRow {
+            identity: *id,
+            kind: if identity::is_cidr(*id) {
+                "cidr"
+            } else {
+                "labels"
+            },
+            name: names.identity(*id),
+        })
+        .collect();
+    let ipcache = state
+        .ipcache
+        .iter()
+        .map(|(net, e)| IpcacheRow {
+            prefix: net.to_string(),
+            identity: e.identity,
+            identity_name: if e.identity == identity::ANY {
+                "-".into()
+            } else {
+                names.identity(e.identity)
+            },
+            cidr_identity: e.cidr_identity,
+            cidr_name: names.identity(e.cidr_identity),
+        })
+        .collect();
+    let policy = state
+        .policy
+        .iter()
+        .map(|(k, v)| PolicyRow {
+            endpoint_identity: k.endpoint_identity,
+            endpoint: names.identity(k.endpoint_identity),
+            direction: direction_name(k.direction),
+            peer_identity: k.peer_identity,
+            peer: names.identity(k.peer_identity),
+            protocol: protocol_name(k.protocol),
+            ports: match k.port_prefix_len {
+                0 => "any".into(),
+                16 => k.port.to_string(),
+                len => format!("{}-{} ({}/{len})", k.port, k.port | (0xffff >> len), k.port),
+            },
+            rule_ref: v.rule_ref,
+        })
+        .collect();
+    let mut conntrack = Vec::new();
+    for item in maps.conntrack.iter() {
+        let (k, v) = item.map_err(Error::map(policy_common::maps::CONNTRACK))?;
+        conntrack.push(CtRow {
+            endpoint: names.endpoint(k.ifindex),
+            protocol: protocol_name(k.protocol),
+            src: endpoint_text(address(k.family, &k.src), k.sport, k.protocol),
+            dst: endpoint_text(address(k.family, &k.dst), k.dport, k.protocol),
+            opened: direction_name(v.direction),
+            revision: v.revision,
+        });
+    }
+    let counters = maps
+        .counters()?
+        .into_iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|((reason, dir), packets)| CounterRow {
+            reason: reason.name(),
+            direction: direction_name(dir),
+            packets,
+        })
+        .collect();
+    Ok(Dump {
+        pin_dir: layout.versioned().display().to_string(),
+        debug_log: config.flags & CONFIG_DEBUG_LOG != 0,
+        endpoints,
+        identities,
+        ipcache,
+        policy,
+        conntrack,
+        counters,
+    })
+}
+
+impl fmt::Display for Dump {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "pins: {}   kernel debug log: {}",
+            self.pin_dir,
+            if self.debug_log { "on" } else { "off" }
+        )?;
+        writeln!(f, "\nENDPOINTS ({})", self.endpoints.len())?;
+        for e in &self.endpoints {
+            let iso = match (e.ingress_isolated, e.egress_isolated) {
+                (true, true) => "ingress+egress isolated",
+                (true, false) => "ingress isolated",
+                (false, true) => "egress isolated",
+                (false, false) => "not isolated",
+            };
+            writeln!(
+                f,
+                "  if{:<5} {:<32} id {:<8} rev {:<4} {iso:<24} [{}] {}",
+                e.ifindex, e.pod, e.identity, e.revision, e.attach, e.labels
+            )?;
+        }
+        writeln!(f, "\nIDENTITIES ({})", self.identities.len())?;
+        for i in &self.identities {
+            writeln!(f, "  {:<10} {:<6} {}", i.identity, i.kind, i.name)?;
+        }
+        writeln!(f, "\nIPCACHE ({})", self.ipcache.len())?;
+        for r in &self.ipcache {
+            writeln!(
+                f,
+                "  {:<28} pod {:<10} class {:<10} {} | {}",
+                r.prefix, r.identity, r.cidr_identity, r.identity_name, r.cidr_name
+            )?;
+        }
+        writeln!(f, "\nPOLICY ({})", self.policy.len())?;
+        for p in &self.policy {
+            writeln!(
+                f,
+                "  {:<8} {:<7} peer {:<10} {:<6} {:<22} rule {:08x}  [{}] <- [{}]",
+                p.endpoint_identity,
+                p.direction,
+                p.peer_identity,
+                p.protocol,
+                p.ports,
+                p.rule_ref,
+                p.endpoint,
+                p.peer
+            )?;
+        }
+        writeln!(f, "\nCONNTRACK ({})", self.conntrack.len())?;
+        for c in &self.conntrack {
+            writeln!(
+                f,
+                "  {:<28} {:<6} {} -> {} (opened {}, rev {})",
+                c.endpoint, c.protocol, c.src, c.dst, c.opened, c.revision
+            )?;
+        }
+        writeln!(f, "\nCOUNTERS")?;
+        for c in &self.counters {
+            writeln!(f, "  {:<26} {:<7} {}", c.reason, c.direction, c.packets)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,6 @@
+//! Prometheus metrics and the small HTTP server that serves them with
+//! /healthz and /readyz.
+mod http;
+mod registry;
+
+pub use self::{http::serve, registry::Metrics};

@@ -1,0 +1,231 @@
+//! The agent's own metrics, plus the kernel's verdict counters and map
+//! fill read from the pins at scrape time.
+use std::{
+    fmt::Write as _,
+    sync::{
+        Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use crate::datapath::bpf::{BpfMaps, PinLayout};
+
+/// Upper bounds (seconds) of the sync duration histogram.
+const BUCKETS: [f64; 12] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+];
+
+#[derive(Default)]
+struct Histogram {
+    counts: [u64; BUCKETS.len()],
+    count: u64,
+    sum: f64,
+}
+
+/// Shared by the sync worker (writes) and the HTTP server (reads).
+pub struct Metrics {
+    layout: Option<PinLayout>,
+    ready: AtomicBool,
+    syncs_ok: AtomicU64,
+    syncs_failed: AtomicU64,
+    problems: AtomicU64,
+    endpoints: AtomicU64,
+    map_writes: AtomicU64,
+    last_sync_unix: AtomicU64,
+    durations: Mutex<Histogram>,
+    errors_by_kind: Mutex<std::collections::BTreeMap<String, u64>>,
+}
+
+impl Metrics {
+    /// `layout`: where to read kernel counters at scrape time (None: none).
+    pub fn new(layout: Option<PinLayout>) -> Self {
+        Self {
+            layout,
+            ready: AtomicBool::new(false),
+            syncs_ok: AtomicU64::new(0),
+            syncs_failed: AtomicU64::new(0),
+            problems: AtomicU64::new(0),
+            endpoints: AtomicU64::new(0),
+            map_writes: AtomicU64::new(0),
+            last_sync_unix: AtomicU64::new(0),
+            durations: Mutex::new(Histogram::default()),
+            errors_by_kind: Mutex::new(Default::default()),
+        }
+    }
+
+    pub fn ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed)
+    }
+
+    pub fn set_ready(&self) {
+        self.ready.store(true, Ordering::Relaxed);
+    }
+
+    /// Records one sync that reached the datapath.
+    pub fn sync_done(&self, took: Duration, writes: usize, endpoints: usize, problems: usize) {
+        self.syncs_ok.fetch_add(1, Ordering::Relaxed);
+        self.map_writes.fetch_add(writes as u64, Ordering::Relaxed);
+        self.endpoints.store(endpoints as u64, Ordering::Relaxed);
+        self.problems.store(problems as u64, Ordering::Relaxed);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        self.last_sync_unix.store(now, Ordering::Relaxed);
+        self.observe(took);
+    }
+
+    /// Records a sync that failed (the previous state stays enforced).
+    pub fn sync_failed(&self, took: Duration, kind: &str) {
+        self.syncs_failed.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut m) = self.errors_by_kind.lock() {
+            *m.entry(kind.to_owned()).or_default() += 1;
+        }
+        self.observe(took);
+    }
+
+    fn observe(&self, took: Duration) {
+        let secs = took.as_secs_f64();
+        if let Ok(mut h) = self.durations.lock() {
+            for (i, le) in BUCKETS.iter().enumerate() {
+                if secs <= *le {
+                    h.counts[i] += 1;
+                }
+            }
+            h.count += 1;
+            h.sum += secs;
+        }
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let mut gauge = |name: &str, help: &str, kind: &str, value: String| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+            );
+        };
+        gauge(
+            "policy_agent_ready",
+            "1 once the first full sync is enforced.",
+            "gauge",
+            u64::from(self.ready()).to_string(),
+        );
+        gauge(
+            "policy_agent_endpoints",
+            "Local endpoints enforced.",
+            "gauge",
+            self.endpoints.load(Ordering::Relaxed).to_string(),
+        );
+        gauge(
+            "policy_agent_problems",
+            "Objects not enforced as written in the last sync (invalid policies fail closed).",
+            "gauge",
+            self.problems.load(Ordering::Relaxed).to_string(),
+        );
+        gauge(
+            "policy_agent_map_writes_total",
+            "Map writes applied.",
+            "counter",
+            self.map_writes.load(Ordering::Relaxed).to_string(),
+        );
+        gauge(
+            "policy_agent_last_sync_timestamp_seconds",
+            "Unix time of the last successful sync.",
+            "gauge",
+            self.last_sync_unix.load(Ordering::Relaxed).to_string(),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP policy_agent_syncs_total Syncs by result.\n# TYPE policy_agent_syncs_total counter"
+        );
+        let _ = writeln!(
+            out,
+            "policy_agent_syncs_total{{result=\"ok\"}} {}",
+            self.syncs_ok.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "policy_agent_syncs_total{{result=\"error\"}} {}",
+            self.syncs_failed.load(Ordering::Relaxed)
+        );
+        if let Ok(m) = self.errors_by_kind.lock() {
+            let _ = writeln!(
+                out,
+                "# HELP policy_agent_sync_errors_total Failed syncs by kind.\n# TYPE policy_agent_sync_errors_total counter"
+            );
+            for (k, v) in m.iter() {
+                let _ = writeln!(out, "policy_agent_sync_errors_total{{kind=\"{k}\"}} {v}");
+            }
+        }
+        if let Ok(h) = self.durations.lock() {
+            let name = "policy_agent_sync_duration_seconds";
+            let _ = writeln!(
+                out,
+                "# HELP {name} Time from a change to its enforcement in the datapath.\n# TYPE {name} histogram"
+            );
+            for (i, le) in BUCKETS.iter().enumerate() {
+                let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {}", h.counts[i]);
+            }
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}",
+                h.count, h.sum, h.count
+            );
+        }
+        if let Some(layout) = &self.layout {
+            render_kernel(&mut out, layout);
+        }
+        out
+    }
+}
+
+fn render_kernel(out: &mut String, layout: &PinLayout) {
+    let Ok(maps) = BpfMaps::from_pins(layout) else {
+        return;
+    };
+    if let Ok(counters) = maps.counters() {
+        let _ = writeln!(
+            out,
+            "# HELP policy_agent_packets_total Packets judged by the classifier, by verdict reason and pod direction.\n# TYPE policy_agent_packets_total counter"
+        );
+        for ((reason, dir), n) in &counters {
+            let d = crate::inspect::direction_label(*dir);
+            let _ = writeln!(
+                out,
+                "policy_agent_packets_total{{reason=\"{}\",direction=\"{d}\"}} {n}",
+                reason.name()
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP policy_agent_drops_total Packets dropped, by reason.\n# TYPE policy_agent_drops_total counter"
+        );
+        let mut drops: std::collections::BTreeMap<&str, u64> = Default::default();
+        for ((reason, _), n) in &counters {
+            if reason.is_drop() {
+                *drops.entry(reason.name()).or_default() += n;
+            }
+        }
+        for (r, n) in drops {
+            let _ = writeln!(out, "policy_agent_drops_total{{reason=\"{r}\"}} {n}");
+        }
+    }
+    let _ = writeln!(
+        out,
+        "# HELP policy_agent_map_entries Entries in each datapath map.\n# TYPE policy_agent_map_entries gauge"
+    );
+    let fill = maps.fill();
+    for (name, n, _) in &fill {
+        let _ = writeln!(out, "policy_agent_map_entries{{map=\"{name}\"}} {n}");
+    }
+    let _ = writeln!(
+        out,
+        "# HELP policy_agent_map_capacity Capacity of each datapath map.\n# TYPE policy_agent_map_capacity gauge"
+    );
+    for (name, _, cap) in &fill {
+        let _ = writeln!(out, "policy_agent_map_capacity{{map=\"{name}\"}} {cap}");
+    }
+}

@@ -1,0 +1,187 @@
+//! rtnetlink queries the agent needs: the interface a pod IP routes to, an
+//! interface's name and kind, the node's own addresses, and link events.
+mod request;
+mod watch;
+
+use std::net::IpAddr;
+
+use netlink_packet_core::{NLM_F_DUMP, NLM_F_REQUEST};
+use netlink_packet_route::{
+    AddressFamily, RouteNetlinkMessage,
+    address::{AddressAttribute, AddressMessage},
+    link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage},
+    route::{RouteAddress, RouteAttribute, RouteMessage},
+};
+
+use self::request::request;
+pub use self::watch::{LinkEvent, watch_links};
+
+/// Errors talking to the kernel over netlink.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("netlink socket: {0}")]
+    Socket(#[source] std::io::Error),
+    #[error("netlink {what}: {source}")]
+    Request {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("netlink {what}: cannot decode the reply: {detail}")]
+    Decode { what: &'static str, detail: String },
+}
+
+/// An interface's name and link kind ("veth", "bridge", ...).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Link {
+    pub index: u32,
+    pub name: String,
+    pub kind: Option<String>,
+}
+
+/// Where the kernel would send a packet for `ip` (as `ip route get`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Route {
+    pub oif: u32,
+    /// Set when the route goes through a gateway (not a pod's own route).
+    pub gateway: Option<IpAddr>,
+}
+
+/// `ip route get <ip>` in the calling thread's network namespace.
+pub fn route_to(ip: IpAddr) -> Result<Option<Route>, Error> {
+    let mut msg = RouteMessage::default();
+    match ip {
+        IpAddr::V4(a) => {
+            msg.header.address_family = AddressFamily::Inet;
+            msg.header.destination_prefix_length = 32;
+            msg.attributes
+                .push(RouteAttribute::Destination(RouteAddress::Inet(a)));
+        }
+        IpAddr::V6(a) => {
+            msg.header.address_family = AddressFamily::Inet6;
+            msg.header.destination_prefix_length = 128;
+            msg.attributes
+                .push(RouteAttribute::Destination(RouteAddress::Inet6(a)));
+        }
+    }
+    let replies = match request(
+        "route get",
+        RouteNetlinkMessage::GetRoute(msg),
+        NLM_F_REQUEST,
+    ) {
+        Ok(r) => r,
+        // No route at all (ENETUNREACH/EHOSTUNREACH): nothing to attach to.
+        Err(Error::Request { source, .. })
+            if matches!(
+                source.raw_os_error(),
+                Some(libc::ENETUNREACH) | Some(libc::EHOSTUNREACH)
+            ) =>
+        {
+            return Ok(None);
+        }
+        Err(e) => return Err(e),
+    };
+    for reply in replies {
+        if let RouteNetlinkMessage::NewRoute(route) = reply {
+            let mut oif = None;
+            let mut gateway = None;
+            for attr in &route.attributes {
+                match attr {
+                    RouteAttribute::Oif(i) => oif = Some(*i),
+                    RouteAttribute::Gateway(RouteAddress::Inet(a)) => {
+                        gateway = Some(IpAddr::V4(*a))
+                    }
+                    RouteAttribute::Gateway(RouteAddress::Inet6(a)) => {
+                        gateway = Some(IpAddr::V6(*a))
+                    }
+                    _ => {}
+                }
+            }
+            if let Some(oif) = oif {
+                return Ok(Some(Route { oif, gateway }));
+            }
+        }
+    }
+    Ok(None)
+}
+
+fn link_from(msg: &LinkMessage) -> Link {
+    let mut link = Link {
+        index: msg.header.index,
+        name: String::new(),
+        kind: None,
+    };
+    for attr in &msg.attributes {
+        match attr {
+            LinkAttribute::IfName(n) => link.name = n.clone(),
+            LinkAttribute::LinkInfo(infos) => {
+                for info in infos {
+                    if let LinkInfo::Kind(kind) = info {
+                        link.kind = Some(kind_name(kind));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    link
+}
+
+fn kind_name(kind: &InfoKind) -> String {
+    match kind {
+        InfoKind::Veth => "veth".to_owned(),
+        other => format!("{other:?}").to_lowercase(),
+    }
+}
+
+/// Every interface in the calling thread's namespace.
+pub fn links() -> Result<Vec<Link>, Error> {
+    let replies = request(
+        "link dump",
+        RouteNetlinkMessage::GetLink(LinkMessage::default()),
+        NLM_F_REQUEST | NLM_F_DUMP,
+    )?;
+    Ok(replies
+        .iter()
+        .filter_map(|r| match r {
+            RouteNetlinkMessage::NewLink(l) => Some(link_from(l)),
+            _ => None,
+        })
+        .collect())
+}
+
+/// One interface by index.
+pub fn link(index: u32) -> Result<Option<Link>, Error> {
+    Ok(links()?.into_iter().find(|l| l.index == index))
+}
+
+/// The namespace's own unicast addresses, loopback and link-local left
+/// out: the node's addresses, always allowed to reach its pods.
+pub fn local_addresses() -> Result<Vec<IpAddr>, Error> {
+    let replies = request(
+        "address dump",
+        RouteNetlinkMessage::GetAddress(AddressMessage::default()),
+        NLM_F_REQUEST | NLM_F_DUMP,
+    )?;
+    let mut out = Vec::new();
+    for r in replies {
+        let RouteNetlinkMessage::NewAddress(a) = r else {
+            continue;
+        };
+        for attr in &a.attributes {
+            let ip = match attr {
+                AddressAttribute::Local(ip) => *ip,
+                AddressAttribute::Address(ip) if a.header.family == AddressFamily::Inet6 => *ip,
+                _ => continue,
+            };
+            let skip = ip.is_loopback()
+                || ip.is_unspecified()
+                || matches!(ip, IpAddr::V6(v6) if (v6.segments()[0] & 0xffc0) == 0xfe80);
+            if !skip && !out.contains(&ip) {
+                out.push(ip);
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}

@@ -1,0 +1,70 @@
+//! One rtnetlink request and its (possibly multipart) reply.
+use netlink_packet_core::{NetlinkHeader, NetlinkMessage, NetlinkPayload};
+use netlink_packet_route::RouteNetlinkMessage;
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+
+use super::Error;
+
+pub(super) fn request(
+    what: &'static str,
+    msg: RouteNetlinkMessage,
+    flags: u16,
+) -> Result<Vec<RouteNetlinkMessage>, Error> {
+    let mut socket = Socket::new(NETLINK_ROUTE).map_err(Error::Socket)?;
+    socket.bind_auto().map_err(Error::Socket)?;
+    socket
+        .connect(&SocketAddr::new(0, 0))
+        .map_err(Error::Socket)?;
+
+    let mut header = NetlinkHeader::default();
+    header.flags = flags;
+    header.sequence_number = 1;
+    let mut packet = NetlinkMessage::new(header, NetlinkPayload::from(msg));
+    packet.finalize();
+    let mut buf = vec![0u8; packet.buffer_len()];
+    packet.serialize(&mut buf[..]);
+    socket
+        .send(&buf, 0)
+        .map_err(|source| Error::Request { what, source })?;
+
+    let dump = flags & netlink_packet_core::NLM_F_DUMP == netlink_packet_core::NLM_F_DUMP;
+    let mut out = Vec::new();
+    let mut rx = vec![0u8; 1 << 16];
+    loop {
+        let size = socket
+            .recv(&mut &mut rx[..], 0)
+            .map_err(|source| Error::Request { what, source })?;
+        let mut offset = 0;
+        while offset < size {
+            let bytes = &rx[offset..size];
+            let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(bytes).map_err(|e| {
+                Error::Decode {
+                    what,
+                    detail: e.to_string(),
+                }
+            })?;
+            let len = msg.header.length as usize;
+            match msg.payload {
+                NetlinkPayload::Done(_) => return Ok(out),
+                NetlinkPayload::Error(e) => {
+                    if let Some(code) = e.code {
+                        return Err(Error::Request {
+                            what,
+                            source: std::io::Error::from_raw_os_error(-code.get()),
+                        });
+                    }
+                    return Ok(out); // an ACK
+                }
+                NetlinkPayload::InnerMessage(m) => out.push(m),
+                _ => {}
+            }
+            if len == 0 {
+                break;
+            }
+            offset += len;
+        }
+        if !dump {
+            return Ok(out);
+        }
+    }
+}

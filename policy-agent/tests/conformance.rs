@@ -1,0 +1,321 @@
+//! The conformance suite: NetworkPolicy semantics enforced on a simulated
+//! node (3 namespaces × 3 pods, TCP 80/8080, UDP 53/5353, ICMP, IPv4 and
+//! IPv6), each scenario applied with `policy-agent apply` (or `run`) and
+//! the full matrix probed with real connections. Needs root.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use policy_agent::sim::{Outcome, Transport, connect, echo};
+use support::conformance::{
+    Backend, Conformance, is_node, labels, name_of, ns_of, same_ns, socket,
+};
+
+/// Self traffic and the node are always allowed.
+fn always(from: &str, to: &str) -> bool {
+    is_node(from) || from == to
+}
+
+macro_rules! conformance_suite {
+    ($module:ident, $backend:expr, $p:literal) => {
+        mod $module {
+            use super::*;
+
+            fn env(n: &'static str) -> Conformance {
+                Conformance::new(n, $backend)
+            }
+
+            #[test]
+            fn no_policy_leaves_everything_open() {
+                let c = env(concat!($p, "open"));
+                c.apply_ok();
+                c.check("no policy", |_, _, _, _| true);
+            }
+
+            #[test]
+            fn default_deny_ingress_isolates_a_namespace() {
+                let c = env(concat!($p, "deny"));
+                c.write_policies(
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny, namespace: alpha}\nspec:\n  podSelector: {}\n  policyTypes: [Ingress]\n",
+                );
+                c.apply_ok();
+                // Egress from alpha stays open (replies pass), ingress to alpha closes.
+                c.check("default deny", |f, t, _, _| always(f, t) || ns_of(t) != "alpha");
+            }
+
+            #[test]
+            fn allow_from_the_same_namespace() {
+                let c = env(concat!($p, "samens"));
+                c.write_policies(
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: same, namespace: alpha}\nspec:\n  podSelector: {}\n  ingress:\n    - from: [{podSelector: {}}]\n",
+                );
+                c.apply_ok();
+                c.check("same namespace", |f, t, _, _| always(f, t) || ns_of(t) != "alpha" || same_ns(f, t));
+            }
+
+            #[test]
+            fn peer_selectors_and_within_a_peer_or_across_peers() {
+                let c = env(concat!($p, "andor"));
+                c.write_policies(
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: db, namespace: beta}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  ingress:\n    - from:\n        - namespaceSelector: {matchLabels: {team: a}}\n          podSelector: {matchLabels: {app: api}}\n",
+                );
+                c.apply_ok();
+                c.check("AND peer", |f, t, _, _| always(f, t) || t != "beta/db" || f == "alpha/api");
+                // The same selectors as two peers: an OR.
+                c.write_policies(
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: db, namespace: beta}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  ingress:\n    - from:\n        - namespaceSelector: {matchLabels: {team: a}}\n        - podSelector: {matchLabels: {app: api}}\n",
+                );
+                c.apply_ok();
+                c.check("OR peers", |f, t, _, _| {
+                    always(f, t) || t != "beta/db" || ns_of(f) == "alpha" || f == "beta/api"
+                });
+            }
+
+            #[test]
+            fn ip_block_except_narrows_only_its_own_peer_and_matches_pod_ips() {
+                let c = env(concat!($p, "except"));
+                // alpha's pods are 10.244.1.0/24 and fd00:244:1::/64; alpha/api is .11 / ::11.
+                let block = "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: block, namespace: beta}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress:\n    - from:\n        - ipBlock: {cidr: 10.244.1.0/24, except: [10.244.1.11/32]}\n        - ipBlock: {cidr: \"fd00:244:1::/64\", except: [\"fd00:244:1::11/128\"]}\n";
+                c.write_policies(block);
+                c.apply_ok();
+                c.check("ipBlock except", |f, t, _, _| {
+                    always(f, t) || t != "beta/web" || (ns_of(f) == "alpha" && name_of(f) != "api")
+                });
+                // Another policy may still allow the excepted address.
+                let more = format!(
+                    "{block}---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: api, namespace: beta}}\nspec:\n  podSelector: {{matchLabels: {{app: web}}}}\n  ingress:\n    - from:\n        - namespaceSelector: {{matchLabels: {{team: a}}}}\n          podSelector: {{matchLabels: {{app: api}}}}\n      ports: [{{port: 80}}]\n"
+                );
+                c.write_policies(&more);
+                c.apply_ok();
+                c.check("except is not a deny", |f, t, port, tr| {
+                    always(f, t)
+                        || t != "beta/web"
+                        || (ns_of(f) == "alpha" && name_of(f) != "api")
+                        || (f == "alpha/api" && port == 80 && tr == Transport::Tcp)
+                });
+            }
+
+            #[test]
+            fn named_ports_resolve_on_each_destination_pod() {
+                let c = env(concat!($p, "named"));
+                // In gamma, "http" is 8080 and "admin" is 80.
+                c.write_policies(
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: web, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress: [{ports: [{port: http}]}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: web, namespace: gamma}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress: [{ports: [{port: http}]}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: api-out, namespace: beta}\nspec:\n  podSelector: {matchLabels: {app: api}}\n  policyTypes: [Egress]\n  egress:\n    - to: [{namespaceSelector: {}}]\n      ports: [{port: admin}]\n",
+                );
+                c.apply_ok();
+                c.check("named ports", |f, t, port, tr| {
+                    if always(f, t) {
+                        return true;
+                    }
+                    // beta/api may only open connections to each pod's "admin".
+                    if f == "beta/api" {
+                        let admin = if ns_of(t) == "gamma" { 80 } else { 8080 };
+                        if !(tr == Transport::Tcp && port == admin) {
+                            return false;
+                        }
+                    }
+                    match t {
+                        "alpha/web" => tr == Transport::Tcp && port == 80,
+                        "gamma/web" => tr == Transport::Tcp && port == 8080,
+                        _ => true,
+                    }
+                });
+            }
+
+            #[test]
+            fn end_port_ranges_and_protocols_are_exact() {
+                let c = env(concat!($p, "range"));
+                c.write_policies(
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: range, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  ingress: [{ports: [{port: 80, endPort: 1000}]}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: udp, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress: [{ports: [{protocol: UDP, port: 53}]}]\n",
+                );
+                c.apply_ok();
+                c.check("endPort and protocol", |f, t, port, tr| match t {
+                    _ if always(f, t) => true,
+                    "alpha/db" => tr == Transport::Tcp && (80..=1000).contains(&port),
+                    "alpha/web" => tr == Transport::Udp && port == 53,
+                    _ => true,
+                });
+            }
+
+            #[test]
+            fn egress_rules_limit_what_a_pod_opens_but_not_replies() {
+                let c = env(concat!($p, "egress"));
+                c.write_policies(
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: out, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: api}}\n  policyTypes: [Egress]\n  egress:\n    - to: [{podSelector: {matchLabels: {app: db}}}]\n      ports: [{port: 80}]\n",
+                );
+                c.apply_ok();
+                c.check("egress", |f, t, port, tr| {
+                    always(f, t) || f != "alpha/api" || (t == "alpha/db" && port == 80 && tr == Transport::Tcp)
+                });
+            }
+
+            #[test]
+            fn empty_lists_are_not_absent_lists() {
+                let c = env(concat!($p, "empty"));
+                // from: [] allows nothing; {} allows everything; absent ports allow ICMP too.
+                c.write_policies(
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: none, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress: [{from: []}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: all, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: api}}\n  ingress: [{}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: port80, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  ingress: [{ports: [{port: 80}]}]\n",
+                );
+                c.apply_ok();
+                c.check("empty vs absent", |f, t, port, tr| match t {
+                    _ if always(f, t) => true,
+                    "alpha/web" => false,
+                    "alpha/api" => true,
+                    "alpha/db" => tr == Transport::Tcp && port == 80,
+                    _ => true,
+                });
+            }
+
+            #[test]
+            fn policy_types_default_from_the_egress_list() {
+                let c = env(concat!($p, "ptypes"));
+                // egress: [] without policyTypes: Ingress only (egress stays open).
+                // A non-empty egress list without policyTypes adds Egress.
+                c.write_policies(
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: a, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  egress: []\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: b, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  egress: [{to: [{podSelector: {matchLabels: {app: web}}}]}]\n",
+                );
+                c.apply_ok();
+                c.check("policyTypes defaulting", |f, t, _, _| {
+                    if always(f, t) {
+                        return true;
+                    }
+                    if t == "alpha/web" || t == "alpha/db" {
+                        return false; // both isolated for ingress with no ingress rules
+                    }
+                    if f == "alpha/db" {
+                        return t == "alpha/web";
+                    }
+                    true
+                });
+            }
+
+            #[test]
+            fn label_changes_of_pods_and_namespaces_move_access() {
+                let mut c = env(concat!($p, "labels"));
+                c.write_policies(
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: db, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  ingress:\n    - from: [{podSelector: {matchLabels: {app: api}}}]\n    - from: [{namespaceSelector: {matchLabels: {trusted: \"yes\"}}}]\n",
+                );
+                c.apply_ok();
+                c.check("before relabel", |f, t, _, _| always(f, t) || t != "alpha/db" || f == "alpha/api");
+                c.pod_mut("alpha/web").labels = labels(&[("app", "api"), ("tier", "front")]);
+                c.pod_mut("alpha/api").labels = labels(&[("app", "retired")]);
+                c.ns_mut("gamma").labels.insert("trusted".into(), "yes".into());
+                c.write_cluster();
+                c.apply_ok();
+                c.check("after relabel", |f, t, _, _| {
+                    always(f, t) || t != "alpha/db" || f == "alpha/web" || ns_of(f) == "gamma"
+                });
+            }
+
+            #[test]
+            fn deleting_a_policy_restores_traffic() {
+                let c = env(concat!($p, "delete"));
+                c.write_policies(
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny, namespace: beta}\nspec: {podSelector: {}, policyTypes: [Ingress, Egress]}\n",
+                );
+                c.apply_ok();
+                c.check("deny both ways", |f, t, _, _| always(f, t) || (ns_of(f) != "beta" && ns_of(t) != "beta"));
+                c.write_policies("");
+                c.apply_ok();
+                c.check("deleted", |_, _, _, _| true);
+            }
+
+            #[test]
+            fn a_reused_ip_follows_the_pod_that_holds_it_now() {
+                let mut c = env(concat!($p, "reuse"));
+                c.write_policies(
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: db, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  ingress: [{from: [{podSelector: {matchLabels: {app: api}}}]}]\n",
+                );
+                c.apply_ok();
+                // alpha/api is deleted; alpha/web takes over its addresses.
+                let api_ips = c.pod_mut("alpha/api").ips.clone();
+                c.pods.retain(|p| p.id() != "alpha/api");
+                c.node.as_mut().unwrap().remove_pod("alpha/api");
+                c.node.as_mut().unwrap().readdress("alpha/web", &api_ips).unwrap();
+                c.pod_mut("alpha/web").ips = api_ips.clone();
+                {
+                    // web serves on its new addresses.
+                    let node = c.node.as_ref().unwrap();
+                    let web = node.pod("alpha/web").unwrap();
+                    c.servers.as_mut().unwrap().add(&web.netns, &web.pod).unwrap();
+                }
+                c.write_cluster();
+                c.apply_ok();
+                // From the reused address, web must not reach db.
+                let m = c.matrix();
+                for (from, target, _) in m.cells.keys() {
+                    if from == "alpha/web" && target.pod == "alpha/db" {
+                        assert_ne!(m.cells[&(from.clone(), target.clone(), false)], Outcome::Open, "reused IP kept api's access: {target}");
+                    }
+                }
+                c.check("after reuse", |f, t, _, _| always(f, t) || t != "alpha/db");
+            }
+
+            #[test]
+            fn established_connections_are_cut_when_a_policy_denies_them() {
+                let c = env(concat!($p, "cut"));
+                c.apply_ok();
+                let client = &c.node().pod("beta/web").unwrap().netns;
+                let mut cut = connect(client, socket("10.244.1.12", 80), Duration::from_secs(2)).unwrap();
+                let mut kept = connect(client, socket("10.244.1.11", 80), Duration::from_secs(2)).unwrap();
+                assert_eq!(echo(&mut cut, b"one", Duration::from_secs(1)), Outcome::Open);
+                assert_eq!(echo(&mut kept, b"one", Duration::from_secs(1)), Outcome::Open);
+                // alpha/db now takes no ingress; alpha/api allows beta.
+                c.write_policies(
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: db, namespace: alpha}\nspec: {podSelector: {matchLabels: {app: db}}, policyTypes: [Ingress]}\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: api, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: api}}\n  ingress: [{from: [{namespaceSelector: {matchLabels: {team: b}}}]}]\n",
+                );
+                c.apply_ok();
+                assert_eq!(echo(&mut cut, b"two", Duration::from_millis(600)), Outcome::Blocked, "the denied connection must be cut");
+                assert_eq!(echo(&mut kept, b"two", Duration::from_secs(1)), Outcome::Open, "the still-allowed connection survives");
+            }
+
+            #[test]
+            fn an_invalid_policy_fails_closed_and_spares_the_others() {
+                let c = env(concat!($p, "invalid"));
+                c.write_policies(
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: broken, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  ingress: [{from: [{ipBlock: {cidr: 10.0.0.0/33}}]}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: web, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress: [{from: [{namespaceSelector: {matchLabels: {team: b}}}]}]\n",
+                );
+                let run = c.apply();
+                assert!(!run.ok, "apply must fail when a policy is invalid");
+                assert!(run.stderr.contains("alpha/broken"), "the error names the policy: {}", run.stderr);
+                c.check("fail closed", |f, t, _, _| match t {
+                    _ if always(f, t) => true,
+                    "alpha/db" => false,
+                    "alpha/web" => ns_of(f) == "beta",
+                    _ => true,
+                });
+            }
+
+            #[test]
+            fn run_mode_applies_manifest_changes_within_a_second() {
+                let port = 19400 + (u16::from($backend == Backend::Iptables));
+                let mut c = env(concat!($p, "daemon"));
+                c.start_daemon(port);
+                c.check("daemon, no policy", |_, _, _, _| true);
+                c.write_policies(
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny, namespace: gamma}\nspec: {podSelector: {}, policyTypes: [Ingress]}\n",
+                );
+                let took = c.eventually("daemon applies a new policy", Duration::from_secs(3), |f, t, _, _| {
+                    always(f, t) || ns_of(t) != "gamma"
+                });
+                assert!(took < Duration::from_millis(2500), "took {took:?}");
+                c.ns_mut("beta").labels.insert("team".into(), "c".into());
+                c.write_policies(
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny, namespace: gamma}\nspec:\n  podSelector: {}\n  ingress: [{from: [{namespaceSelector: {matchLabels: {team: c}}}]}]\n",
+                );
+                c.write_cluster();
+                c.eventually("daemon follows a namespace relabel", Duration::from_secs(3), |f, t, _, _| {
+                    always(f, t) || ns_of(t) != "gamma" || ns_of(f) == "gamma" || ns_of(f) == "beta"
+                });
+                let metrics = c.http_get(port, "/metrics");
+                assert!(metrics.contains("policy_agent_syncs_total{result=\"ok\"}"), "{metrics}");
+                assert!(metrics.contains("policy_agent_sync_duration_seconds_bucket"), "{metrics}");
+                assert!(c.http_get(port, "/healthz").starts_with("HTTP/1.1 200"));
+            }
+        }
+    };
+}
+
+conformance_suite!(bpf, Backend::Bpf, "cb");

@@ -1,0 +1,419 @@
+//! The conformance harness: a simulated node with three namespaces of three
+//! pods each (TCP 80 and 8080, UDP 53 and 5353, IPv4 and IPv6), manifests
+//! written to a directory, `policy-agent apply`/`run` in the node
+//! namespace, and the full connectivity matrix compared with expectations.
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, SocketAddr},
+    path::PathBuf,
+    process::{Child, Command, Output, Stdio},
+    time::{Duration, Instant},
+};
+
+use policy_agent::{
+    datapath::bpf::PinLayout,
+    sim::{Matrix, NODE_ROW, Outcome, Servers, SimNode, SimPod, Target, Transport, cleanup_prefix},
+};
+
+pub const AGENT: &str = env!("CARGO_BIN_EXE_policy-agent");
+pub const PROBE_TIMEOUT: Duration = Duration::from_millis(350);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Bpf,
+    Iptables,
+}
+
+impl Backend {
+    pub fn flag(self) -> &'static str {
+        match self {
+            Backend::Bpf => "bpf",
+            Backend::Iptables => "iptables",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct NsSpec {
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+}
+
+#[derive(Clone, Debug)]
+pub struct PodSpec {
+    pub namespace: String,
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    pub ips: Vec<IpAddr>,
+    /// Container port name → (number, protocol).
+    pub ports: Vec<(String, u16, &'static str)>,
+}
+
+impl PodSpec {
+    pub fn id(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+pub fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+/// alpha {team: a, env: prod}, beta {team: b, env: prod}, gamma {team: c,
+/// env: dev}; in each: web {app: web, tier: front}, api {app: api, tier:
+/// back}, db {app: db, tier: back}. Ports: http=80, admin=8080 (TCP), dns=53,
+/// cache=5353 (UDP); in gamma the names http and admin are swapped.
+pub fn default_cluster() -> (Vec<NsSpec>, Vec<PodSpec>) {
+    let nss = [
+        ("alpha", "a", "prod"),
+        ("beta", "b", "prod"),
+        ("gamma", "c", "dev"),
+    ];
+    let pods = [("web", "front"), ("api", "back"), ("db", "back")];
+    let mut ns_specs = Vec::new();
+    let mut pod_specs = Vec::new();
+    for (i, (ns, team, env)) in nss.iter().enumerate() {
+        ns_specs.push(NsSpec {
+            name: (*ns).into(),
+            labels: labels(&[("team", team), ("env", env)]),
+        });
+        for (j, (pod, tier)) in pods.iter().enumerate() {
+            let (http, admin) = if *ns == "gamma" {
+                (8080, 80)
+            } else {
+                (80, 8080)
+            };
+            pod_specs.push(PodSpec {
+                namespace: (*ns).into(),
+                name: (*pod).into(),
+                labels: labels(&[("app", pod), ("tier", tier)]),
+                ips: vec![
+                    format!("10.244.{}.{}", i + 1, 10 + j).parse().unwrap(),
+                    format!("fd00:244:{}::{}", i + 1, 10 + j).parse().unwrap(),
+                ],
+                ports: vec![
+                    ("http".into(), http, "TCP"),
+                    ("admin".into(), admin, "TCP"),
+                    ("dns".into(), 53, "UDP"),
+                    ("cache".into(), 5353, "UDP"),
+                ],
+            });
+        }
+    }
+    (ns_specs, pod_specs)
+}
+
+pub const NODE: &str = "node-1";
+
+fn yaml_map(m: &BTreeMap<String, String>) -> String {
+    let inner: Vec<String> = m.iter().map(|(k, v)| format!("{k:?}: {v:?}")).collect();
+    format!("{{{}}}", inner.join(", "))
+}
+
+pub fn cluster_yaml(nss: &[NsSpec], pods: &[PodSpec]) -> String {
+    let mut out = String::new();
+    for ns in nss {
+        out += &format!(
+            "---\napiVersion: v1\nkind: Namespace\nmetadata:\n  name: {}\n  labels: {}\n",
+            ns.name,
+            yaml_map(&ns.labels)
+        );
+    }
+    for p in pods {
+        let ports: Vec<String> = p
+            .ports
+            .iter()
+            .map(|(n, port, proto)| {
+                format!("{{name: {n}, containerPort: {port}, protocol: {proto}}}")
+            })
+            .collect();
+        let ips: Vec<String> = p.ips.iter().map(|ip| format!("{{ip: \"{ip}\"}}")).collect();
+        out += &format!(
+            "---\napiVersion: v1\nkind: Pod\nmetadata:\n  name: {}\n  namespace: {}\n  labels: {}\nspec:\n  nodeName: {NODE}\n  containers:\n    - name: main\n      image: example\n      ports: [{}]\nstatus:\n  phase: Running\n  podIPs: [{}]\n",
+            p.name,
+            p.namespace,
+            yaml_map(&p.labels),
+            ports.join(", "),
+            ips.join(", ")
+        );
+    }
+    out
+}
+
+pub struct Conformance {
+    pub prefix: &'static str,
+    pub dir: PathBuf,
+    pub layout: PinLayout,
+    pub backend: Backend,
+    pub namespaces: Vec<NsSpec>,
+    pub pods: Vec<PodSpec>,
+    pub servers: Option<Servers>,
+    pub daemon: Option<Child>,
+    /// Declared last: dropped after the servers.
+    pub node: Option<SimNode>,
+}
+
+pub struct AgentRun {
+    pub ok: bool,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Conformance {
+    /// A fresh simulated node named by `prefix` (at most 9 alphanumerics).
+    pub fn new(prefix: &'static str, backend: Backend) -> Self {
+        let (namespaces, pods) = default_cluster();
+        Self::with_cluster(prefix, backend, namespaces, pods)
+    }
+
+    pub fn with_cluster(
+        prefix: &'static str,
+        backend: Backend,
+        namespaces: Vec<NsSpec>,
+        pods: Vec<PodSpec>,
+    ) -> Self {
+        cleanup_prefix(prefix);
+        let dir = std::env::temp_dir().join(format!("policy-agent-conformance-{prefix}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let layout = PinLayout::new(format!("/sys/fs/bpf/policy-agent-test-{prefix}"));
+        let mut this = Self {
+            prefix,
+            dir,
+            layout,
+            backend,
+            namespaces,
+            pods,
+            servers: None,
+            daemon: None,
+            node: None,
+        };
+        let sim_pods: Vec<SimPod> = this
+            .pods
+            .iter()
+            .map(|p| SimPod {
+                namespace: p.namespace.clone(),
+                name: p.name.clone(),
+                ips: p.ips.clone(),
+                tcp_ports: vec![80, 8080],
+                udp_ports: vec![53, 5353],
+            })
+            .collect();
+        let node = SimNode::create(prefix, &sim_pods).expect("create the simulated node");
+        this.servers = Some(Servers::start(&node).expect("start servers"));
+        this.node = Some(node);
+        this.write_cluster();
+        this.write_policies("");
+        this
+    }
+
+    pub fn node(&self) -> &SimNode {
+        self.node.as_ref().unwrap()
+    }
+
+    pub fn write_cluster(&self) {
+        std::fs::write(
+            self.dir.join("cluster.yaml"),
+            cluster_yaml(&self.namespaces, &self.pods),
+        )
+        .unwrap();
+    }
+
+    pub fn write_policies(&self, yaml: &str) {
+        std::fs::write(self.dir.join("policies.yaml"), yaml).unwrap();
+    }
+
+    pub fn pod_mut(&mut self, id: &str) -> &mut PodSpec {
+        self.pods.iter_mut().find(|p| p.id() == id).unwrap()
+    }
+
+    pub fn ns_mut(&mut self, name: &str) -> &mut NsSpec {
+        self.namespaces.iter_mut().find(|n| n.name == name).unwrap()
+    }
+
+    fn agent(&self, args: &[&str]) -> Command {
+        let mut cmd = self.node().node.command(AGENT);
+        cmd.args(args)
+            .args(["--pin-dir", self.layout.root().to_str().unwrap()]);
+        cmd
+    }
+
+    /// `policy-agent apply` in the node namespace.
+    pub fn apply(&self) -> AgentRun {
+        let dir = self.dir.to_str().unwrap().to_owned();
+        let out: Output = self
+            .agent(&[
+                "apply",
+                "--manifests",
+                &dir,
+                "--node",
+                NODE,
+                "--datapath",
+                self.backend.flag(),
+            ])
+            .output()
+            .unwrap();
+        AgentRun {
+            ok: out.status.success(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    /// Applies and requires success.
+    pub fn apply_ok(&self) {
+        let run = self.apply();
+        assert!(
+            run.ok,
+            "apply failed:\nstdout: {}\nstderr: {}",
+            run.stdout, run.stderr
+        );
+    }
+
+    /// Starts `policy-agent run` on the manifests (metrics on `port`).
+    pub fn start_daemon(&mut self, port: u16) {
+        let dir = self.dir.to_str().unwrap().to_owned();
+        let listen = format!("127.0.0.1:{port}");
+        let child = self
+            .agent(&[
+                "run",
+                "--manifests",
+                &dir,
+                "--node",
+                NODE,
+                "--listen",
+                &listen,
+                "--datapath",
+                self.backend.flag(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        self.daemon = Some(child);
+        // Ready once the first sync is enforced.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if self.http_get(port, "/readyz").starts_with("HTTP/1.1 200") {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("the daemon did not become ready");
+    }
+
+    /// A GET from inside the node namespace (the daemon listens there).
+    pub fn http_get(&self, port: u16, path: &str) -> String {
+        let script = format!(
+            "exec 3<>/dev/tcp/127.0.0.1/{port} && printf 'GET {path} HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n' >&3 && cat <&3"
+        );
+        self.node()
+            .node
+            .exec("bash", &["-c", &script])
+            .unwrap_or_default()
+    }
+
+    pub fn matrix(&self) -> Matrix {
+        self.node().probe_matrix(PROBE_TIMEOUT, true).unwrap()
+    }
+
+    /// Compares the whole matrix with `expect(from, to, port, transport)`
+    /// (true: open). `from` is a pod id or "(node)".
+    pub fn check(&self, what: &str, expect: impl Fn(&str, &str, u16, Transport) -> bool) {
+        let m = self.matrix();
+        let wrong = mismatches(&m, &expect);
+        assert!(
+            wrong.is_empty(),
+            "{what}: {} cell(s) differ from the expectation:\n{}\nmatrix:\n{m}",
+            wrong.len(),
+            wrong.join("\n")
+        );
+    }
+
+    /// Re-checks until the matrix matches (for `run` mode), up to `within`.
+    pub fn eventually(
+        &self,
+        what: &str,
+        within: Duration,
+        expect: impl Fn(&str, &str, u16, Transport) -> bool,
+    ) -> Duration {
+        let start = Instant::now();
+        loop {
+            let m = self.matrix();
+            let wrong = mismatches(&m, &expect);
+            if wrong.is_empty() {
+                return start.elapsed();
+            }
+            if start.elapsed() > within {
+                panic!(
+                    "{what}: still {} cell(s) wrong after {within:?}:\n{}",
+                    wrong.len(),
+                    wrong.join("\n")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+pub fn mismatches(m: &Matrix, expect: &impl Fn(&str, &str, u16, Transport) -> bool) -> Vec<String> {
+    let mut wrong = Vec::new();
+    for ((from, target, v6), outcome) in &m.cells {
+        let want = expect(from, &target.pod, target.port, target.transport);
+        let got = *outcome == Outcome::Open;
+        if want != got {
+            let fam = if *v6 { "IPv6" } else { "IPv4" };
+            wrong.push(format!(
+                "  {from} -> {} {fam}: expected {}, got {outcome:?}",
+                show(target),
+                if want { "open" } else { "blocked" }
+            ));
+        }
+    }
+    wrong
+}
+
+fn show(t: &Target) -> String {
+    t.to_string()
+}
+
+impl Drop for Conformance {
+    fn drop(&mut self) {
+        if let Some(mut d) = self.daemon.take() {
+            let _ = d.kill();
+            let _ = d.wait();
+        }
+        if self.node.is_some() {
+            let _ = self.agent(&["reset"]).output();
+        }
+        self.servers = None;
+        self.node = None;
+        cleanup_prefix(self.prefix);
+        let _ = std::fs::remove_dir_all(self.layout.root());
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Same namespace?
+pub fn same_ns(a: &str, b: &str) -> bool {
+    a.split('/').next() == b.split('/').next()
+}
+
+pub fn ns_of(id: &str) -> &str {
+    id.split('/').next().unwrap_or("")
+}
+
+pub fn name_of(id: &str) -> &str {
+    id.split('/').nth(1).unwrap_or("")
+}
+
+pub fn is_node(id: &str) -> bool {
+    id == NODE_ROW
+}
+
+pub fn socket(ip: &str, port: u16) -> SocketAddr {
+    SocketAddr::new(ip.parse().unwrap(), port)
+}
