@@ -690,3 +690,62 @@ fn drops_are_reported_on_the_ring_buffer() {
     drop(item);
     assert!(ring.next().is_none());
 }
+
+/// Collects aya-log records.
+#[derive(Clone, Default)]
+struct Capture(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl log::Log for Capture {
+    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+        true
+    }
+    fn log(&self, record: &log::Record<'_>) {
+        self.0.lock().unwrap().push(record.args().to_string());
+    }
+    fn flush(&self) {}
+}
+
+#[test]
+fn kernel_debug_log_is_off_by_default_and_switchable_at_run_time() {
+    use policy_common::config::{CONFIG_DEBUG_LOG, Config};
+    let mut h = cluster(BOTH);
+    h.sync();
+    let capture = Capture::default();
+    let mut logger =
+        aya_log::EbpfLogger::init_with_logger(&mut h.dp.ebpf, capture.clone()).unwrap();
+    assert_eq!(
+        h.run(Hook::Egress, &to_pod("10.0.2.30", 1000, 80)),
+        Verdict::Drop
+    );
+    logger.flush();
+    assert!(
+        capture.0.lock().unwrap().is_empty(),
+        "no log lines while the flag is off"
+    );
+    h.dp.maps
+        .set_config(Config {
+            flags: CONFIG_DEBUG_LOG,
+            object_hash: 0,
+        })
+        .unwrap();
+    assert_eq!(
+        h.run(Hook::Egress, &to_pod("10.0.2.30", 1000, 80)),
+        Verdict::Drop
+    );
+    logger.flush();
+    let lines = capture.0.lock().unwrap().clone();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].contains("dport=80")
+            && lines[0].contains(&format!("reason={}", Reason::DropPolicy as u8)),
+        "{}",
+        lines[0]
+    );
+    h.dp.maps.set_config(Config::default()).unwrap();
+    assert_eq!(
+        h.run(Hook::Egress, &to_pod("10.0.2.30", 1000, 80)),
+        Verdict::Drop
+    );
+    logger.flush();
+    assert_eq!(capture.0.lock().unwrap().len(), 1, "off again");
+}

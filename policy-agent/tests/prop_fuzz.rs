@@ -328,7 +328,7 @@ fn leaf() -> BoxedStrategy<Value> {
 }
 
 fn maybe(v: impl Strategy<Value = Value> + 'static) -> BoxedStrategy<Option<Value>> {
-    prop_oneof![2 => Just(None), 1 => leaf().prop_map(Some), 4 => v.prop_map(Some)].boxed()
+    prop_oneof![3 => Just(None), 1 => leaf().prop_map(Some), 12 => v.prop_map(Some)].boxed()
 }
 
 fn obj(fields: Vec<(&'static str, Option<Value>)>) -> Value {
@@ -341,7 +341,9 @@ fn obj(fields: Vec<(&'static str, Option<Value>)>) -> Value {
 }
 
 fn list_of(v: impl Strategy<Value = Value> + 'static) -> BoxedStrategy<Value> {
-    proptest::collection::vec(v, 0..3).prop_map(Value::Array).boxed()
+    proptest::collection::vec(v, 0..3)
+        .prop_map(Value::Array)
+        .boxed()
 }
 
 fn selector_json() -> BoxedStrategy<Value> {
@@ -358,13 +360,15 @@ fn selector_json() -> BoxedStrategy<Value> {
 fn peer_json() -> BoxedStrategy<Value> {
     let block = (maybe(leaf()), maybe(list_of(leaf())))
         .prop_map(|(c, e)| obj(vec![("cidr", c), ("except", e)]));
-    (maybe(selector_json()), maybe(selector_json()), maybe(block)).prop_map(|(p, n, b)| {
-        obj(vec![
-            ("podSelector", p),
-            ("namespaceSelector", n),
-            ("ipBlock", b),
-        ])
-    })
+    (maybe(selector_json()), maybe(selector_json()), maybe(block))
+        .prop_map(|(p, n, b)| {
+            obj(vec![
+                ("podSelector", p),
+                ("namespaceSelector", n),
+                ("ipBlock", b),
+            ])
+        })
+        .boxed()
 }
 
 fn port_json() -> BoxedStrategy<Value> {

@@ -70,7 +70,7 @@ impl EndpointInfo {
 }
 
 /// Length of [`EndpointMeta::name`].
-pub const ENDPOINT_NAME_LEN: usize = 120;
+pub const ENDPOINT_NAME_LEN: usize = 112;
 
 /// [`EndpointMeta::attach`]: programs attached through TCX links (pinned).
 pub const ATTACH_TCX: u32 = 1 << 0;
@@ -89,6 +89,10 @@ pub struct EndpointMeta {
     /// `ATTACH_*` bits.
     pub attach: u32,
     pub name_len: u32,
+    /// Inode of the network namespace the ifindex belongs to: ifindexes
+    /// mean nothing in another namespace, so netlink cleanup is skipped
+    /// there rather than aimed at a stranger's interface.
+    pub netns: u64,
     /// "namespace/pod", NUL-padded.
     pub name: [u8; ENDPOINT_NAME_LEN],
 }

@@ -16,12 +16,23 @@ pub struct Args {
     /// Stop after this many events.
     #[arg(long)]
     pub count: Option<usize>,
+    /// Also print the classifier's debug log (switch it on with
+    /// `policy-agent config --debug-log on`).
+    #[arg(long)]
+    pub kernel_log: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let layout = args.pins.layout();
     let mut reader = DropEventReader::open(&layout)
         .context("opening the drop-event ring buffer (is the agent installed?)")?;
+    if args.kernel_log {
+        let maps = policy_agent::datapath::bpf::Classifiers::open_pinned(&layout)
+            .context("opening the pinned programs")?;
+        if let Some(id) = maps.id(policy_agent::datapath::bpf::Hook::Ingress) {
+            policy_agent::inspect::follow_kernel_log(id).context("following the kernel log")?;
+        }
+    }
     let mut seen = 0usize;
     loop {
         for record in reader.next_batch(Duration::from_millis(500)) {

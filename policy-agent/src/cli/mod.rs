@@ -1,6 +1,7 @@
 //! The command line (a fixed contract: scripts depend on it).
 mod apply;
 mod common;
+mod config;
 mod demo;
 mod dump;
 mod events;
@@ -38,6 +39,8 @@ enum Command {
     Dump(dump::Args),
     /// Follow drop events live.
     Events(events::Args),
+    /// Switch kernel debug logging or drop events at run time.
+    Config(config::Args),
     /// Enforce manifests on a simulated node and show the connectivity
     /// matrix before and after (needs root; creates and removes network
     /// namespaces of its own).
@@ -54,6 +57,7 @@ pub fn main() -> ExitCode {
         Command::Explain(a) => explain::run(a),
         Command::Dump(a) => dump::run(a),
         Command::Events(a) => events::run(a),
+        Command::Config(a) => config::run(a),
         Command::Demo(a) => demo::run(a),
     };
     match result {

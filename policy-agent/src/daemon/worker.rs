@@ -146,6 +146,11 @@ fn run(config: Config, rx: Receiver<Trigger>, metrics: Arc<Metrics>) {
                 }
                 if !drops_started {
                     drops_started = spawn_drop_logger(&config);
+                    if let Some(id) = enf.dp.programs.id(crate::datapath::bpf::Hook::Ingress)
+                        && let Err(e) = crate::inspect::follow_kernel_log(id)
+                    {
+                        warn!(error = %e, "kernel debug log unavailable");
+                    }
                 }
             }
             Err(e) => {

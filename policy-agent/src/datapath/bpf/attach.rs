@@ -270,8 +270,10 @@ impl<'a> Attachment<'a> {
     }
 
     /// Removes what the agent attached here. Errors are collected so one
-    /// failure does not leave the rest in place.
-    pub fn detach(&self, errors: &mut Vec<Error>) {
+    /// failure does not leave the rest in place. `netns` is the namespace
+    /// the attachment was made in: TCX links are detached from anywhere
+    /// (through their pins); netlink filters only from that namespace.
+    pub fn detach(&self, netns: u64, errors: &mut Vec<Error>) {
         for hook in Hook::BOTH {
             let path = self.layout.link(self.ifindex, hook);
             // Detach now: dropping the last reference (the pin) frees the
@@ -291,6 +293,12 @@ impl<'a> Attachment<'a> {
             }
         }
         if self.bits & ATTACH_NETLINK == 0 {
+            return;
+        }
+        if netns != 0 && netns != super::loader::current_netns() {
+            errors.push(Error::OtherNamespace {
+                ifindex: self.ifindex,
+            });
             return;
         }
         let Ok(name) = if_name(self.ifindex) else {

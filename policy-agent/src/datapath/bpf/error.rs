@@ -67,6 +67,10 @@ pub enum Error {
     },
     #[error("interface with ifindex {0} does not exist")]
     NoInterface(u32),
+    #[error(
+        "ifindex {ifindex} was attached from another network namespace; run this in that namespace to remove its netlink filters"
+    )]
+    OtherNamespace { ifindex: u32 },
     #[error("{what} {path}: {source}")]
     Io {
         what: &'static str,
@@ -101,7 +105,10 @@ impl Error {
             Self::Map { .. } => "map",
             Self::MapFull { .. } => "map_full",
             Self::Pin { .. } => "pin",
-            Self::Attach { .. } | Self::Clsact { .. } | Self::NoInterface(_) => "attach",
+            Self::Attach { .. }
+            | Self::Clsact { .. }
+            | Self::NoInterface(_)
+            | Self::OtherNamespace { .. } => "attach",
             Self::Io { .. } => "io",
         }
     }

@@ -35,6 +35,11 @@ pub struct Classifiers {
 }
 
 impl Classifiers {
+    /// Opens the programs pinned under `layout`.
+    pub fn open_pinned(layout: &PinLayout) -> Result<Self, Error> {
+        open_pinned(layout)
+    }
+
     pub fn get_mut(&mut self, hook: Hook) -> &mut SchedClassifier {
         match hook {
             Hook::Ingress => &mut self.from_pod,
@@ -178,8 +183,14 @@ impl BpfDatapath {
             .get(&ifindex, 0)
             .map(|m| m.attach)
             .unwrap_or(0);
+        let netns = self
+            .maps
+            .endpoint_meta
+            .get(&ifindex, 0)
+            .map(|m| m.netns)
+            .unwrap_or(0);
         let mut errors = Vec::new();
-        Attachment::new(&self.layout, ifindex, known).detach(&mut errors);
+        Attachment::new(&self.layout, ifindex, known).detach(netns, &mut errors);
         if let Err(e) = self.maps.remove_meta(ifindex) {
             errors.push(e);
         }
@@ -196,6 +207,7 @@ pub fn endpoint_meta(name: &str, attach: u32) -> EndpointMeta {
     let mut meta = EndpointMeta {
         attach,
         name_len: 0,
+        netns: current_netns(),
         name: [0; ENDPOINT_NAME_LEN],
     };
     let bytes = name.as_bytes();
@@ -203,6 +215,14 @@ pub fn endpoint_meta(name: &str, attach: u32) -> EndpointMeta {
     meta.name[..n].copy_from_slice(&bytes[..n]);
     meta.name_len = n as u32;
     meta
+}
+
+/// Inode of the calling thread's network namespace (0 if unknown).
+pub fn current_netns() -> u64 {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata("/proc/thread-self/ns/net")
+        .map(|m| m.ino())
+        .unwrap_or(0)
 }
 
 fn open_pinned(layout: &PinLayout) -> Result<Classifiers, Error> {

@@ -38,11 +38,60 @@ pub struct BpfMaps {
     pub counters: PerCpuArray<MapData, u64>,
 }
 
+/// Key and value sizes each map must have in this layout.
+fn expected_sizes(name: &str) -> Option<(usize, usize)> {
+    use std::mem::size_of;
+    Some(match name {
+        names::CONFIG => (4, size_of::<Config>()),
+        names::ENDPOINTS => (4, size_of::<EndpointInfo>()),
+        names::ENDPOINT_META => (4, size_of::<EndpointMeta>()),
+        names::IPCACHE_V4 => (8, size_of::<IpcacheEntry>()),
+        names::IPCACHE_V6 => (20, size_of::<IpcacheEntry>()),
+        names::POLICY => (size_of::<PolicyKey>(), size_of::<PolicyEntry>()),
+        names::IDENTITY_NAMES => (4, size_of::<IdentityName>()),
+        names::CONNTRACK => (size_of::<CtKey>(), size_of::<CtEntry>()),
+        names::FRAGMENTS => (size_of::<FragKey>(), size_of::<FragEntry>()),
+        names::COUNTERS => (4, 8),
+        _ => return None,
+    })
+}
+
+/// The map the kernel actually has (a reused pin) must match this layout:
+/// aya checks sizes against the ELF definition only.
+fn verify_pinned(name: &'static str, layout: &PinLayout, map: &Map) -> Result<(), Error> {
+    let data = match map {
+        Map::Array(d)
+        | Map::HashMap(d)
+        | Map::LruHashMap(d)
+        | Map::LpmTrie(d)
+        | Map::PerCpuArray(d) => d,
+        _ => return Ok(()),
+    };
+    let (Some((key, value)), Ok(info)) = (expected_sizes(name), data.info()) else {
+        return Ok(());
+    };
+    if info.key_size() as usize != key || info.value_size() as usize != value {
+        return Err(Error::LayoutMismatch {
+            path: layout.map(name),
+            expected: format!("key size {key}, value size {value}"),
+            found: format!(
+                "key size {}, value size {}",
+                info.key_size(),
+                info.value_size()
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Turns aya's size checks into a layout error naming the pin.
 fn typed<T>(name: &'static str, layout: Option<&PinLayout>, map: Map) -> Result<T, Error>
 where
     T: TryFrom<Map, Error = MapError>,
 {
+    if let Some(l) = layout {
+        verify_pinned(name, l, &map)?;
+    }
     T::try_from(map).map_err(|e| match (&e, layout) {
         (MapError::InvalidKeySize { size, expected }, Some(l)) => Error::LayoutMismatch {
             path: l.map(name),

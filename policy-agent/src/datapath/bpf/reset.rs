@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use policy_common::endpoint::ATTACH_CREATED_CLSACT;
 use tracing::{info, warn};
 
-use super::{Attachment, BpfMaps, Error, PinLayout, attach::if_name};
+use super::{Attachment, BpfMaps, Error, PinLayout, attach::if_name, loader::current_netns};
 
 /// What `reset` removed.
 #[derive(Debug, Default)]
@@ -28,9 +28,14 @@ pub fn reset(layout: &PinLayout) -> Result<ResetReport, Vec<Error>> {
     match BpfMaps::from_pins(layout).and_then(|m| m.read_meta()) {
         Ok(meta) => {
             for (ifindex, m) in meta {
-                let name = if_name(ifindex).unwrap_or_else(|_| format!("ifindex {ifindex} (gone)"));
-                Attachment::new(layout, ifindex, m.attach).detach(&mut errors);
-                if m.attach & ATTACH_CREATED_CLSACT != 0 {
+                let here = m.netns == 0 || m.netns == current_netns();
+                let name = if here {
+                    if_name(ifindex).unwrap_or_else(|_| format!("ifindex {ifindex} (gone)"))
+                } else {
+                    format!("ifindex {ifindex} (other namespace)")
+                };
+                Attachment::new(layout, ifindex, m.attach).detach(m.netns, &mut errors);
+                if here && m.attach & ATTACH_CREATED_CLSACT != 0 {
                     remove_clsact_if_empty(ifindex, &mut errors);
                 }
                 report.interfaces.push(name);
