@@ -319,3 +319,4 @@ macro_rules! conformance_suite {
 }
 
 conformance_suite!(bpf, Backend::Bpf, "cb");
+conformance_suite!(iptables, Backend::Iptables, "ci");

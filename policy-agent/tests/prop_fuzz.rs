@@ -43,14 +43,16 @@ fn corpus_cluster() -> ClusterState {
         l.insert("kubernetes.io/metadata.name".into(), ns.into());
         s.namespaces.insert(ns.into(), NamespaceInfo { labels: l });
     }
-    let pods: &[(
-        &str,
-        &str,
-        &[(&str, &str)],
-        &[&str],
-        &[(&str, u8, u16)],
-        &str,
-    )] = &[
+    // (namespace, name, labels, addresses, named ports, node)
+    type Pod<'a> = (
+        &'a str,
+        &'a str,
+        &'a [(&'a str, &'a str)],
+        &'a [&'a str],
+        &'a [(&'a str, u8, u16)],
+        &'a str,
+    );
+    let pods: &[Pod] = &[
         (
             "default",
             "db",
@@ -401,7 +403,7 @@ fn policy_json() -> BoxedStrategy<Value> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
 
     #[test]
     fn arbitrary_policy_shaped_json_never_panics(v in policy_json()) {

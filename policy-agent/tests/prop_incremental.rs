@@ -135,7 +135,7 @@ fn step(state: &mut ClusterState, target: &ClusterState, kind: u8, i: usize) -> 
             state.policies.remove(&name);
             Change::DeletePolicy(name)
         }
-        8 if i % 4 == 0 => {
+        8 if i.is_multiple_of(4) => {
             state.node_ips = target
                 .pods
                 .values()
@@ -191,7 +191,7 @@ fn steps() -> impl Strategy<Value = Vec<(u8, usize)>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 160, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
 
     #[test]
     fn incremental_equals_full_compile(initial in cluster(), target in cluster(), steps in steps()) {

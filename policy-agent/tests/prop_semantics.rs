@@ -110,7 +110,7 @@ fn failing(c: &Compiled) -> BTreeSet<ObjectRef> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 160, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
 
     #[test]
     fn compiled_maps_agree_with_the_spec(state in cluster()) {

@@ -112,7 +112,11 @@ fn dropped_flow_lists_the_probes() {
         "the class of the address is probed too"
     );
     assert!(ing.policies.iter().all(|p| p.matched_rules.is_empty()));
-    assert!(ex.to_string().contains("DROPPED"));
+    assert!(
+        ex.to_string()
+            .starts_with("flow TCP port 80: DROPPED at ingress of default/web"),
+        "{ex}"
+    );
 }
 
 #[test]

@@ -361,3 +361,51 @@ fn incremental_relabel_matches_a_full_compile() {
     assert_eq!(ops, diff(&before, &full.maps));
     assert!(!ops.is_empty());
 }
+
+#[test]
+fn incremental_address_moves_recheck_named_ports_through_ip_blocks() {
+    // s1 and s4 share an identity; the client may reach "http" on pods
+    // wholly inside 10.0.0.0/24. When s4 moves out, s1 fails closed; when
+    // it moves back, s1 is reachable again. Incremental == full each time.
+    let mut w = World::new();
+    w.pod("default/client", &[("app", "client")], &["10.0.0.9"]);
+    w.pod("default/s1", &[("app", "server")], &["10.0.0.1"])
+        .ports = vec![named_port("http", TCP, 8080)];
+    w.pod("default/s4", &[("app", "server")], &["10.0.0.4"])
+        .ports = vec![named_port("http", TCP, 8080)];
+    w.policy("metadata: {name: out}\nspec:\n  podSelector: {matchLabels: {app: client}}\n  policyTypes: [Egress]\n  egress:\n  - to: [{ipBlock: {cidr: 10.0.0.0/24}}]\n    ports: [{port: http}]");
+    let mut ids = IdentityAllocator::new();
+    let mut c = Compiler::build(&w.state, &mut ids, CompileOptions::default());
+    let client = obj("default/client");
+    let reach_s1 = |c: &Compiler| {
+        let m = c.maps().to_model(|_| 0);
+        let e = c.maps().endpoints[&client];
+        !m.judge(
+            &e,
+            policy_common::direction::EGRESS,
+            ip("10.0.0.1"),
+            TCP,
+            8080,
+        )
+        .reason
+        .is_drop()
+    };
+    assert!(reach_s1(&c));
+    for (addr, reachable) in [
+        ("10.9.0.4", false),
+        ("10.0.0.4", true),
+        ("10.0.0.200", true),
+    ] {
+        let mut info = w.state.pods[&obj("default/s4")].clone();
+        info.ips = vec![ip(addr)];
+        w.state.pods.insert(obj("default/s4"), info.clone());
+        let mut full_ids = ids.clone();
+        c.apply([Change::UpsertPod(obj("default/s4"), info)], &mut ids);
+        assert_eq!(
+            c.maps(),
+            &policy::compile(&w.state, &mut full_ids).maps,
+            "s4 at {addr}"
+        );
+        assert_eq!(reach_s1(&c), reachable, "s4 at {addr}");
+    }
+}

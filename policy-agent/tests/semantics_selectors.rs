@@ -214,7 +214,9 @@ fn empty_pod_selector_selects_every_pod_of_the_namespace() {
 
 #[test]
 fn match_expressions_operators() {
-    let cases: &[(&str, &str, &[(&str, bool)])] = &[
+    // (name, requirement, [(source, verdict)])
+    type Case<'a> = (&'a str, &'a str, &'a [(&'a str, bool)]);
+    let cases: &[Case] = &[
         (
             "in",
             "{key: user, operator: In, values: [alice, carol]}",

@@ -4,11 +4,11 @@ use std::{path::PathBuf, process::ExitCode};
 use anyhow::Context as _;
 use policy_agent::{
     datapath::bpf::LoadOptions,
-    enforce::{BpfEnforcer, Problem, unready_local_pods},
+    enforce::{self, Problem, unready_local_pods},
     k8s, netlink,
 };
 
-use super::common::{DatapathChoice, PinArgs, print_problems};
+use super::common::{DatapathArgs, PinArgs, print_problems};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -18,13 +18,10 @@ pub struct Args {
     /// This node's name: pods with this spec.nodeName are enforced here.
     #[arg(long, env = "NODE_NAME")]
     pub node: String,
-    #[arg(long, value_enum, default_value = "auto")]
-    pub datapath: DatapathChoice,
+    #[command(flatten)]
+    pub datapath: DatapathArgs,
     #[command(flatten)]
     pub pins: PinArgs,
-    /// Attach with netlink clsact filters even where TCX is available.
-    #[arg(long)]
-    pub force_netlink: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -41,19 +38,22 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .collect();
     problems.extend(unready_local_pods(&state));
 
-    if args.datapath == DatapathChoice::Iptables {
-        anyhow::bail!("the iptables datapath is not available in this build");
-    }
     let opts = LoadOptions {
-        force_netlink: args.force_netlink,
+        force_netlink: args.datapath.force_netlink,
         ..Default::default()
     };
-    let mut enforcer =
-        BpfEnforcer::open(&args.pins.layout(), &opts).context("opening the BPF datapath")?;
+    let mut enforcer = enforce::open(
+        args.datapath.datapath.into(),
+        &args.pins.layout(),
+        &opts,
+        args.datapath.iptables_backend.into(),
+    )
+    .context("opening the datapath")?;
     let report = enforcer.sync(&state).context("enforcing")?;
     problems.extend(report.problems.iter().cloned());
     println!(
-        "enforcing {} local endpoint(s) on node {}: {} map write(s){}{}",
+        "{}: enforcing {} local endpoint(s) on node {}: {} write(s){}{}",
+        enforcer.name(),
         report.endpoints,
         args.node,
         report.writes,

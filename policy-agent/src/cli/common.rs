@@ -3,8 +3,11 @@ use std::path::PathBuf;
 
 use clap::ValueEnum;
 use policy_agent::{
-    datapath::bpf::{DEFAULT_PIN_ROOT, PinLayout},
-    enforce::Problem,
+    datapath::{
+        bpf::{DEFAULT_PIN_ROOT, PinLayout},
+        iptables::Backend,
+    },
+    enforce::{Choice, Problem},
 };
 
 pub fn init_tracing() {
@@ -38,6 +41,47 @@ pub enum DatapathChoice {
     Auto,
     Bpf,
     Iptables,
+}
+
+impl From<DatapathChoice> for Choice {
+    fn from(c: DatapathChoice) -> Self {
+        match c {
+            DatapathChoice::Auto => Choice::Auto,
+            DatapathChoice::Bpf => Choice::Bpf,
+            DatapathChoice::Iptables => Choice::Iptables,
+        }
+    }
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IptablesChoice {
+    /// Whatever `iptables` is on this machine.
+    Auto,
+    Nft,
+    Legacy,
+}
+
+impl From<IptablesChoice> for Backend {
+    fn from(c: IptablesChoice) -> Self {
+        match c {
+            IptablesChoice::Auto => Backend::Auto,
+            IptablesChoice::Nft => Backend::Nft,
+            IptablesChoice::Legacy => Backend::Legacy,
+        }
+    }
+}
+
+/// Which datapath, and how.
+#[derive(clap::Args, Clone, Debug)]
+pub struct DatapathArgs {
+    #[arg(long, value_enum, default_value = "auto")]
+    pub datapath: DatapathChoice,
+    /// The iptables flavour the fallback drives.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub iptables_backend: IptablesChoice,
+    /// Attach with netlink clsact filters even where TCX is available.
+    #[arg(long)]
+    pub force_netlink: bool,
 }
 
 /// Prints problems to stderr, one per line.

@@ -6,6 +6,7 @@ mod demo;
 mod dump;
 mod events;
 mod explain;
+mod render;
 mod reset;
 mod run;
 
@@ -37,6 +38,8 @@ enum Command {
     Explain(explain::Args),
     /// Print the pinned maps decoded into names.
     Dump(dump::Args),
+    /// Print the ipsets and chains the iptables datapath would apply.
+    Render(render::Args),
     /// Follow drop events live.
     Events(events::Args),
     /// Switch kernel debug logging or drop events at run time.
@@ -56,6 +59,7 @@ pub fn main() -> ExitCode {
         Command::Reset(a) => reset::run(a),
         Command::Explain(a) => explain::run(a),
         Command::Dump(a) => dump::run(a),
+        Command::Render(a) => render::run(a),
         Command::Events(a) => events::run(a),
         Command::Config(a) => config::run(a),
         Command::Demo(a) => demo::run(a),

@@ -7,7 +7,7 @@ use policy_agent::{
     datapath::bpf::LoadOptions,
 };
 
-use super::common::{DatapathChoice, PinArgs};
+use super::common::{DatapathArgs, PinArgs};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -20,13 +20,10 @@ pub struct Args {
     /// Address for /metrics, /healthz and /readyz.
     #[arg(long, default_value = "127.0.0.1:9402")]
     pub listen: SocketAddr,
-    #[arg(long, value_enum, default_value = "auto")]
-    pub datapath: DatapathChoice,
+    #[command(flatten)]
+    pub datapath: DatapathArgs,
     #[command(flatten)]
     pub pins: PinArgs,
-    /// Attach with netlink clsact filters even where TCX is available.
-    #[arg(long)]
-    pub force_netlink: bool,
     /// Quiet time (ms) that ends a burst of changes.
     #[arg(long, default_value_t = 100)]
     pub debounce_ms: u64,
@@ -36,15 +33,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let Some(dir) = args.manifests.clone() else {
         bail!("cluster mode (no --manifests) is not available in this build; pass --manifests DIR");
     };
-    if args.datapath == DatapathChoice::Iptables {
-        bail!("the iptables datapath is not available in this build");
-    }
     let mut config = Config::new(args.node.clone(), args.pins.layout());
     config.listen = args.listen;
     config.load = LoadOptions {
-        force_netlink: args.force_netlink,
+        force_netlink: args.datapath.force_netlink,
         ..Default::default()
     };
+    config.datapath = args.datapath.datapath.into();
+    config.iptables = args.datapath.iptables_backend.into();
     config.debounce = Duration::from_millis(args.debounce_ms);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

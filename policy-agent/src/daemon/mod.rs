@@ -12,7 +12,11 @@ use tracing::{info, warn};
 
 pub use self::worker::{SourceState, Trigger};
 use crate::{
-    datapath::bpf::{LoadOptions, PinLayout},
+    datapath::{
+        bpf::{LoadOptions, PinLayout},
+        iptables::Backend,
+    },
+    enforce,
     metrics::{self, Metrics},
 };
 
@@ -20,6 +24,8 @@ use crate::{
 #[derive(Clone, Debug)]
 pub struct Config {
     pub node: String,
+    pub datapath: enforce::Choice,
+    pub iptables: Backend,
     pub layout: PinLayout,
     pub load: LoadOptions,
     pub listen: SocketAddr,
@@ -37,6 +43,8 @@ impl Config {
     pub fn new(node: String, layout: PinLayout) -> Self {
         Self {
             node,
+            datapath: enforce::Choice::Auto,
+            iptables: Backend::Auto,
             layout,
             load: LoadOptions::default(),
             listen: SocketAddr::from(([127, 0, 0, 1], 9402)),

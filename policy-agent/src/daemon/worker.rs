@@ -14,7 +14,7 @@ use tracing::{error, info, warn};
 use super::Config;
 use crate::{
     cluster::ClusterState,
-    enforce::{BpfEnforcer, Problem, unready_local_pods},
+    enforce::{self, Enforcer, Problem, unready_local_pods},
     inspect::DropEventReader,
     metrics::Metrics,
     netlink,
@@ -47,7 +47,7 @@ pub fn spawn(
 }
 
 fn run(config: Config, rx: Receiver<Trigger>, metrics: Arc<Metrics>) {
-    let mut enforcer: Option<BpfEnforcer> = None;
+    let mut enforcer: Option<Box<dyn Enforcer + Send>> = None;
     let mut current: Option<Arc<SourceState>> = None;
     let mut last_problems: Vec<Problem> = Vec::new();
     let mut drops_started = false;
@@ -91,7 +91,12 @@ fn run(config: Config, rx: Receiver<Trigger>, metrics: Arc<Metrics>) {
         };
 
         if enforcer.is_none() {
-            match BpfEnforcer::open(&config.layout, &config.load) {
+            match enforce::open(
+                config.datapath,
+                &config.layout,
+                &config.load,
+                config.iptables,
+            ) {
                 Ok(e) => enforcer = Some(e),
                 Err(e) => {
                     error!(error = %e, "cannot open the BPF datapath; retrying in 5s");
@@ -144,13 +149,9 @@ fn run(config: Config, rx: Receiver<Trigger>, metrics: Arc<Metrics>) {
                     }
                     last_problems = problems;
                 }
-                if !drops_started {
+                if !drops_started && enf.name() == "bpf" {
                     drops_started = spawn_drop_logger(&config);
-                    if let Some(id) = enf.dp.programs.id(crate::datapath::bpf::Hook::Ingress)
-                        && let Err(e) = crate::inspect::follow_kernel_log(id)
-                    {
-                        warn!(error = %e, "kernel debug log unavailable");
-                    }
+                    follow_kernel_log(&config);
                 }
             }
             Err(e) => {
@@ -160,6 +161,18 @@ fn run(config: Config, rx: Receiver<Trigger>, metrics: Arc<Metrics>) {
                 retry_at = Some(Instant::now() + Duration::from_secs(2));
             }
         }
+    }
+}
+
+/// Forwards the classifier's debug log (emitted only while switched on).
+fn follow_kernel_log(config: &Config) {
+    let id = crate::datapath::bpf::Classifiers::open_pinned(&config.layout)
+        .ok()
+        .and_then(|p| p.id(crate::datapath::bpf::Hook::Ingress));
+    if let Some(id) = id
+        && let Err(e) = crate::inspect::follow_kernel_log(id)
+    {
+        warn!(error = %e, "kernel debug log unavailable");
     }
 }
 

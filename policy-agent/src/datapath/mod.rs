@@ -1,2 +1,3 @@
 //! Datapaths: where compiled policy is enforced.
 pub mod bpf;
+pub mod iptables;

@@ -129,7 +129,7 @@ fn policy_object(e: &policy::PolicyError) -> String {
 
 /// Two pods routed to one interface cannot both be that endpoint: keep
 /// the first, report the rest.
-fn drop_shared_interfaces(
+pub(super) fn drop_shared_interfaces(
     interfaces: &mut BTreeMap<PodRef, Interface>,
     problems: &mut Vec<Problem>,
 ) {

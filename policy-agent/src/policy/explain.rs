@@ -172,7 +172,7 @@ fn holders(state: &ClusterState) -> BTreeMap<IpAddr, PodRef> {
         for ip in info.ips.iter().filter(|ip| !state.node_ips.contains(ip)) {
             let cand = (Reverse(info.created), pod);
             best.entry(*ip)
-                .and_modify(|b| *b = (*b).min(cand.clone()))
+                .and_modify(|b| *b = (*b).min(cand))
                 .or_insert(cand);
         }
     }
@@ -566,7 +566,17 @@ fn write_key(f: &mut String, k: &KeyReport) {
 impl fmt::Display for Explanation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut s = String::new();
-        let verdict = if self.allowed { "ALLOWED" } else { "DROPPED" };
+        let verdict = if self.allowed {
+            "ALLOWED".to_owned()
+        } else {
+            let at: Vec<String> = [&self.egress, &self.ingress]
+                .into_iter()
+                .flatten()
+                .filter(|d| !d.map_allowed)
+                .map(|d| format!("{} of {}", d.direction, d.endpoint))
+                .collect();
+            format!("DROPPED at {}", at.join(" and "))
+        };
         let _ = writeln!(s, "flow {} port {}: {verdict}", self.protocol, self.port);
         write_side(&mut s, "src", &self.src);
         write_side(&mut s, "dst", &self.dst);

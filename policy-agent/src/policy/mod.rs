@@ -80,11 +80,16 @@ pub struct RuleOrigin {
 }
 
 /// Compiles `state` for the node `state.node_name`.
+///
+/// This is one identity generation: it allocates the numbers of new keys,
+/// releases those no longer used and ends the generation of `ids` (see
+/// [`IdentityAllocator`]); callers do not call `end_generation` again.
 pub fn compile(state: &ClusterState, ids: &mut IdentityAllocator) -> Compiled {
     compile_with(state, ids, CompileOptions::default())
 }
 
-/// Compiles `state` with `options` (e.g. every pod treated as local).
+/// Compiles `state` with `options` (e.g. every pod treated as local); one
+/// identity generation, as [`compile`].
 pub fn compile_with(
     state: &ClusterState,
     ids: &mut IdentityAllocator,

@@ -314,8 +314,8 @@ impl Output {
             + m.identities.len() * (4 + size_of::<IdentityName>())
             + self
                 .shared
-                .iter()
-                .map(|(_, v)| size_of::<PolicyKey>() + 24 + v.len() * 4)
+                .values()
+                .map(|v| size_of::<PolicyKey>() + 24 + v.len() * 4)
                 .sum::<usize>()
             + self.counts.len() * (8 + SLOTS * 4)
     }

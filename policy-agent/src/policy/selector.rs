@@ -138,9 +138,18 @@ mod tests {
         }
     }
 
+    /// (name, operator, values, labels, matches)
+    type Case<'a> = (
+        &'a str,
+        &'a str,
+        Option<&'a [&'a str]>,
+        &'a [(&'a str, &'a str)],
+        bool,
+    );
+
     #[test]
     fn operators() {
-        let cases: &[(&str, &str, Option<&[&str]>, &[(&str, &str)], bool)] = &[
+        let cases: &[Case] = &[
             (
                 "in matches a listed value",
                 "In",

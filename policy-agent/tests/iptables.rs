@@ -1,0 +1,236 @@
+//! The iptables fallback: golden renderings of the tricky cases, and on a
+//! real (namespaced) netfilter: nothing-changed syncs write nothing, reset
+//! removes exactly what was added, both the nf_tables and the legacy
+//! backend work, and `--datapath auto` falls back when BPF cannot be used.
+//! Set UPDATE_GOLDEN=1 to rewrite the golden files after a reviewed change.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::{collections::BTreeMap, path::Path};
+
+use policy_agent::{
+    cluster::PodRef,
+    datapath::iptables::{DEFAULT_MARK, RenderInput, render},
+    identity::IdentityAllocator,
+    k8s::manifests::{LoadedManifests, load_text},
+    policy,
+    sim::NetNs,
+};
+use support::conformance::{AGENT, Backend, Conformance, ns_of};
+
+const GOLDEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/iptables");
+
+fn golden(case: &str) {
+    let dir = Path::new(GOLDEN);
+    let mut loaded = LoadedManifests::default();
+    for file in ["cluster.yaml", &format!("{case}.yaml")] {
+        let text = std::fs::read_to_string(dir.join(file)).unwrap();
+        load_text(&dir.join(file), &text, &mut loaded);
+    }
+    assert!(loaded.errors.is_empty(), "{:?}", loaded.errors);
+    let state = loaded.cluster_state("n1", vec!["192.168.0.1".parse().unwrap()]);
+    let compiled = policy::compile(&state, &mut IdentityAllocator::new());
+    assert!(compiled.errors.is_empty(), "{:?}", compiled.errors);
+    let interfaces: BTreeMap<PodRef, String> = compiled
+        .local_pods
+        .keys()
+        .map(|p| (p.clone(), format!("veth-{}", p.name)))
+        .collect();
+    let ruleset = render(&RenderInput {
+        maps: &compiled.maps,
+        local_pods: &compiled.local_pods,
+        interfaces: &interfaces,
+        rules: &compiled.rules,
+        mark: DEFAULT_MARK,
+    });
+    let text = ruleset.render_text();
+    let path = dir.join(format!("{case}.expected"));
+    if std::env::var_os("UPDATE_GOLDEN").is_some() {
+        std::fs::write(&path, &text).unwrap();
+    }
+    let want = std::fs::read_to_string(&path)
+        .unwrap_or_else(|_| panic!("missing {}; run with UPDATE_GOLDEN=1", path.display()));
+    assert_eq!(
+        text, want,
+        "rendering of {case} changed (UPDATE_GOLDEN=1 to accept after review)"
+    );
+}
+
+#[test]
+fn golden_and_or_peers() {
+    golden("and_or_peers");
+}
+
+#[test]
+fn golden_ipblock_except() {
+    golden("ipblock_except");
+}
+
+#[test]
+fn golden_named_ports() {
+    golden("named_ports");
+}
+
+#[test]
+fn golden_endport() {
+    golden("endport");
+}
+
+#[test]
+fn golden_empty_vs_absent() {
+    golden("empty_vs_absent");
+}
+
+fn saved(ns: &NetNs, tool: &str) -> String {
+    ns.exec(tool, &["-t", "filter"]).unwrap()
+}
+
+fn deny_gamma() -> &'static str {
+    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny, namespace: gamma}\nspec: {podSelector: {}, policyTypes: [Ingress]}\n"
+}
+
+/// Applies with the given iptables flavour, checks enforcement, that a
+/// second apply writes nothing, and that reset leaves a foreign chain,
+/// rule and set exactly as they were.
+fn backend_round_trip(prefix: &'static str, flavour: &str) {
+    let c = Conformance::new(prefix, Backend::Iptables);
+    let node = &c.node().node;
+    let (save, ipt) = if flavour == "legacy" {
+        ("iptables-legacy-save", "iptables-legacy")
+    } else {
+        ("iptables-nft-save", "iptables-nft")
+    };
+    // Someone else's chain, rule and set, present before the agent.
+    node.exec(ipt, &["-N", "FOREIGN"]).unwrap();
+    node.exec(ipt, &["-A", "FOREIGN", "-s", "192.0.2.1", "-j", "DROP"])
+        .unwrap();
+    node.exec(ipt, &["-A", "FORWARD", "-j", "FOREIGN"]).unwrap();
+    node.exec("ipset", &["create", "foreign-set", "hash:ip"])
+        .unwrap();
+    let before = saved(node, save);
+
+    c.write_policies(deny_gamma());
+    let dir = c.dir.to_str().unwrap().to_owned();
+    let pins = c.layout.root().to_str().unwrap().to_owned();
+    let apply = |expect_writes: Option<&str>| {
+        let out = node
+            .command(AGENT)
+            .args([
+                "apply",
+                "--manifests",
+                &dir,
+                "--node",
+                "node-1",
+                "--datapath",
+                "iptables",
+            ])
+            .args(["--iptables-backend", flavour, "--pin-dir", &pins])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if let Some(w) = expect_writes {
+            assert!(stdout.contains(w), "expected {w:?} in {stdout}");
+        }
+    };
+    apply(None);
+    c.check(&format!("{flavour}: deny gamma"), |f, t, _, _| {
+        f == t || f == "(node)" || ns_of(t) != "gamma"
+    });
+    // Nothing changed: nothing written.
+    apply(Some(" 0 write(s)"));
+    assert!(saved(node, save).contains("-j PA-FORWARD"));
+
+    let out = node
+        .command(AGENT)
+        .args(["reset", "--iptables-backend", flavour, "--pin-dir", &pins])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let after = saved(node, save);
+    let strip = |s: &str| {
+        s.lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        strip(&after),
+        strip(&before),
+        "reset must restore the table exactly"
+    );
+    let sets = node.exec("ipset", &["list", "-n"]).unwrap();
+    assert_eq!(sets.trim(), "foreign-set", "only the foreign set remains");
+    c.check(&format!("{flavour}: after reset"), |f, t, _, _| {
+        // The foreign rule only drops 192.0.2.1, which never sends here.
+        let _ = (f, t);
+        true
+    });
+}
+
+#[test]
+fn nf_tables_backend_round_trip_and_reset_spares_foreign_rules() {
+    backend_round_trip("itnft", "nft");
+}
+
+#[test]
+fn legacy_backend_round_trip_and_reset_spares_foreign_rules() {
+    backend_round_trip("itleg", "legacy");
+}
+
+#[test]
+fn auto_falls_back_to_iptables_when_bpf_cannot_be_used() {
+    let c = Conformance::new("itauto", Backend::Bpf);
+    c.write_policies(deny_gamma());
+    let dir = c.dir.to_str().unwrap().to_owned();
+    // A pin directory off bpffs makes the BPF datapath unusable here.
+    let out = c
+        .node()
+        .node
+        .command(AGENT)
+        .args([
+            "apply",
+            "--manifests",
+            &dir,
+            "--node",
+            "node-1",
+            "--datapath",
+            "auto",
+            "--pin-dir",
+            "/tmp/policy-agent-not-bpffs",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.starts_with("iptables:"), "{stdout}");
+    assert!(
+        stderr.contains("falling back to iptables"),
+        "the reason is logged: {stderr}"
+    );
+    c.check("auto fallback", |f, t, _, _| {
+        f == t || f == "(node)" || ns_of(t) != "gamma"
+    });
+    let out = c
+        .node()
+        .node
+        .command(AGENT)
+        .args(["reset", "--pin-dir", "/tmp/policy-agent-not-bpffs"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
