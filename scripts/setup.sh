@@ -25,4 +25,9 @@ if ! command -v bpf-linker >/dev/null 2>&1; then
   LLVM_PREFIX=/usr/lib/llvm-22 cargo install bpf-linker --locked --version '^0.13' \
     --no-default-features --features llvm-22 --force
 fi
+# Offline schema validation of deploy/ (tests).
+if ! command -v kubernetes-validate >/dev/null 2>&1; then
+  echo "setup: installing kubernetes-validate (PyPI)"
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore 'kubernetes-validate==1.37.*'
+fi
 echo "setup: ok"

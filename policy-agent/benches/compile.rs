@@ -80,7 +80,8 @@ fn cluster(pods: usize, seed: u64) -> ClusterState {
     let mut dep = 0usize;
     while made < pods {
         let ns = format!("ns-{:03}", dep % namespaces);
-        let tier = TIERS[dep % TIERS.len()];
+        // Deployments of a namespace take turns through the tiers.
+        let tier = TIERS[(dep / namespaces) % TIERS.len()];
         let app = format!("app-{dep}");
         let replicas = rng.random_range(5..=15).min(pods - made);
         let ports = match tier {
@@ -139,7 +140,7 @@ fn cluster(pods: usize, seed: u64) -> ClusterState {
     for n in 0..namespaces {
         for k in 0..10 {
             let ns = format!("ns-{n:03}");
-            let yaml = policy_yaml(n, k, &mut rng, dep);
+            let yaml = policy_yaml(n, k, &mut rng, namespaces, dep);
             let np: NetworkPolicy =
                 serde_yaml::from_str(&yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
             s.policies.insert(ObjectRef::new(ns, format!("p{k}")), np);
@@ -149,10 +150,17 @@ fn cluster(pods: usize, seed: u64) -> ClusterState {
 }
 
 /// Policy `k` of namespace `n`: realistic shapes.
-fn policy_yaml(n: usize, k: usize, rng: &mut StdRng, deployments: usize) -> String {
+fn policy_yaml(
+    n: usize,
+    k: usize,
+    rng: &mut StdRng,
+    namespaces: usize,
+    deployments: usize,
+) -> String {
+    // A deployment of this namespace (deployment d lives in d % namespaces).
     let app = format!(
         "app-{}",
-        (n + rng.random_range(0..10) * 100) % deployments.max(1)
+        (n + rng.random_range(0..10) * namespaces) % deployments.max(1)
     );
     let spec = match k {
         0 => "podSelector: {}\n  policyTypes: [Ingress]".to_owned(),

@@ -2,6 +2,8 @@
 //!
 //! Every task that needs tools runs `setup` first, so each works on a fresh
 //! machine with one command.
+mod kind;
+
 use std::{
     path::{Path, PathBuf},
     process::Command,
@@ -41,6 +43,13 @@ enum Task {
         manifests: PathBuf,
         #[arg(long, default_value = "node-1")]
         node: String,
+    },
+    /// Create a kind cluster (docker, kind and kubectl needed), deploy the
+    /// agent as a DaemonSet and run a smoke check.
+    Run {
+        /// Print every command instead of running it.
+        #[arg(long)]
+        dry_run: bool,
     },
 }
 
@@ -101,6 +110,7 @@ fn main() -> anyhow::Result<()> {
             }
             run(cargo().args(["test", "--workspace", "--"]).args(&args))
         }
+        Task::Run { dry_run } => kind::run(&root(), dry_run),
         Task::Demo { manifests, node } => {
             setup()?;
             require_root("the demo")?;

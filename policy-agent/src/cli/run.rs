@@ -1,7 +1,7 @@
 //! `policy-agent run`: the daemon.
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
-use anyhow::{Context as _, bail};
+use anyhow::Context as _;
 use policy_agent::{
     daemon::{self, Config, Source},
     datapath::bpf::LoadOptions,
@@ -11,7 +11,8 @@ use super::common::{DatapathArgs, PinArgs};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Watch this directory of manifests instead of an API server.
+    /// Watch this directory of manifests instead of the API server
+    /// (without it: cluster mode, in-cluster config or KUBECONFIG).
     #[arg(long)]
     pub manifests: Option<PathBuf>,
     /// This node's name (in a cluster: from the downward API).
@@ -30,9 +31,6 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let Some(dir) = args.manifests.clone() else {
-        bail!("cluster mode (no --manifests) is not available in this build; pass --manifests DIR");
-    };
     let mut config = Config::new(args.node.clone(), args.pins.layout());
     config.listen = args.listen;
     config.load = LoadOptions {
@@ -59,7 +57,19 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 _ = term.recv() => {}
             }
         };
-        daemon::run(config, Source::Manifests(dir), shutdown).await
+        let source = match args.manifests.clone() {
+            Some(dir) => Source::Manifests(dir),
+            None => {
+                // In a pod: the service account; elsewhere: KUBECONFIG.
+                let client = kube::Client::try_default()
+                    .await
+                    .context("connecting to the API server (in-cluster config or KUBECONFIG)")?;
+                Source::Cluster(client)
+            }
+        };
+        daemon::run(config, source, shutdown)
+            .await
+            .map_err(anyhow::Error::from)
     })?;
     Ok(ExitCode::SUCCESS)
 }

@@ -57,9 +57,11 @@ impl Config {
 }
 
 /// Where cluster state comes from.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub enum Source {
     Manifests(PathBuf),
+    /// Watch the API server with this client.
+    Cluster(kube::Client),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -91,7 +93,19 @@ pub async fn run(
         })?;
 
     let (tx, rx) = std::sync::mpsc::channel::<Trigger>();
-    let worker = worker::spawn(config.clone(), rx, metrics.clone()).map_err(Error::Worker)?;
+    // In cluster mode, invalid policies become Events on them.
+    let (problem_tx, problem_rx) = mpsc::unbounded_channel();
+    let events_task = match &source {
+        Source::Cluster(client) => Some(tokio::spawn(crate::k8s::cluster::publish_events(
+            client.clone(),
+            config.node.clone(),
+            problem_rx,
+        ))),
+        Source::Manifests(_) => None,
+    };
+    let problem_tx = events_task.as_ref().map(|_| problem_tx);
+    let worker =
+        worker::spawn(config.clone(), rx, metrics.clone(), problem_tx).map_err(Error::Worker)?;
 
     // New pod interfaces: resync at once so they are attached.
     let (link_tx, link_rx) = std::sync::mpsc::channel();
@@ -121,6 +135,12 @@ pub async fn run(
             config.poll,
             state_tx,
         )),
+        Source::Cluster(client) => tokio::spawn(crate::k8s::cluster::watch(
+            client,
+            config.node.clone(),
+            config.debounce,
+            state_tx,
+        )),
     };
     let forward = tx.clone();
     let forward_task = tokio::spawn(async move {
@@ -146,6 +166,9 @@ pub async fn run(
     shutdown.await;
     info!("shutting down; enforcement stays pinned");
     source_task.abort();
+    if let Some(t) = events_task {
+        t.abort();
+    }
     forward_task.abort();
     resync_task.abort();
     http.abort();

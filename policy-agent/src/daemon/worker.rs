@@ -36,17 +36,25 @@ pub enum Trigger {
     Stop,
 }
 
+/// `problem_tx`: where each sync's problems go (cluster mode turns
+/// invalid policies into Events).
 pub fn spawn(
     config: Config,
     rx: Receiver<Trigger>,
     metrics: Arc<Metrics>,
+    problem_tx: Option<tokio::sync::mpsc::UnboundedSender<Vec<Problem>>>,
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name("sync".into())
-        .spawn(move || run(config, rx, metrics))
+        .spawn(move || run(config, rx, metrics, problem_tx))
 }
 
-fn run(config: Config, rx: Receiver<Trigger>, metrics: Arc<Metrics>) {
+fn run(
+    config: Config,
+    rx: Receiver<Trigger>,
+    metrics: Arc<Metrics>,
+    problem_tx: Option<tokio::sync::mpsc::UnboundedSender<Vec<Problem>>>,
+) {
     let mut enforcer: Option<Box<dyn Enforcer + Send>> = None;
     let mut current: Option<Arc<SourceState>> = None;
     let mut last_problems: Vec<Problem> = Vec::new();
@@ -147,6 +155,9 @@ fn run(config: Config, rx: Receiver<Trigger>, metrics: Arc<Metrics>) {
                     for p in &problems {
                         warn!(problem = %p, "not enforced as written");
                     }
+                    if let Some(tx) = &problem_tx {
+                        let _ = tx.send(problems.clone());
+                    }
                     last_problems = problems;
                 }
                 if !drops_started && enf.name() == "bpf" {
@@ -176,8 +187,11 @@ fn follow_kernel_log(config: &Config) {
     }
 }
 
-/// Logs drop events with pod names, from a thread of its own.
+/// Logs drop events with pod names, from a thread of its own, at most
+/// `DROP_LOG_PER_SECOND` lines a second (the rest are counted, and the
+/// kernel counters have them all).
 fn spawn_drop_logger(config: &Config) -> bool {
+    const DROP_LOG_PER_SECOND: usize = 20;
     let layout = config.layout.clone();
     let reader = match DropEventReader::open(&layout) {
         Ok(r) => r,
@@ -190,9 +204,24 @@ fn spawn_drop_logger(config: &Config) -> bool {
         .name("drop-events".into())
         .spawn(move || {
             let mut reader = reader;
+            let mut window = Instant::now();
+            let (mut logged, mut suppressed) = (0usize, 0usize);
             loop {
                 for record in reader.next_batch(Duration::from_secs(1)) {
-                    info!(target: "drops", "{record}");
+                    if window.elapsed() >= Duration::from_secs(1) {
+                        if suppressed > 0 {
+                            info!(target: "drops", suppressed, "more drops not logged");
+                        }
+                        window = Instant::now();
+                        logged = 0;
+                        suppressed = 0;
+                    }
+                    if logged < DROP_LOG_PER_SECOND {
+                        info!(target: "drops", "{record}");
+                        logged += 1;
+                    } else {
+                        suppressed += 1;
+                    }
                 }
             }
         })

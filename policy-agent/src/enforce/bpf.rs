@@ -47,10 +47,7 @@ impl BpfEnforcer {
         let mut report = SyncReport::default();
         report
             .problems
-            .extend(compiled.errors.iter().map(|e| Problem {
-                object: policy_object(e),
-                reason: e.to_string(),
-            }));
+            .extend(compiled.errors.iter().map(Problem::from_policy_error));
         let (mut interfaces, problems) = resolve_interfaces(&compiled.local_pods);
         report.problems.extend(problems);
         drop_shared_interfaces(&mut interfaces, &mut report.problems);
@@ -117,13 +114,6 @@ impl BpfEnforcer {
     /// resync: heals any drift from writes by others).
     pub fn forget_cache(&mut self) {
         self.last = None;
-    }
-}
-
-fn policy_object(e: &policy::PolicyError) -> String {
-    match e.policy() {
-        Some(p) => format!("networkpolicy {p}"),
-        None => "networkpolicy".to_owned(),
     }
 }
 

@@ -66,15 +66,9 @@ impl IptablesEnforcer {
     pub fn sync(&mut self, state: &ClusterState) -> Result<SyncReport, iptables::Error> {
         let compiled = self.compile(state);
         let mut report = SyncReport::default();
-        report.problems.extend(compiled.errors.iter().map(|e| {
-            Problem {
-                object: e
-                    .policy()
-                    .map(|p| format!("networkpolicy {p}"))
-                    .unwrap_or_else(|| "networkpolicy".into()),
-                reason: e.to_string(),
-            }
-        }));
+        report
+            .problems
+            .extend(compiled.errors.iter().map(Problem::from_policy_error));
         let (ruleset, problems, endpoints) = self.ruleset(&compiled);
         report.problems.extend(problems);
         let applied = self.exec.apply(&ruleset)?;

@@ -9,6 +9,29 @@ pub struct Problem {
     pub reason: String,
 }
 
+impl Problem {
+    /// A policy that could not be compiled as written.
+    pub fn from_policy_error(e: &crate::policy::PolicyError) -> Self {
+        Self {
+            object: e
+                .policy()
+                .map(|p| format!("networkpolicy {p}"))
+                .unwrap_or_else(|| "networkpolicy".into()),
+            reason: e.to_string(),
+        }
+    }
+
+    /// The NetworkPolicy this problem is about, if any (for Kubernetes
+    /// Events on it).
+    pub fn policy(&self) -> Option<crate::cluster::ObjectRef> {
+        let (ns, name) = self
+            .object
+            .strip_prefix("networkpolicy ")?
+            .split_once('/')?;
+        Some(crate::cluster::ObjectRef::new(ns, name))
+    }
+}
+
 impl fmt::Display for Problem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}: {}", self.object, self.reason)

@@ -276,12 +276,16 @@ impl Conformance {
     /// Starts `policy-agent run` on the manifests (metrics on `port`).
     pub fn start_daemon(&mut self, port: u16) {
         let dir = self.dir.to_str().unwrap().to_owned();
+        self.start_daemon_with(port, &["--manifests", &dir], &[]);
+    }
+
+    /// Starts `policy-agent run` with `args` and `env` (cluster mode: no
+    /// --manifests, KUBECONFIG in `env`).
+    pub fn start_daemon_with(&mut self, port: u16, args: &[&str], env: &[(&str, &str)]) {
         let listen = format!("127.0.0.1:{port}");
         let child = self
             .agent(&[
                 "run",
-                "--manifests",
-                &dir,
                 "--node",
                 NODE,
                 "--listen",
@@ -289,6 +293,12 @@ impl Conformance {
                 "--datapath",
                 self.backend.flag(),
             ])
+            .args(args)
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
@@ -303,6 +313,35 @@ impl Conformance {
             std::thread::sleep(Duration::from_millis(50));
         }
         panic!("the daemon did not become ready");
+    }
+
+    /// `policy-agent dump --json`, parsed.
+    pub fn dump(&self) -> serde_json::Value {
+        let out = self.agent(&["dump", "--json"]).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    /// `policy-agent reset`.
+    pub fn reset(&self) {
+        let out = self.agent(&["reset"]).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Stops the daemon (enforcement stays pinned).
+    pub fn stop_daemon(&mut self) {
+        if let Some(mut d) = self.daemon.take() {
+            let _ = d.kill();
+            let _ = d.wait();
+        }
     }
 
     /// A GET from inside the node namespace (the daemon listens there).

@@ -2,4 +2,5 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 pub mod conformance;
+pub mod fake_apiserver;
 pub mod harness;

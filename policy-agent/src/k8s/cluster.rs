@@ -1,0 +1,283 @@
+//! Cluster mode: watchers on Pods (every node: remote pod IPs feed the
+//! ipcache), Namespaces and NetworkPolicies, kept as plain values (no
+//! managed fields, annotations or status), published as snapshots.
+//!
+//! A snapshot is published only once every watcher has completed its
+//! initial list, and after a re-list (410 Gone, a reconnect) only once the
+//! re-list is complete: the datapath never sees a half-listed cluster.
+//! While the API server is unreachable nothing is published, so the last
+//! state stays enforced; the watchers retry with backoff.
+use std::{collections::BTreeMap, time::Duration};
+
+use futures::{StreamExt as _, stream::BoxStream};
+use k8s_openapi::api::{
+    core::v1::{Namespace, ObjectReference, Pod},
+    networking::v1::NetworkPolicy,
+};
+use kube::{
+    Api, Client, ResourceExt as _,
+    runtime::{
+        WatchStreamExt as _,
+        events::{Event as K8sEvent, EventType, Recorder, Reporter},
+        watcher::{self, Event},
+    },
+};
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
+use tracing::{debug, info, warn};
+
+use crate::{
+    cluster::{ClusterState, NamespaceInfo, ObjectRef, PodInfo, namespace_info, pod_info},
+    daemon::SourceState,
+    enforce::Problem,
+};
+
+/// A watched kind's objects, with the buffer of a re-list in progress.
+struct Store<V> {
+    live: BTreeMap<ObjectRef, V>,
+    relist: Option<BTreeMap<ObjectRef, V>>,
+    synced: bool,
+}
+
+impl<V> Default for Store<V> {
+    fn default() -> Self {
+        Self {
+            live: BTreeMap::new(),
+            relist: None,
+            synced: false,
+        }
+    }
+}
+
+impl<V> Store<V> {
+    /// Applies one watch event; `Ok(true)` when the visible state changed.
+    fn apply<K>(
+        &mut self,
+        event: Event<K>,
+        mut convert: impl FnMut(&K) -> Option<(ObjectRef, V)>,
+    ) -> bool {
+        match event {
+            Event::Init => {
+                self.relist = Some(BTreeMap::new());
+                false
+            }
+            Event::InitApply(obj) => {
+                if let (Some(buf), Some((k, v))) = (self.relist.as_mut(), convert(&obj)) {
+                    buf.insert(k, v);
+                }
+                false
+            }
+            Event::InitDone => {
+                if let Some(buf) = self.relist.take() {
+                    self.live = buf;
+                }
+                self.synced = true;
+                true
+            }
+            Event::Apply(obj) => match convert(&obj) {
+                Some((k, v)) => {
+                    self.live.insert(k, v);
+                    true
+                }
+                None => false,
+            },
+            Event::Delete(obj) => match convert(&obj) {
+                Some((k, _)) => self.live.remove(&k).is_some(),
+                None => false,
+            },
+        }
+    }
+}
+
+enum Update {
+    Pod(Event<Pod>),
+    Namespace(Event<Namespace>),
+    Policy(Event<NetworkPolicy>),
+    Failed(&'static str, watcher::Error),
+}
+
+fn stream<K>(
+    api: Api<K>,
+    label: &'static str,
+    wrap: fn(Event<K>) -> Update,
+) -> BoxStream<'static, Update>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    watcher::watcher(api, watcher::Config::default())
+        .default_backoff()
+        .map(move |r| match r {
+            Ok(e) => wrap(e),
+            Err(e) => Update::Failed(label, e),
+        })
+        .boxed()
+}
+
+/// Keeps only what policy reads: no managed fields, annotations or owners.
+fn strip_policy(p: &NetworkPolicy) -> NetworkPolicy {
+    let mut p = p.clone();
+    p.metadata.managed_fields = None;
+    p.metadata.annotations = None;
+    p.metadata.owner_references = None;
+    p
+}
+
+/// Watches the cluster and publishes snapshots on `tx` until it closes.
+pub async fn watch(
+    client: Client,
+    node: String,
+    settle: Duration,
+    tx: UnboundedSender<SourceState>,
+) {
+    let mut updates = futures::stream::select_all([
+        stream(Api::<Pod>::all(client.clone()), "pods", Update::Pod),
+        stream(
+            Api::<Namespace>::all(client.clone()),
+            "namespaces",
+            Update::Namespace,
+        ),
+        stream(
+            Api::<NetworkPolicy>::all(client.clone()),
+            "networkpolicies",
+            Update::Policy,
+        ),
+    ]);
+    let mut pods: Store<PodInfo> = Store::default();
+    let mut namespaces: Store<NamespaceInfo> = Store::default();
+    let mut policies: Store<NetworkPolicy> = Store::default();
+    let mut pod_problems: BTreeMap<ObjectRef, Problem> = BTreeMap::new();
+    let mut dirty = false;
+    let mut failing = false;
+    loop {
+        let next = if dirty {
+            tokio::time::timeout(settle, updates.next()).await
+        } else {
+            Ok(updates.next().await)
+        };
+        match next {
+            Ok(Some(update)) => {
+                let changed = match update {
+                    Update::Pod(e) => pods.apply(e, |p| match pod_info(p) {
+                        Ok((k, v)) => {
+                            pod_problems.remove(&k);
+                            Some((k, v))
+                        }
+                        Err(err) => {
+                            let k = ObjectRef::new(p.namespace().unwrap_or_default(), p.name_any());
+                            pod_problems.insert(
+                                k.clone(),
+                                Problem {
+                                    object: format!("pod {k}"),
+                                    reason: err.to_string(),
+                                },
+                            );
+                            None
+                        }
+                    }),
+                    Update::Namespace(e) => namespaces.apply(e, |n| {
+                        namespace_info(n)
+                            .ok()
+                            .map(|(name, info)| (ObjectRef::new("", name), info))
+                    }),
+                    Update::Policy(e) => policies.apply(e, |p| {
+                        Some((
+                            ObjectRef::new(
+                                p.namespace().unwrap_or_else(|| "default".into()),
+                                p.name_any(),
+                            ),
+                            strip_policy(p),
+                        ))
+                    }),
+                    Update::Failed(kind, e) => {
+                        if !failing {
+                            warn!(kind, error = %e, "watch failed; keeping the last state enforced and retrying");
+                        }
+                        failing = true;
+                        false
+                    }
+                };
+                if changed && failing {
+                    info!("watches recovered");
+                    failing = false;
+                }
+                dirty |= changed;
+            }
+            Ok(None) => return,
+            Err(_) => {
+                // Settled: publish once every kind has been listed.
+                if pods.synced && namespaces.synced && policies.synced {
+                    let state = ClusterState {
+                        node_name: node.clone(),
+                        node_ips: Vec::new(),
+                        namespaces: namespaces
+                            .live
+                            .iter()
+                            .map(|(k, v)| (k.name.clone(), v.clone()))
+                            .collect(),
+                        pods: pods.live.clone(),
+                        policies: policies.live.clone(),
+                    };
+                    debug!(
+                        pods = state.pods.len(),
+                        policies = state.policies.len(),
+                        "publishing cluster state"
+                    );
+                    let problems = pod_problems.values().cloned().collect();
+                    if tx.send(SourceState { state, problems }).is_err() {
+                        return;
+                    }
+                }
+                dirty = false;
+            }
+        }
+    }
+}
+
+/// Reports invalid NetworkPolicies as Kubernetes Events on them, once per
+/// distinct problem.
+pub async fn publish_events(client: Client, node: String, mut rx: UnboundedReceiver<Vec<Problem>>) {
+    let recorder = Recorder::new(
+        client,
+        Reporter {
+            controller: "policy-agent".into(),
+            instance: Some(node),
+        },
+    );
+    let mut reported: BTreeMap<(ObjectRef, String), ()> = BTreeMap::new();
+    while let Some(problems) = rx.recv().await {
+        let current: BTreeMap<(ObjectRef, String), ()> = problems
+            .iter()
+            .filter_map(|p| p.policy().map(|r| ((r, p.reason.clone()), ())))
+            .collect();
+        for (policy, reason) in current.keys().filter(|k| !reported.contains_key(*k)) {
+            let reference = ObjectReference {
+                api_version: Some("networking.k8s.io/v1".into()),
+                kind: Some("NetworkPolicy".into()),
+                namespace: Some(policy.namespace.clone()),
+                name: Some(policy.name.clone()),
+                ..Default::default()
+            };
+            let event = K8sEvent {
+                type_: EventType::Warning,
+                reason: "InvalidNetworkPolicy".into(),
+                note: Some(truncate(reason, 1000)),
+                action: "Enforce".into(),
+                secondary: None,
+            };
+            if let Err(e) = recorder.publish(&event, &reference).await {
+                warn!(policy = %policy, error = %e, "cannot publish an Event");
+            }
+        }
+        reported = current;
+    }
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
