@@ -89,9 +89,9 @@ impl<V> Store<V> {
 }
 
 enum Update {
-    Pod(Event<Pod>),
-    Namespace(Event<Namespace>),
-    Policy(Event<NetworkPolicy>),
+    Pod(Box<Event<Pod>>),
+    Namespace(Box<Event<Namespace>>),
+    Policy(Box<Event<NetworkPolicy>>),
     Failed(&'static str, watcher::Error),
 }
 
@@ -129,16 +129,16 @@ pub async fn watch(
     tx: UnboundedSender<SourceState>,
 ) {
     let mut updates = futures::stream::select_all([
-        stream(Api::<Pod>::all(client.clone()), "pods", Update::Pod),
-        stream(
-            Api::<Namespace>::all(client.clone()),
-            "namespaces",
-            Update::Namespace,
-        ),
+        stream(Api::<Pod>::all(client.clone()), "pods", |e| {
+            Update::Pod(Box::new(e))
+        }),
+        stream(Api::<Namespace>::all(client.clone()), "namespaces", |e| {
+            Update::Namespace(Box::new(e))
+        }),
         stream(
             Api::<NetworkPolicy>::all(client.clone()),
             "networkpolicies",
-            Update::Policy,
+            |e| Update::Policy(Box::new(e)),
         ),
     ]);
     let mut pods: Store<PodInfo> = Store::default();
@@ -156,7 +156,7 @@ pub async fn watch(
         match next {
             Ok(Some(update)) => {
                 let changed = match update {
-                    Update::Pod(e) => pods.apply(e, |p| match pod_info(p) {
+                    Update::Pod(e) => pods.apply(*e, |p| match pod_info(p) {
                         Ok((k, v)) => {
                             pod_problems.remove(&k);
                             Some((k, v))
@@ -173,12 +173,12 @@ pub async fn watch(
                             None
                         }
                     }),
-                    Update::Namespace(e) => namespaces.apply(e, |n| {
+                    Update::Namespace(e) => namespaces.apply(*e, |n| {
                         namespace_info(n)
                             .ok()
                             .map(|(name, info)| (ObjectRef::new("", name), info))
                     }),
-                    Update::Policy(e) => policies.apply(e, |p| {
+                    Update::Policy(e) => policies.apply(*e, |p| {
                         Some((
                             ObjectRef::new(
                                 p.namespace().unwrap_or_else(|| "default".into()),
