@@ -1,5 +1,8 @@
 //! The verdict. `policy_common::model` states the same procedure in plain
 //! Rust; the differential test holds the two together.
+//!
+//! The packet and the keys built from it live in a per-CPU scratch buffer
+//! (`SCRATCH`): the BPF stack is 512 bytes for the whole call chain.
 use aya_ebpf::{
     bindings::{BPF_ANY, TC_ACT_SHOT, TC_ACT_UNSPEC},
     helpers::bpf_ktime_get_ns,
@@ -11,6 +14,7 @@ use policy_common::{
     conntrack::{
         CT_FLAG_CLOSING, CT_FLAG_SYN_ONLY, CT_REFRESH_NS, CtEntry, CtKey, FragEntry, FragKey,
     },
+    direction,
     endpoint::{EndpointInfo, lookups},
     event::DropEvent,
     family, identity,
@@ -23,9 +27,11 @@ use policy_common::{
 use crate::{
     maps::{
         CONFIG, CONNTRACK, COUNTERS, DROP_EVENTS, ENDPOINTS, FRAGMENTS, IPCACHE_V4, IPCACHE_V6,
-        POLICY,
+        POLICY, SCRATCH, Scratch,
     },
-    parse::{FRAG_FIRST, FRAG_LATER, IpPacket, Parsed, is_icmpv6_link_control, parse, quoted_flow},
+    parse::{
+        FRAG_FIRST, FRAG_LATER, IP, IpPacket, MALFORMED, is_icmpv6_link_control, parse, quoted_flow,
+    },
 };
 
 /// Allowed: hand the packet on (TCX_NEXT / next tc filter), so programs
@@ -62,7 +68,7 @@ fn config_flags() -> u32 {
 #[inline(always)]
 fn addr_eq(a: &[u8; 16], b: &[u8; 16]) -> bool {
     // Compare in two words: a byte-array `==` could lower to a memcmp
-    // call, which BPF does not have.
+    // call.
     let a0 = u64::from_ne_bytes([a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]);
     let a1 = u64::from_ne_bytes([a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]);
     let b0 = u64::from_ne_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
@@ -84,28 +90,32 @@ fn ipcache_lookup(fam: u8, addr: &[u8; 16]) -> IpcacheEntry {
 
 /// Probes the policy entries for one peer identity, in the documented
 /// order: port prefixes present for this endpoint, longest first, then
-/// the any-protocol entry.
-#[inline(always)]
-fn probe_peer(ep: &EndpointInfo, dir: u8, peer: u32, protocol: u8, port: u16, bits: u32) -> bool {
+/// the any-protocol entry. Out of line, so its key has a small frame of
+/// its own. `packed` is direction << 24 | protocol << 16 | port.
+#[inline(never)]
+fn probe_peer(endpoint: u32, peer: u32, packed: u32, bits: u32) -> u32 {
+    let dir = (packed >> 24) as u8;
+    let protocol = (packed >> 16) as u8;
+    let port = packed as u16;
     if has_ports(protocol) {
         let mut len: u32 = 17;
         while len > 0 {
             len -= 1;
             if bits & (1 << len) != 0 {
-                let key = PolicyKey::new(ep.identity, dir, peer, protocol, len as u8, port);
+                let key = PolicyKey::new(endpoint, dir, peer, protocol, len as u8, port);
                 if POLICY.get_ptr(&key).is_some() {
-                    return true;
+                    return 1;
                 }
             }
         }
     }
     if bits & lookups::ANY_PROTOCOL != 0 {
-        let key = PolicyKey::new(ep.identity, dir, peer, proto::ANY, 0, 0);
+        let key = PolicyKey::new(endpoint, dir, peer, proto::ANY, 0, 0);
         if POLICY.get_ptr(&key).is_some() {
-            return true;
+            return 1;
         }
     }
-    false
+    0
 }
 
 /// Judges a flow of `ep` with `peer_addr` in `dir` as if it were new.
@@ -126,25 +136,26 @@ fn judge(
         return (Reason::AllowNotIsolated, peer);
     }
     let bits = ep.lookups(dir);
-    if peer.identity != identity::ANY && probe_peer(ep, dir, peer.identity, protocol, port, bits) {
+    let packed = (u32::from(dir) << 24) | (u32::from(protocol) << 16) | u32::from(port);
+    if peer.identity != identity::ANY && probe_peer(ep.identity, peer.identity, packed, bits) != 0 {
         return (Reason::AllowPolicy, peer);
     }
-    if probe_peer(ep, dir, peer.cidr_identity, protocol, port, bits) {
+    if probe_peer(ep.identity, peer.cidr_identity, packed, bits) != 0 {
         return (Reason::AllowPolicy, peer);
     }
-    if bits & lookups::ANY_PEER != 0 && probe_peer(ep, dir, identity::ANY, protocol, port, bits) {
+    if bits & lookups::ANY_PEER != 0 && probe_peer(ep.identity, identity::ANY, packed, bits) != 0 {
         return (Reason::AllowPolicy, peer);
     }
     (Reason::DropPolicy, peer)
 }
 
 #[inline(always)]
-fn policy_port(pkt: &IpPacket, port: u16) -> u16 {
-    if has_ports(pkt.protocol) { port } else { 0 }
+fn policy_port(protocol: u8, port: u16) -> u16 {
+    if has_ports(protocol) { port } else { 0 }
 }
 
 /// A conntrack hit: still allowed under the endpoint's current revision?
-#[allow(clippy::too_many_arguments)]
+/// `orig_port` is the destination port of the packet that opened the flow.
 #[inline(always)]
 fn on_ct_hit(
     entry: &mut CtEntry,
@@ -164,7 +175,7 @@ fn on_ct_hit(
             pkt.family,
             peer_addr,
             pkt.protocol,
-            policy_port(pkt, orig_port),
+            policy_port(pkt.protocol, orig_port),
         );
         peer = p;
         if reason.is_drop() {
@@ -192,16 +203,40 @@ fn live(entry: &CtEntry, protocol: u8, now: u64) -> bool {
     now.wrapping_sub(entry.last_seen_ns) <= entry.timeout_ns(protocol)
 }
 
-/// The decision for a parsed IP packet at endpoint `ep`.
+#[inline(always)]
+fn fill_ct_key(key: &mut CtKey, ifindex: u32, pkt: &IpPacket) {
+    key.ifindex = ifindex;
+    key.src = pkt.src;
+    key.dst = pkt.dst;
+    key.sport = pkt.sport;
+    key.dport = pkt.dport;
+    key.protocol = pkt.protocol;
+    key.family = pkt.family;
+    key._pad = 0;
+}
+
+#[inline(always)]
+fn fill_frag_key(key: &mut FragKey, ifindex: u32, pkt: &IpPacket) {
+    key.ifindex = ifindex;
+    key.src = pkt.src;
+    key.dst = pkt.dst;
+    key.id = pkt.frag_id;
+    key.protocol = pkt.protocol;
+    key.family = pkt.family;
+    key._pad = 0;
+}
+
+/// The decision for the parsed packet in `s.pkt` at endpoint `ep`.
 #[inline(always)]
 fn decide(
     ctx: &TcContext,
+    s: &mut Scratch,
     ifindex: u32,
     ep: &EndpointInfo,
     dir: u8,
-    pkt: &IpPacket,
 ) -> (Reason, IpcacheEntry) {
     let unknown = IpcacheEntry::UNKNOWN;
+    let pkt = &s.pkt;
     if pkt.protocol == proto::ICMPV6 && is_icmpv6_link_control(pkt.icmp_type) {
         return (Reason::AllowNeighborDiscovery, unknown);
     }
@@ -209,66 +244,41 @@ fn decide(
         return (Reason::AllowSelf, unknown);
     }
     if pkt.frag == FRAG_LATER {
-        let key = FragKey {
-            ifindex,
-            src: pkt.src,
-            dst: pkt.dst,
-            id: pkt.frag_id,
-            protocol: pkt.protocol,
-            family: pkt.family,
-            _pad: 0,
-        };
-        return if FRAGMENTS.get_ptr(&key).is_some() {
+        fill_frag_key(&mut s.frag, ifindex, pkt);
+        return if FRAGMENTS.get_ptr(&s.frag).is_some() {
             (Reason::AllowFragment, unknown)
         } else {
             (Reason::DropFragmentUnknown, unknown)
         };
     }
-    let peer_addr = if dir == policy_common::direction::EGRESS {
+    let peer_addr = if dir == direction::EGRESS {
         &pkt.dst
     } else {
         &pkt.src
     };
+    // SAFETY: a helper without preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
 
-    // One key on the stack, rewritten for each probe (the BPF stack is 512
-    // bytes).
-    let mut key = CtKey {
-        ifindex,
-        src: pkt.src,
-        dst: pkt.dst,
-        sport: pkt.sport,
-        dport: pkt.dport,
-        protocol: pkt.protocol,
-        family: pkt.family,
-        _pad: 0,
-    };
     if pkt.quoted_off != 0 {
         let v6 = pkt.family == family::IPV6;
-        if quoted_flow(ctx, pkt.quoted_off as usize, v6, &mut key).is_some()
-            && CONNTRACK.get_ptr(&key).is_some()
+        s.ct.ifindex = ifindex;
+        s.ct.family = pkt.family;
+        s.ct._pad = 0;
+        if quoted_flow(ctx, pkt.quoted_off as usize, v6, &mut s.ct).is_some()
+            && CONNTRACK.get_ptr(&s.ct).is_some()
         {
             return (Reason::AllowRelated, unknown);
         }
-        key = CtKey {
-            ifindex,
-            src: pkt.src,
-            dst: pkt.dst,
-            sport: pkt.sport,
-            dport: pkt.dport,
-            protocol: pkt.protocol,
-            family: pkt.family,
-            _pad: 0,
-        };
     }
 
-    if let Some(entry) = CONNTRACK.get_ptr_mut(&key) {
+    fill_ct_key(&mut s.ct, ifindex, pkt);
+    if let Some(entry) = CONNTRACK.get_ptr_mut(&s.ct) {
         // SAFETY: a pointer to the map value, valid for this program run.
         let entry = unsafe { &mut *entry };
         if live(entry, pkt.protocol, now) {
             return on_ct_hit(
                 entry,
-                &key,
+                &s.ct,
                 ep,
                 pkt,
                 peer_addr,
@@ -278,8 +288,8 @@ fn decide(
             );
         }
     }
-    key = key.reversed();
-    if let Some(entry) = CONNTRACK.get_ptr_mut(&key) {
+    s.ct = s.ct.reversed();
+    if let Some(entry) = CONNTRACK.get_ptr_mut(&s.ct) {
         // SAFETY: as above.
         let entry = unsafe { &mut *entry };
         if live(entry, pkt.protocol, now) {
@@ -287,7 +297,7 @@ fn decide(
             // opener's destination port, which is this packet's source.
             return on_ct_hit(
                 entry,
-                &key,
+                &s.ct,
                 ep,
                 pkt,
                 peer_addr,
@@ -297,7 +307,6 @@ fn decide(
             );
         }
     }
-    key = key.reversed();
 
     let (reason, peer) = judge(
         ep,
@@ -305,7 +314,7 @@ fn decide(
         pkt.family,
         peer_addr,
         pkt.protocol,
-        policy_port(pkt, pkt.dport),
+        policy_port(pkt.protocol, pkt.dport),
     );
     if reason == Reason::AllowPolicy || reason == Reason::AllowNotIsolated {
         let mut flags = 0;
@@ -317,6 +326,7 @@ fn decide(
                 flags |= CT_FLAG_CLOSING;
             }
         }
+        fill_ct_key(&mut s.ct, ifindex, pkt);
         let entry = CtEntry {
             last_seen_ns: now,
             revision: ep.revision,
@@ -324,26 +334,25 @@ fn decide(
             flags,
             _pad: 0,
         };
-        let _ = CONNTRACK.insert(&key, &entry, BPF_ANY as u64);
+        let _ = CONNTRACK.insert(&s.ct, &entry, BPF_ANY as u64);
     }
     (reason, peer)
 }
 
-#[inline(always)]
-fn emit_drop(
-    ifindex: u32,
-    ep: &EndpointInfo,
-    dir: u8,
-    pkt: Option<&IpPacket>,
-    peer: IpcacheEntry,
-    reason: Reason,
-) {
+/// `meta` is ifindex << 16 | reason << 8 | direction (five arguments at
+/// most for a BPF-to-BPF call). `pkt` is None for unparsed packets.
+#[inline(never)]
+fn emit_drop(ep: &EndpointInfo, meta: u64, pkt: Option<&IpPacket>, peer: &IpcacheEntry) {
+    let ifindex = (meta >> 16) as u32;
+    let reason = (meta >> 8) as u8;
+    let dir = meta as u8;
     let Some(mut slot) = DROP_EVENTS.reserve(0) else {
         count(Reason::EventLost, dir);
         return;
     };
     // Fill the reserved slot in place rather than copying a stack image.
     let ev: &mut DropEvent = slot.write(DropEvent {
+        // SAFETY: a helper without preconditions.
         timestamp_ns: unsafe { bpf_ktime_get_ns() },
         ifindex,
         endpoint_identity: ep.identity,
@@ -356,7 +365,7 @@ fn emit_drop(
         protocol: 0,
         family: 0,
         direction: dir,
-        reason: reason as u8,
+        reason,
     });
     if let Some(p) = pkt {
         ev.src = p.src;
@@ -378,36 +387,37 @@ pub fn classify(ctx: &TcContext, dir: u8) -> i32 {
     };
     // SAFETY: map value pointer, valid for this run; copied out at once.
     let ep = unsafe { *ep };
+    let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
+        // Cannot happen (a one-slot array); refuse rather than guess.
+        count(Reason::DropMalformed, dir);
+        return DROP;
+    };
+    // SAFETY: this CPU's slot; programs do not nest on one CPU.
+    let s = unsafe { &mut *scratch };
     let flags = config_flags();
 
-    let (reason, peer, pkt) = match parse(ctx) {
-        Parsed::NotIp => (Reason::AllowNonIp, IpcacheEntry::UNKNOWN, None),
-        Parsed::Malformed => (Reason::DropMalformed, IpcacheEntry::UNKNOWN, None),
-        Parsed::Ip(pkt) => {
-            let (reason, peer) = decide(ctx, ifindex, &ep, dir, &pkt);
-            if pkt.frag == FRAG_FIRST && !reason.is_drop() {
-                let key = FragKey {
-                    ifindex,
-                    src: pkt.src,
-                    dst: pkt.dst,
-                    id: pkt.frag_id,
-                    protocol: pkt.protocol,
-                    family: pkt.family,
-                    _pad: 0,
-                };
+    let parsed = parse(ctx, &mut s.pkt);
+    let (reason, peer) = match parsed {
+        IP => {
+            let (reason, peer) = decide(ctx, s, ifindex, &ep, dir);
+            if s.pkt.frag == FRAG_FIRST && !reason.is_drop() {
+                fill_frag_key(&mut s.frag, ifindex, &s.pkt);
                 let entry = FragEntry {
-                    sport: pkt.sport,
-                    dport: pkt.dport,
+                    sport: s.pkt.sport,
+                    dport: s.pkt.dport,
                     _reserved: 0,
                 };
-                let _ = FRAGMENTS.insert(&key, &entry, BPF_ANY as u64);
+                let _ = FRAGMENTS.insert(&s.frag, &entry, BPF_ANY as u64);
             }
-            (reason, peer, Some(pkt))
+            (reason, peer)
         }
+        MALFORMED => (Reason::DropMalformed, IpcacheEntry::UNKNOWN),
+        _ => (Reason::AllowNonIp, IpcacheEntry::UNKNOWN),
     };
     count(reason, dir);
+    let pkt = if parsed == IP { Some(&s.pkt) } else { None };
     if flags & CONFIG_DEBUG_LOG != 0 {
-        let (protocol, sport, dport) = match &pkt {
+        let (protocol, sport, dport) = match pkt {
             Some(p) => (p.protocol, p.sport, p.dport),
             None => (0, 0, 0),
         };
@@ -426,7 +436,12 @@ pub fn classify(ctx: &TcContext, dir: u8) -> i32 {
     }
     if reason.is_drop() {
         if flags & CONFIG_NO_DROP_EVENTS == 0 {
-            emit_drop(ifindex, &ep, dir, pkt.as_ref(), peer, reason);
+            emit_drop(
+                &ep,
+                (u64::from(ifindex) << 16) | ((reason as u64) << 8) | u64::from(dir),
+                pkt,
+                &peer,
+            );
         }
         DROP
     } else {

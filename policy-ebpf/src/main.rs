@@ -44,3 +44,52 @@ fn panic(_info: &core::panic::PanicInfo) -> ! {
 fn main() {
     panic!("policy-ebpf only runs as a BPF object; build it for bpfel-unknown-none");
 }
+
+/// Reference programs for the benchmarks, loaded only by them: the floors
+/// the classifier's per-packet cost is compared with.
+#[cfg(target_arch = "bpf")]
+mod floors {
+    use aya_ebpf::{bindings::TC_ACT_UNSPEC, macros::classifier, programs::TcContext};
+    use policy_common::conntrack::CtKey;
+
+    use crate::{
+        maps::{CONNTRACK, SCRATCH},
+        parse::{IP, parse},
+    };
+
+    /// Returns at once: the cost of running any program at all.
+    #[classifier]
+    pub fn floor_empty(_ctx: TcContext) -> i32 {
+        TC_ACT_UNSPEC
+    }
+
+    /// Parses the same headers and does one hash lookup (the 5-tuple): the
+    /// least any stateful enforcer can do.
+    #[classifier]
+    pub fn floor_one_lookup(ctx: TcContext) -> i32 {
+        let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
+            return TC_ACT_UNSPEC;
+        };
+        // SAFETY: this CPU's slot; programs do not nest on one CPU.
+        let s = unsafe { &mut *scratch };
+        if parse(&ctx, &mut s.pkt) == IP {
+            // SAFETY: the context pointer is the kernel's __sk_buff for this run.
+            let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+            let p = &s.pkt;
+            s.ct = CtKey {
+                ifindex,
+                src: p.src,
+                dst: p.dst,
+                sport: p.sport,
+                dport: p.dport,
+                protocol: p.protocol,
+                family: p.family,
+                _pad: 0,
+            };
+            if CONNTRACK.get_ptr(&s.ct).is_some() {
+                return TC_ACT_UNSPEC;
+            }
+        }
+        TC_ACT_UNSPEC
+    }
+}

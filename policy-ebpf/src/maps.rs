@@ -1,5 +1,6 @@
 //! The maps, as BTF map definitions so `bpftool map dump` prints fields.
 //! Sizes are defaults; the agent may override them at load time.
+use crate::parse::IpPacket;
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
@@ -21,6 +22,18 @@ const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 
 #[btf_map]
 pub static CONFIG: Array<Config, 1> = Array::new();
+
+/// Per-CPU scratch space for the packet and the keys built from it: the
+/// BPF stack (512 bytes for the whole call chain) is too small for them.
+#[repr(C)]
+pub struct Scratch {
+    pub pkt: IpPacket,
+    pub ct: CtKey,
+    pub frag: FragKey,
+}
+
+#[btf_map]
+pub static SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();
 
 #[btf_map]
 pub static ENDPOINTS: HashMap<u32, EndpointInfo, { capacity::ENDPOINTS as usize }> = HashMap::new();

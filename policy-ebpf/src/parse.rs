@@ -2,10 +2,10 @@
 //! over extension headers), then the first bytes of TCP/UDP/SCTP/ICMP.
 //!
 //! Every read is bounds-checked against `data_end`. Explicit outcomes:
-//! - not IPv4/IPv6 (ARP, LLDP, ...) → [`Parsed::NotIp`], passed;
+//! - not IPv4/IPv6 (ARP, LLDP, ...) → [`NOT_IP`], passed;
 //! - 802.1Q/802.1ad tagged frames, a bad version/IHL, a truncated IP or L4
 //!   header, or more than [`MAX_V6_EXT_HEADERS`] IPv6 extension headers →
-//!   [`Parsed::Malformed`], dropped (they cannot be judged, and a pod has no
+//!   [`MALFORMED`], dropped (they cannot be judged, and a pod has no
 //!   business sending them on a routed veth);
 //! - a non-first fragment carries no L4 header: `frag == FRAG_LATER`, the
 //!   classifier judges it by its first fragment.
@@ -40,6 +40,7 @@ pub const FRAG_FIRST: u8 = 1;
 /// A later fragment: no L4 header.
 pub const FRAG_LATER: u8 = 2;
 
+#[repr(C)]
 #[derive(Clone, Copy)]
 pub struct IpPacket {
     pub family: u8,
@@ -58,11 +59,11 @@ pub struct IpPacket {
     pub quoted_off: u16,
 }
 
-pub enum Parsed {
-    NotIp,
-    Malformed,
-    Ip(IpPacket),
-}
+/// Outcomes of [`parse`]: the packet is in the scratch buffer for `IP`.
+pub type Parsed = u8;
+pub const IP: Parsed = 0;
+pub const NOT_IP: Parsed = 1;
+pub const MALFORMED: Parsed = 2;
 
 #[inline(always)]
 fn ptr_at<T>(ctx: &TcContext, offset: usize) -> Option<*const T> {
@@ -127,51 +128,55 @@ pub fn is_icmpv6_link_control(t: u8) -> bool {
     (130..=137).contains(&t) || t == 143
 }
 
-pub fn parse(ctx: &TcContext) -> Parsed {
+/// Parses into `pkt` (a per-CPU scratch buffer: the BPF stack is small).
+pub fn parse(ctx: &TcContext, pkt: &mut IpPacket) -> Parsed {
     let Some(eth) = read::<EthHdr>(ctx, 0) else {
-        return Parsed::Malformed;
+        return MALFORMED;
     };
     // The ether_type field is a raw big-endian u16 in network-types 0.2.
     let ether_type = u16::from_be(eth.ether_type);
     match ether_type {
-        ETH_P_IP => parse_v4(ctx, EthHdr::LEN),
-        ETH_P_IPV6 => parse_v6(ctx, EthHdr::LEN),
-        ETH_P_8021Q | ETH_P_8021AD => Parsed::Malformed,
-        _ => Parsed::NotIp,
+        ETH_P_IP => parse_v4(ctx, EthHdr::LEN, pkt),
+        ETH_P_IPV6 => parse_v6(ctx, EthHdr::LEN, pkt),
+        ETH_P_8021Q | ETH_P_8021AD => MALFORMED,
+        _ => NOT_IP,
     }
 }
 
 #[inline(always)]
-fn empty_packet(family: u8, src: [u8; 16], dst: [u8; 16]) -> IpPacket {
-    IpPacket {
-        family,
-        protocol: 0,
-        frag: FRAG_NONE,
-        tcp_flags: 0,
-        frag_id: 0,
-        src,
-        dst,
-        sport: 0,
-        dport: 0,
-        icmp_type: 0,
-        quoted_off: 0,
-    }
+fn reset(pkt: &mut IpPacket, family: u8, src: [u8; 16], dst: [u8; 16]) {
+    pkt.family = family;
+    pkt.protocol = 0;
+    pkt.frag = FRAG_NONE;
+    pkt.tcp_flags = 0;
+    pkt.frag_id = 0;
+    pkt.src = src;
+    pkt.dst = dst;
+    pkt.sport = 0;
+    pkt.dport = 0;
+    pkt.icmp_type = 0;
+    pkt.quoted_off = 0;
 }
 
-fn parse_v4(ctx: &TcContext, off: usize) -> Parsed {
+fn parse_v4(ctx: &TcContext, off: usize, pkt: &mut IpPacket) -> Parsed {
     let Some(ip) = read::<Ipv4Hdr>(ctx, off) else {
-        return Parsed::Malformed;
+        return MALFORMED;
     };
     let ihl = (ip.vihl & 0x0f) as usize;
     if ip.vihl >> 4 != 4 || ihl < 5 {
-        return Parsed::Malformed;
+        return MALFORMED;
     }
     let l4 = off + ihl * 4;
     // Options must be inside the packet too.
     if ctx.data() + l4 > ctx.data_end() {
-        return Parsed::Malformed;
+        return MALFORMED;
     }
-    let mut pkt = empty_packet(family::IPV4, v4_to_16(ip.src_addr), v4_to_16(ip.dst_addr));
+    reset(
+        pkt,
+        family::IPV4,
+        v4_to_16(ip.src_addr),
+        v4_to_16(ip.dst_addr),
+    );
     pkt.protocol = ip.proto;
     let frags = be16(ip.frags);
     let offset = frags & 0x1fff;
@@ -179,7 +184,7 @@ fn parse_v4(ctx: &TcContext, off: usize) -> Parsed {
     pkt.frag_id = be16(ip.id) as u32;
     if offset != 0 {
         pkt.frag = FRAG_LATER;
-        return Parsed::Ip(pkt);
+        return IP;
     }
     if more {
         pkt.frag = FRAG_FIRST;
@@ -187,14 +192,14 @@ fn parse_v4(ctx: &TcContext, off: usize) -> Parsed {
     parse_l4(ctx, l4, pkt)
 }
 
-fn parse_v6(ctx: &TcContext, off: usize) -> Parsed {
+fn parse_v6(ctx: &TcContext, off: usize, pkt: &mut IpPacket) -> Parsed {
     let Some(ip) = read::<Ipv6Hdr>(ctx, off) else {
-        return Parsed::Malformed;
+        return MALFORMED;
     };
     if ip.vcf[0] >> 4 != 6 {
-        return Parsed::Malformed;
+        return MALFORMED;
     }
-    let mut pkt = empty_packet(family::IPV6, ip.src_addr, ip.dst_addr);
+    reset(pkt, family::IPV6, ip.src_addr, ip.dst_addr);
     let mut next = ip.next_hdr;
     let mut l4 = off + Ipv6Hdr::LEN;
     let mut i = 0;
@@ -203,21 +208,21 @@ fn parse_v6(ctx: &TcContext, off: usize) -> Parsed {
         match next {
             IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {
                 let Some(h) = read::<[u8; 2]>(ctx, l4) else {
-                    return Parsed::Malformed;
+                    return MALFORMED;
                 };
                 next = h[0];
                 l4 += (h[1] as usize + 1) * 8;
             }
             IPPROTO_AH => {
                 let Some(h) = read::<[u8; 2]>(ctx, l4) else {
-                    return Parsed::Malformed;
+                    return MALFORMED;
                 };
                 next = h[0];
                 l4 += (h[1] as usize + 2) * 4;
             }
             IPPROTO_FRAGMENT => {
                 let Some(h) = read::<[u8; 8]>(ctx, l4) else {
-                    return Parsed::Malformed;
+                    return MALFORMED;
                 };
                 next = h[0];
                 l4 += 8;
@@ -226,7 +231,7 @@ fn parse_v6(ctx: &TcContext, off: usize) -> Parsed {
                 if field & 0xfff8 != 0 {
                     pkt.protocol = next;
                     pkt.frag = FRAG_LATER;
-                    return Parsed::Ip(pkt);
+                    return IP;
                 }
                 if field & 1 != 0 {
                     pkt.frag = FRAG_FIRST;
@@ -238,15 +243,15 @@ fn parse_v6(ctx: &TcContext, off: usize) -> Parsed {
             }
         }
     }
-    Parsed::Malformed
+    MALFORMED
 }
 
-fn parse_l4(ctx: &TcContext, l4: usize, mut pkt: IpPacket) -> Parsed {
+fn parse_l4(ctx: &TcContext, l4: usize, pkt: &mut IpPacket) -> Parsed {
     match pkt.protocol {
         proto::TCP => {
             // The fixed 20-byte header: ports plus the flags at byte 13.
             let Some(h) = read::<[u8; 20]>(ctx, l4) else {
-                return Parsed::Malformed;
+                return MALFORMED;
             };
             pkt.sport = u16::from_be_bytes([h[0], h[1]]);
             pkt.dport = u16::from_be_bytes([h[2], h[3]]);
@@ -261,17 +266,17 @@ fn parse_l4(ctx: &TcContext, l4: usize, mut pkt: IpPacket) -> Parsed {
                 ptr_at::<[u8; 8]>(ctx, l4).is_some()
             };
             let Some(p) = read::<Ports>(ctx, l4) else {
-                return Parsed::Malformed;
+                return MALFORMED;
             };
             if !ok {
-                return Parsed::Malformed;
+                return MALFORMED;
             }
             pkt.sport = be16(p.src);
             pkt.dport = be16(p.dst);
         }
         proto::ICMP | proto::ICMPV6 => {
             let Some(h) = read::<IcmpHdr>(ctx, l4) else {
-                return Parsed::Malformed;
+                return MALFORMED;
             };
             pkt.icmp_type = h.kind;
             let v6 = pkt.protocol == proto::ICMPV6;
@@ -297,7 +302,7 @@ fn parse_l4(ctx: &TcContext, l4: usize, mut pkt: IpPacket) -> Parsed {
         }
         _ => {}
     }
-    Parsed::Ip(pkt)
+    IP
 }
 
 /// Reads the header an ICMP error quotes into `key` (the flow it is

@@ -2,6 +2,7 @@
 //!
 //! Every task that needs tools runs `setup` first, so each works on a fresh
 //! machine with one command.
+mod bench;
 mod kind;
 
 use std::{
@@ -44,6 +45,9 @@ enum Task {
         #[arg(long, default_value = "node-1")]
         node: String,
     },
+    /// Run every benchmark (root) and write docs/BENCHMARKS.md and
+    /// docs/benchmarks.json.
+    Bench,
     /// Create a kind cluster (docker, kind and kubectl needed), deploy the
     /// agent as a DaemonSet and run a smoke check.
     Run {
@@ -111,6 +115,11 @@ fn main() -> anyhow::Result<()> {
             run(cargo().args(["test", "--workspace", "--"]).args(&args))
         }
         Task::Run { dry_run } => kind::run(&root(), dry_run),
+        Task::Bench => {
+            setup()?;
+            require_root("the benchmarks")?;
+            bench::run(&root())
+        }
         Task::Demo { manifests, node } => {
             setup()?;
             require_root("the demo")?;

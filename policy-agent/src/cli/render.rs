@@ -31,8 +31,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     // Rendering needs no iptables tools: nothing is applied.
     let mut enforcer = IptablesEnforcer::unchecked(Backend::Auto);
-    let compiled = enforcer.compile(&state);
-    let (ruleset, problems, _) = enforcer.ruleset(&compiled);
+    let (ruleset, problems, _) = enforcer.ruleset(&state);
     print!("{}", ruleset.render_text());
     print_problems(&problems);
     Ok(ExitCode::SUCCESS)

@@ -26,7 +26,7 @@ pub struct Args {
     #[command(flatten)]
     pub pins: PinArgs,
     /// Quiet time (ms) that ends a burst of changes.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 20)]
     pub debounce_ms: u64,
 }
 

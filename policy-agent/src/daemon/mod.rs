@@ -33,7 +33,10 @@ pub struct Config {
     pub debounce: Duration,
     /// Longest a burst may delay a sync.
     pub max_delay: Duration,
-    /// How often the manifest directory is checked for changes.
+    /// Quiet time after a file change before the directory is re-read.
+    pub settle: Duration,
+    /// How often the manifest directory is checked for changes without
+    /// inotify (with it: a slower safety net).
     pub poll: Duration,
     /// Full resync (maps read back from the kernel) this often.
     pub resync: Duration,
@@ -48,9 +51,10 @@ impl Config {
             layout,
             load: LoadOptions::default(),
             listen: SocketAddr::from(([127, 0, 0, 1], 9402)),
-            debounce: Duration::from_millis(100),
-            max_delay: Duration::from_millis(500),
-            poll: Duration::from_millis(200),
+            debounce: Duration::from_millis(20),
+            max_delay: Duration::from_millis(250),
+            settle: Duration::from_millis(20),
+            poll: Duration::from_millis(500),
             resync: Duration::from_secs(300),
         }
     }
@@ -132,6 +136,7 @@ pub async fn run(
         Source::Manifests(dir) => tokio::spawn(manifests::watch(
             dir,
             config.node.clone(),
+            config.settle,
             config.poll,
             state_tx,
         )),

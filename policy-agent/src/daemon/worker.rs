@@ -75,12 +75,13 @@ fn run(
         };
         let started = Instant::now();
         let mut resync = false;
+        let mut links = false;
         let mut pending = first.into_iter().collect::<Vec<_>>();
         loop {
             for t in pending.drain(..) {
                 match t {
                     Trigger::State(s) => current = Some(s),
-                    Trigger::Links => {}
+                    Trigger::Links => links = true,
                     Trigger::Resync => resync = true,
                     Trigger::Stop => return,
                 }
@@ -119,6 +120,8 @@ fn run(
         };
         if resync {
             enf.forget_cache();
+        } else if links {
+            enf.links_changed();
         }
         let mut state = source.state.clone();
         state.node_ips = match netlink::local_addresses() {

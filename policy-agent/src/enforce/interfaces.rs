@@ -21,6 +21,9 @@ pub fn resolve_interfaces(
 ) -> (BTreeMap<PodRef, Interface>, Vec<Problem>) {
     let mut found = BTreeMap::new();
     let mut problems = Vec::new();
+    if pods.is_empty() {
+        return (found, problems);
+    }
     let links: BTreeMap<u32, netlink::Link> = match netlink::links() {
         Ok(l) => l.into_iter().map(|l| (l.index, l)).collect(),
         Err(e) => {
@@ -96,4 +99,51 @@ pub fn resolve_interfaces(
         }
     }
     (found, problems)
+}
+
+/// Interfaces found so far, by pod and the IPs they were found for: a sync
+/// looks up only pods that are new or whose IPs changed. Cleared on link
+/// events and periodic resyncs (which also re-verify every attachment).
+#[derive(Debug, Default)]
+pub struct InterfaceCache {
+    found: BTreeMap<PodRef, (Vec<IpAddr>, Interface)>,
+    /// Unresolvable pods and why, retried every sync.
+    verify: bool,
+}
+
+impl InterfaceCache {
+    pub fn clear(&mut self) {
+        self.found.clear();
+        self.verify = true;
+    }
+
+    /// Whether every attachment should be checked this sync (once).
+    pub fn take_verify(&mut self) -> bool {
+        std::mem::take(&mut self.verify)
+    }
+
+    pub fn resolve(
+        &mut self,
+        pods: &BTreeMap<PodRef, Vec<IpAddr>>,
+    ) -> (BTreeMap<PodRef, Interface>, Vec<Problem>) {
+        self.found
+            .retain(|pod, (ips, _)| pods.get(pod) == Some(ips));
+        let missing: BTreeMap<PodRef, Vec<IpAddr>> = pods
+            .iter()
+            .filter(|(p, _)| !self.found.contains_key(*p))
+            .map(|(p, i)| (p.clone(), i.clone()))
+            .collect();
+        let (fresh, problems) = resolve_interfaces(&missing);
+        for (pod, iface) in fresh {
+            let ips = pods.get(&pod).cloned().unwrap_or_default();
+            self.found.insert(pod, (ips, iface));
+        }
+        (
+            self.found
+                .iter()
+                .map(|(p, (_, i))| (p.clone(), i.clone()))
+                .collect(),
+            problems,
+        )
+    }
 }

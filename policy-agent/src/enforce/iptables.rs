@@ -1,20 +1,24 @@
 //! The iptables enforcer: the same compiled state, rendered as ipsets and
 //! chains.
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, net::IpAddr};
 
 use tracing::info;
 
-use super::{Problem, SyncReport, bpf::drop_shared_interfaces, resolve_interfaces};
+use super::{
+    InterfaceCache, Problem, SyncReport, bpf::drop_shared_interfaces, incremental::Incremental,
+};
 use crate::{
     cluster::{ClusterState, PodRef},
     datapath::iptables::{self, Backend, DEFAULT_MARK, Executor, RenderInput, Ruleset, render},
     identity::IdentityAllocator,
-    policy::{self, Compiled},
+    mapstate::MapState,
+    policy::RuleOrigin,
 };
 
 pub struct IptablesEnforcer {
     pub exec: Executor,
-    ids: IdentityAllocator,
+    inc: Incremental,
+    pub(super) interfaces: InterfaceCache,
     pub mark: u32,
 }
 
@@ -23,54 +27,46 @@ impl IptablesEnforcer {
     pub fn open(backend: Backend) -> Result<Self, iptables::Error> {
         let exec = Executor::new(backend);
         exec.check()?;
-        Ok(Self {
-            exec,
-            ids: IdentityAllocator::new(),
-            mark: DEFAULT_MARK,
-        })
+        Ok(Self::unchecked_with(exec))
     }
 
     /// An enforcer that has not checked for the tools (for rendering).
     pub fn unchecked(backend: Backend) -> Self {
+        Self::unchecked_with(Executor::new(backend))
+    }
+
+    fn unchecked_with(exec: Executor) -> Self {
         Self {
-            exec: Executor::new(backend),
-            ids: IdentityAllocator::new(),
+            exec,
+            inc: Incremental::new(IdentityAllocator::new()),
+            interfaces: InterfaceCache::default(),
             mark: DEFAULT_MARK,
         }
     }
 
-    /// The ruleset for `compiled`, with the interfaces found here.
-    pub fn ruleset(&self, compiled: &Compiled) -> (Ruleset, Vec<Problem>, usize) {
-        let (mut interfaces, mut problems) = resolve_interfaces(&compiled.local_pods);
-        drop_shared_interfaces(&mut interfaces, &mut problems);
-        let names: BTreeMap<PodRef, String> = interfaces
+    /// The ruleset for `state`, with the interfaces found here: (ruleset,
+    /// problems, endpoints rendered).
+    pub fn ruleset(&mut self, state: &ClusterState) -> (Ruleset, Vec<Problem>, usize) {
+        let compiler = self.inc.update(state);
+        let mut problems: Vec<Problem> = compiler
+            .errors()
             .iter()
-            .map(|(p, i)| (p.clone(), i.name.clone()))
+            .map(Problem::from_policy_error)
             .collect();
-        let ruleset = render(&RenderInput {
-            maps: &compiled.maps,
-            local_pods: &compiled.local_pods,
-            interfaces: &names,
-            rules: &compiled.rules,
-            mark: self.mark,
-        });
-        (ruleset, problems, names.len())
-    }
-
-    pub fn compile(&mut self, state: &ClusterState) -> Compiled {
-        let compiled = policy::compile(state, &mut self.ids);
-        self.ids.end_generation();
-        compiled
+        let rules = compiler.rules();
+        let (ruleset, more, n) = render_parts(
+            &mut self.interfaces,
+            compiler.maps(),
+            compiler.local_pods(),
+            &rules,
+            self.mark,
+        );
+        problems.extend(more);
+        (ruleset, problems, n)
     }
 
     pub fn sync(&mut self, state: &ClusterState) -> Result<SyncReport, iptables::Error> {
-        let compiled = self.compile(state);
-        let mut report = SyncReport::default();
-        report
-            .problems
-            .extend(compiled.errors.iter().map(Problem::from_policy_error));
-        let (ruleset, problems, endpoints) = self.ruleset(&compiled);
-        report.problems.extend(problems);
+        let (ruleset, problems, endpoints) = self.ruleset(state);
         let applied = self.exec.apply(&ruleset)?;
         if applied.wrote_anything() {
             info!(
@@ -81,8 +77,34 @@ impl IptablesEnforcer {
                 "iptables synced"
             );
         }
-        report.writes = applied.sets_written + applied.chains_written + applied.chains_removed;
-        report.endpoints = endpoints;
-        Ok(report)
+        Ok(SyncReport {
+            writes: applied.sets_written + applied.chains_written + applied.chains_removed,
+            endpoints,
+            problems,
+            ..Default::default()
+        })
     }
+}
+
+fn render_parts(
+    cache: &mut InterfaceCache,
+    maps: &MapState<PodRef>,
+    local_pods: &BTreeMap<PodRef, Vec<IpAddr>>,
+    rules: &BTreeMap<u32, RuleOrigin>,
+    mark: u32,
+) -> (Ruleset, Vec<Problem>, usize) {
+    let (mut interfaces, mut problems) = cache.resolve(local_pods);
+    drop_shared_interfaces(&mut interfaces, &mut problems);
+    let names: BTreeMap<PodRef, String> = interfaces
+        .iter()
+        .map(|(p, i)| (p.clone(), i.name.clone()))
+        .collect();
+    let ruleset = render(&RenderInput {
+        maps,
+        local_pods,
+        interfaces: &names,
+        rules,
+        mark,
+    });
+    (ruleset, problems, names.len())
 }

@@ -1,6 +1,7 @@
 //! From cluster state to an enforcing datapath: compile, find the pods'
 //! interfaces, write the minimal ordered diff, attach and detach.
 mod bpf;
+mod incremental;
 mod interfaces;
 mod iptables;
 mod report;
@@ -9,7 +10,8 @@ use tracing::warn;
 
 pub use self::{
     bpf::BpfEnforcer,
-    interfaces::{Interface, resolve_interfaces},
+    incremental::{Incremental, changes},
+    interfaces::{Interface, InterfaceCache, resolve_interfaces},
     iptables::IptablesEnforcer,
     report::{Problem, SyncReport, unready_local_pods},
 };
@@ -56,6 +58,8 @@ pub trait Enforcer {
     /// The next sync reads the installed state back instead of trusting
     /// what this process last wrote.
     fn forget_cache(&mut self) {}
+    /// Interfaces appeared or vanished: look them up again.
+    fn links_changed(&mut self) {}
 }
 
 impl Enforcer for BpfEnforcer {
@@ -68,6 +72,9 @@ impl Enforcer for BpfEnforcer {
     fn forget_cache(&mut self) {
         BpfEnforcer::forget_cache(self);
     }
+    fn links_changed(&mut self) {
+        BpfEnforcer::links_changed(self);
+    }
 }
 
 impl Enforcer for IptablesEnforcer {
@@ -76,6 +83,12 @@ impl Enforcer for IptablesEnforcer {
     }
     fn sync(&mut self, state: &ClusterState) -> Result<SyncReport, Error> {
         IptablesEnforcer::sync(self, state).map_err(Error::from)
+    }
+    fn forget_cache(&mut self) {
+        self.interfaces.clear();
+    }
+    fn links_changed(&mut self) {
+        self.interfaces.clear();
     }
 }
 

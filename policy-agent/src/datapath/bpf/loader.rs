@@ -282,6 +282,21 @@ impl Unpinned {
         Ok(this)
     }
 
+    /// Another classifier of the object by name (the benchmark floors),
+    /// loaded on first use.
+    pub fn extra_program(&mut self, name: &'static str) -> Result<&mut SchedClassifier, Error> {
+        let prog: &mut SchedClassifier = self
+            .ebpf
+            .program_mut(name)
+            .ok_or(Error::MissingProgram(name))?
+            .try_into()
+            .map_err(Error::program(name))?;
+        if prog.fd().is_err() {
+            prog.load().map_err(Error::program(name))?;
+        }
+        Ok(prog)
+    }
+
     pub fn program(&mut self, hook: Hook) -> Result<&mut SchedClassifier, Error> {
         let name = hook.program();
         self.ebpf
