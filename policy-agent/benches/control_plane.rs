@@ -123,6 +123,16 @@ fn wait_until(what: &str, mut ok: impl FnMut() -> bool) -> Duration {
     start.elapsed()
 }
 
+/// The agent's log goes to BENCH_AGENT_LOG_FILE when set (for profiling).
+fn agent_log() -> Stdio {
+    match std::env::var("BENCH_AGENT_LOG_FILE") {
+        Ok(path) => std::fs::File::create(path)
+            .map(Stdio::from)
+            .unwrap_or_else(|_| Stdio::null()),
+        Err(_) => Stdio::null(),
+    }
+}
+
 struct Daemon(Child);
 
 impl Drop for Daemon {
@@ -192,9 +202,12 @@ fn main() {
             "--datapath",
             "bpf",
         ])
-        .env("RUST_LOG", "warn")
+        .env(
+            "RUST_LOG",
+            std::env::var("BENCH_AGENT_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(agent_log())
         .spawn()
         .unwrap();
     let pid = child.id();

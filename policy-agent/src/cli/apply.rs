@@ -4,7 +4,7 @@ use std::{path::PathBuf, process::ExitCode};
 use anyhow::Context as _;
 use policy_agent::{
     datapath::bpf::LoadOptions,
-    enforce::{self, Problem, unready_local_pods},
+    enforce::{self, Input, Problem},
     k8s, netlink,
 };
 
@@ -36,7 +36,6 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             reason: e.to_string(),
         })
         .collect();
-    problems.extend(unready_local_pods(&state));
 
     let opts = LoadOptions {
         force_netlink: args.datapath.force_netlink,
@@ -49,7 +48,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         args.datapath.iptables_backend.into(),
     )
     .context("opening the datapath")?;
-    let report = enforcer.sync(&state).context("enforcing")?;
+    let report = enforcer.sync(Input::State(&state)).context("enforcing")?;
     problems.extend(report.problems.iter().cloned());
     println!(
         "{}: enforcing {} local endpoint(s) on node {}: {} write(s){}{}",

@@ -3,7 +3,11 @@
 use std::{path::PathBuf, process::ExitCode};
 
 use anyhow::{Context as _, bail};
-use policy_agent::{datapath::iptables::Backend, enforce::IptablesEnforcer, k8s, netlink};
+use policy_agent::{
+    datapath::iptables::Backend,
+    enforce::{Input, IptablesEnforcer},
+    k8s, netlink,
+};
 
 use super::common::{DatapathChoice, print_problems};
 
@@ -31,7 +35,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     // Rendering needs no iptables tools: nothing is applied.
     let mut enforcer = IptablesEnforcer::unchecked(Backend::Auto);
-    let (ruleset, problems, _) = enforcer.ruleset(&state);
+    let (ruleset, problems, _) = enforcer.ruleset(Input::State(&state));
     print!("{}", ruleset.render_text());
     print_problems(&problems);
     Ok(ExitCode::SUCCESS)

@@ -1,29 +1,81 @@
 //! The manifest-directory source: inotify wakes it when a file is written,
 //! moved in or removed (with a slow poll as a safety net); once the
 //! directory has been quiet for the settle time it re-reads only the files
-//! that changed and publishes the new state.
+//! that changed and publishes what changed in the cluster as a delta.
+//!
+//! Each file's objects are kept converted (as the compiler reads them); an
+//! object defined in several files comes from the first file by name (the
+//! others are reported), as `apply` does.
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     os::fd::{AsRawFd, FromRawFd as _, OwnedFd},
     path::{Path, PathBuf},
     time::{Duration, SystemTime},
 };
 
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use tokio::{io::unix::AsyncFd, sync::mpsc::UnboundedSender};
 use tracing::{info, warn};
 
-use super::SourceState;
+use super::SourceUpdate;
 use crate::{
+    cluster::{ClusterState, NamespaceInfo, ObjectRef, PodInfo},
     enforce::Problem,
     k8s::manifests::{LoadedManifests, load_text},
+    policy::Change,
 };
 
 type Stamp = (u64, Option<SystemTime>);
 
-/// Parsed files, re-parsed only when their size or mtime changes.
+/// One file's objects, converted.
 #[derive(Default)]
-struct Cache {
-    files: BTreeMap<PathBuf, (Stamp, LoadedManifests)>,
+struct FileContent {
+    stamp: Option<Stamp>,
+    namespaces: BTreeMap<String, NamespaceInfo>,
+    pods: BTreeMap<ObjectRef, PodInfo>,
+    policies: BTreeMap<ObjectRef, NetworkPolicy>,
+    problems: Vec<Problem>,
+}
+
+fn problem(reason: String) -> Problem {
+    Problem {
+        object: "manifest".into(),
+        reason,
+    }
+}
+
+fn read_file(path: &Path, stamp: Stamp) -> FileContent {
+    let mut loaded = LoadedManifests::default();
+    match std::fs::read_to_string(path) {
+        Ok(text) => load_text(path, &text, &mut loaded),
+        Err(source) => loaded.errors.push(crate::k8s::ManifestError::Read {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+    // Conversion (and duplicates within the file) as `apply` does it.
+    let state = loaded.cluster_state("", Vec::new());
+    let explicit: BTreeSet<String> = loaded
+        .namespaces
+        .iter()
+        .filter_map(|(_, n)| n.metadata.name.clone())
+        .collect();
+    FileContent {
+        stamp: Some(stamp),
+        // Only namespaces the file defines: implied ones are not objects.
+        namespaces: state
+            .namespaces
+            .into_iter()
+            .filter(|(k, _)| explicit.contains(k))
+            .collect(),
+        pods: state.pods,
+        policies: state.policies,
+        problems: loaded
+            .errors
+            .iter()
+            .map(|e| problem(e.to_string()))
+            .collect(),
+    }
 }
 
 fn manifest_files(dir: &Path) -> BTreeMap<PathBuf, Stamp> {
@@ -48,53 +100,160 @@ fn manifest_files(dir: &Path) -> BTreeMap<PathBuf, Stamp> {
         .unwrap_or_default()
 }
 
-impl Cache {
-    /// Re-reads what changed; `None` when nothing did.
-    fn refresh(&mut self, dir: &Path) -> Option<()> {
+/// The directory as a merged cluster state, updated file by file.
+#[derive(Default)]
+struct Directory {
+    files: BTreeMap<PathBuf, FileContent>,
+    merged: ClusterState,
+}
+
+/// Recomputes the winner of each key touched by a file change.
+fn merge_keys<K: Ord + Clone, V: Clone + PartialEq>(
+    files: &BTreeMap<PathBuf, FileContent>,
+    keys: BTreeSet<K>,
+    field: impl Fn(&FileContent) -> &BTreeMap<K, V>,
+    merged: &mut BTreeMap<K, V>,
+    upsert: impl Fn(K, V) -> Change,
+    delete: impl Fn(K) -> Change,
+    out: &mut Vec<Change>,
+) {
+    for key in keys {
+        // Files iterate in name order: the first definition wins.
+        let winner = files.values().find_map(|f| field(f).get(&key));
+        match (winner, merged.get(&key)) {
+            (Some(v), Some(cur)) if v == cur => {}
+            (Some(v), _) => {
+                merged.insert(key.clone(), v.clone());
+                out.push(upsert(key, v.clone()));
+            }
+            (None, Some(_)) => {
+                merged.remove(&key);
+                out.push(delete(key));
+            }
+            (None, None) => {}
+        }
+    }
+}
+
+impl Directory {
+    /// Re-reads what changed; returns the cluster changes (None when no
+    /// file changed).
+    fn refresh(&mut self, dir: &Path) -> Option<Vec<Change>> {
         let now = manifest_files(dir);
-        let mut changed =
-            self.files.len() != now.len() || self.files.keys().any(|k| !now.contains_key(k));
-        self.files.retain(|k, _| now.contains_key(k));
-        for (path, stamp) in now {
-            if self.files.get(&path).is_some_and(|(s, _)| *s == stamp) {
+        let mut touched: Vec<(PathBuf, FileContent)> = Vec::new();
+        for path in self
+            .files
+            .keys()
+            .filter(|k| !now.contains_key(*k))
+            .cloned()
+            .collect::<Vec<_>>()
+        {
+            if let Some(old) = self.files.remove(&path) {
+                touched.push((path, old));
+            }
+        }
+        for (path, stamp) in &now {
+            if self
+                .files
+                .get(path)
+                .is_some_and(|f| f.stamp == Some(*stamp))
+            {
                 continue;
             }
-            let mut loaded = LoadedManifests::default();
-            match std::fs::read_to_string(&path) {
-                Ok(text) => load_text(&path, &text, &mut loaded),
-                Err(source) => loaded.errors.push(crate::k8s::ManifestError::Read {
-                    path: path.clone(),
-                    source,
-                }),
-            }
-            self.files.insert(path, (stamp, loaded));
-            changed = true;
+            let content = read_file(path, *stamp);
+            let old = self.files.insert(path.clone(), content).unwrap_or_default();
+            touched.push((path.clone(), old));
         }
-        changed.then_some(())
+        if touched.is_empty() {
+            return None;
+        }
+        let mut ns_keys = BTreeSet::new();
+        let mut pod_keys = BTreeSet::new();
+        let mut policy_keys = BTreeSet::new();
+        for (path, old) in &touched {
+            let new = self.files.get(path);
+            ns_keys.extend(
+                old.namespaces
+                    .keys()
+                    .cloned()
+                    .chain(new.into_iter().flat_map(|f| f.namespaces.keys().cloned())),
+            );
+            pod_keys.extend(
+                old.pods
+                    .keys()
+                    .cloned()
+                    .chain(new.into_iter().flat_map(|f| f.pods.keys().cloned())),
+            );
+            policy_keys.extend(
+                old.policies
+                    .keys()
+                    .cloned()
+                    .chain(new.into_iter().flat_map(|f| f.policies.keys().cloned())),
+            );
+        }
+        let mut changes = Vec::new();
+        merge_keys(
+            &self.files,
+            ns_keys,
+            |f| &f.namespaces,
+            &mut self.merged.namespaces,
+            Change::UpsertNamespace,
+            Change::DeleteNamespace,
+            &mut changes,
+        );
+        merge_keys(
+            &self.files,
+            pod_keys,
+            |f| &f.pods,
+            &mut self.merged.pods,
+            Change::UpsertPod,
+            Change::DeletePod,
+            &mut changes,
+        );
+        merge_keys(
+            &self.files,
+            policy_keys,
+            |f| &f.policies,
+            &mut self.merged.policies,
+            |k, v| Change::UpsertPolicy(k, Box::new(v)),
+            Change::DeletePolicy,
+            &mut changes,
+        );
+        Some(changes)
     }
 
-    fn state(&self, node: &str) -> SourceState {
-        let mut all = LoadedManifests::default();
-        let mut problems = Vec::new();
-        for (_, loaded) in self.files.values() {
-            all.namespaces.extend(loaded.namespaces.iter().cloned());
-            all.pods.extend(loaded.pods.iter().cloned());
-            all.policies.extend(loaded.policies.iter().cloned());
-            problems.extend(loaded.errors.iter().map(|e| Problem {
-                object: "manifest".into(),
-                reason: e.to_string(),
-            }));
+    fn problems(&self) -> Vec<Problem> {
+        let mut out: Vec<Problem> = self
+            .files
+            .values()
+            .flat_map(|f| f.problems.iter().cloned())
+            .collect();
+        // Objects defined in more than one file.
+        let mut seen: BTreeMap<String, &Path> = BTreeMap::new();
+        for (path, f) in &self.files {
+            let keys = f
+                .namespaces
+                .keys()
+                .map(|k| format!("Namespace {k}"))
+                .chain(f.pods.keys().map(|k| format!("Pod {k}")))
+                .chain(f.policies.keys().map(|k| format!("NetworkPolicy {k}")));
+            for key in keys {
+                match seen.get(&key) {
+                    Some(first) => out.push(problem(format!(
+                        "{}: {key} is defined again (first in {}); the first definition is used",
+                        path.display(),
+                        first.display()
+                    ))),
+                    None => {
+                        seen.insert(key, path);
+                    }
+                }
+            }
         }
-        let state = all.cluster_state(node, Vec::new());
-        // Problems found across files (duplicates, unconvertible objects).
-        problems.extend(all.errors.iter().map(|e| Problem {
-            object: "manifest".into(),
-            reason: e.to_string(),
-        }));
-        for p in &problems {
+        for p in &out {
             warn!(problem = %p, "manifest");
         }
-        SourceState { state, problems }
+        out
     }
 }
 
@@ -140,17 +299,26 @@ async fn next_event(fd: &AsyncFd<OwnedFd>) {
     }
 }
 
-/// Publishes the directory's state at start and after every settled change.
+/// Publishes the directory's state at start and its changes after every
+/// settled burst of file events.
 pub async fn watch(
     dir: PathBuf,
     node: String,
     settle: Duration,
     poll: Duration,
-    tx: UnboundedSender<SourceState>,
+    tx: UnboundedSender<SourceUpdate>,
 ) {
-    let mut cache = Cache::default();
-    cache.refresh(&dir);
-    if tx.send(cache.state(&node)).is_err() {
+    let mut directory = Directory::default();
+    directory.refresh(&dir);
+    let mut state = directory.merged.clone();
+    state.node_name = node.clone();
+    if tx
+        .send(SourceUpdate::Snapshot {
+            state,
+            problems: directory.problems(),
+        })
+        .is_err()
+    {
         return;
     }
     let notify = inotify(&dir);
@@ -177,11 +345,65 @@ pub async fn watch(
             }
             None => tokio::time::sleep(safety_net).await,
         }
-        if cache.refresh(&dir).is_some() {
-            info!(dir = %dir.display(), "manifests changed");
-            if tx.send(cache.state(&node)).is_err() {
+        let t = std::time::Instant::now();
+        if let Some(changes) = directory.refresh(&dir) {
+            info!(dir = %dir.display(), changes = changes.len(), read_us = t.elapsed().as_micros() as u64, "manifests changed");
+            if tx
+                .send(SourceUpdate::Delta {
+                    changes,
+                    problems: directory.problems(),
+                })
+                .is_err()
+            {
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str, app: &str) -> String {
+        format!(
+            "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: d, labels: {{app: {app}}}}}\nspec: {{containers: []}}\n---\n"
+        )
+    }
+
+    #[test]
+    fn only_the_changed_objects_become_changes_and_the_first_file_wins() {
+        let dir =
+            std::env::temp_dir().join(format!("policy-agent-manifests-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("a.yaml"), pod("p1", "x") + &pod("p2", "x")).unwrap();
+        std::fs::write(dir.join("b.yaml"), pod("p2", "shadowed")).unwrap();
+        let mut d = Directory::default();
+        let first = d.refresh(&dir).unwrap();
+        assert_eq!(first.len(), 2, "{first:?}");
+        assert_eq!(d.merged.pods[&ObjectRef::new("d", "p2")].labels["app"], "x");
+        assert!(
+            d.problems()
+                .iter()
+                .any(|p| p.reason.contains("defined again"))
+        );
+        assert!(d.refresh(&dir).is_none(), "nothing changed");
+        // p1 relabelled in a.yaml: one change; p2 leaves a.yaml: b.yaml's copy takes over.
+        std::thread::sleep(Duration::from_millis(20));
+        std::fs::write(dir.join("a.yaml"), pod("p1", "y") + "\n").unwrap();
+        let changes = d.refresh(&dir).unwrap();
+        assert_eq!(changes.len(), 2, "{changes:?}");
+        assert_eq!(
+            d.merged.pods[&ObjectRef::new("d", "p2")].labels["app"],
+            "shadowed"
+        );
+        std::fs::remove_file(dir.join("b.yaml")).unwrap();
+        let changes = d.refresh(&dir).unwrap();
+        assert!(
+            matches!(&changes[..], [Change::DeletePod(p)] if p.name == "p2"),
+            "{changes:?}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -10,7 +10,7 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
-pub use self::worker::{SourceState, Trigger};
+pub use self::worker::{SourceUpdate, Trigger};
 use crate::{
     datapath::{
         bpf::{LoadOptions, PinLayout},
@@ -131,7 +131,7 @@ pub async fn run(
         })
         .map_err(Error::Worker)?;
 
-    let (state_tx, mut state_rx) = mpsc::unbounded_channel::<SourceState>();
+    let (state_tx, mut state_rx) = mpsc::unbounded_channel::<SourceUpdate>();
     let source_task = match source {
         Source::Manifests(dir) => tokio::spawn(manifests::watch(
             dir,
@@ -150,7 +150,7 @@ pub async fn run(
     let forward = tx.clone();
     let forward_task = tokio::spawn(async move {
         while let Some(state) = state_rx.recv().await {
-            if forward.send(Trigger::State(Arc::new(state))).is_err() {
+            if forward.send(Trigger::Update(state)).is_err() {
                 return;
             }
         }

@@ -14,21 +14,32 @@ use tracing::{error, info, warn};
 use super::Config;
 use crate::{
     cluster::ClusterState,
-    enforce::{self, Enforcer, Problem, unready_local_pods},
+    enforce::{self, Enforcer, Input, Problem, apply_to_state},
     inspect::DropEventReader,
     metrics::Metrics,
     netlink,
+    policy::Change,
 };
 
-/// A snapshot of the cluster from a source, with what it could not read.
-#[derive(Clone, Debug, Default)]
-pub struct SourceState {
-    pub state: ClusterState,
-    pub problems: Vec<Problem>,
+/// What a source publishes.
+#[derive(Clone, Debug)]
+pub enum SourceUpdate {
+    /// The whole cluster (first publication, a re-list), with what the
+    /// source could not read.
+    Snapshot {
+        state: ClusterState,
+        problems: Vec<Problem>,
+    },
+    /// What changed since the last update; `problems` replaces the
+    /// source's earlier list.
+    Delta {
+        changes: Vec<Change>,
+        problems: Vec<Problem>,
+    },
 }
 
 pub enum Trigger {
-    State(Arc<SourceState>),
+    Update(SourceUpdate),
     /// A pod interface appeared or changed.
     Links,
     /// Periodic: read the maps back and sync.
@@ -56,7 +67,13 @@ fn run(
     problem_tx: Option<tokio::sync::mpsc::UnboundedSender<Vec<Problem>>>,
 ) {
     let mut enforcer: Option<Box<dyn Enforcer + Send>> = None;
-    let mut current: Option<Arc<SourceState>> = None;
+    // Input not yet enforced: a snapshot (with later changes folded in) or
+    // changes since the last sync.
+    let mut snapshot: Option<ClusterState> = None;
+    let mut changes: Vec<Change> = Vec::new();
+    let mut have_input = false;
+    let mut source_problems: Vec<Problem> = Vec::new();
+    let mut node_ips: Option<Vec<std::net::IpAddr>> = None;
     let mut last_problems: Vec<Problem> = Vec::new();
     let mut drops_started = false;
     let mut retry_at: Option<Instant> = None;
@@ -80,7 +97,23 @@ fn run(
         loop {
             for t in pending.drain(..) {
                 match t {
-                    Trigger::State(s) => current = Some(s),
+                    Trigger::Update(SourceUpdate::Snapshot { state, problems }) => {
+                        snapshot = Some(state);
+                        changes.clear();
+                        source_problems = problems;
+                        have_input = true;
+                    }
+                    Trigger::Update(SourceUpdate::Delta {
+                        changes: more,
+                        problems,
+                    }) => {
+                        match snapshot.as_mut() {
+                            Some(s) => more.iter().for_each(|c| apply_to_state(s, c)),
+                            None => changes.extend(more),
+                        }
+                        source_problems = problems;
+                        have_input = true;
+                    }
                     Trigger::Links => links = true,
                     Trigger::Resync => resync = true,
                     Trigger::Stop => return,
@@ -95,9 +128,9 @@ fn run(
                 Err(RecvTimeoutError::Disconnected) => return,
             }
         }
-        let Some(source) = current.clone() else {
+        if !have_input {
             continue;
-        };
+        }
 
         if enforcer.is_none() {
             match enforce::open(
@@ -108,7 +141,7 @@ fn run(
             ) {
                 Ok(e) => enforcer = Some(e),
                 Err(e) => {
-                    error!(error = %e, "cannot open the BPF datapath; retrying in 5s");
+                    error!(error = %e, "cannot open the datapath; retrying in 5s");
                     metrics.sync_failed(started.elapsed(), e.metric_label());
                     retry_at = Some(Instant::now() + Duration::from_secs(5));
                     continue;
@@ -123,19 +156,35 @@ fn run(
         } else if links {
             enf.links_changed();
         }
-        let mut state = source.state.clone();
-        state.node_ips = match netlink::local_addresses() {
-            Ok(ips) => ips,
-            Err(e) => {
-                warn!(error = %e, "reading node addresses; keeping the last known");
-                Vec::new()
+        // The node's own addresses are part of the state.
+        match netlink::local_addresses() {
+            Ok(ips) if node_ips.as_ref() != Some(&ips) => {
+                match snapshot.as_mut() {
+                    Some(s) => s.node_ips = ips.clone(),
+                    None => changes.push(Change::Node {
+                        name: config.node.clone(),
+                        ips: ips.clone(),
+                    }),
+                }
+                node_ips = Some(ips);
             }
+            Ok(_) => {}
+            Err(e) => warn!(error = %e, "reading node addresses; keeping the last known"),
+        }
+        if let Some(s) = snapshot.as_mut() {
+            s.node_ips = node_ips.clone().unwrap_or_default();
+        }
+        let result = match snapshot.as_ref() {
+            Some(s) => enf.sync(Input::State(s)),
+            None => enf.sync(Input::Changes(&changes)),
         };
-        match enf.sync(&state) {
+        // The input is in the compiler now, whatever the datapath did.
+        snapshot = None;
+        changes.clear();
+        match result {
             Ok(report) => {
                 retry_at = None;
-                let mut problems = source.problems.clone();
-                problems.extend(unready_local_pods(&state));
+                let mut problems = source_problems.clone();
                 problems.extend(report.problems.iter().cloned());
                 metrics.sync_done(
                     started.elapsed(),
@@ -171,6 +220,7 @@ fn run(
             Err(e) => {
                 error!(error = %e, "sync failed; the previous state stays enforced; retrying");
                 metrics.sync_failed(started.elapsed(), e.metric_label());
+                // Read everything back on the retry.
                 enf.forget_cache();
                 retry_at = Some(Instant::now() + Duration::from_secs(2));
             }

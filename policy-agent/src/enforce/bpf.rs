@@ -1,17 +1,29 @@
 //! The BPF enforcer: pinned maps and programs, kept equal to the compiled
 //! state of the cluster.
-use std::collections::{BTreeMap, BTreeSet, btree_map::Entry};
-use std::net::IpAddr;
+//!
+//! Two paths. The full one (first sync, periodic resync, interface
+//! changes) re-keys the whole compiled state by interface and diffs it with
+//! what the maps hold. The incremental one (every other change) takes the
+//! compiler's own minimal writes, re-keys just those, and appends the
+//! revision bumps: its cost follows the size of the change, not of the
+//! cluster.
+use std::{
+    collections::{BTreeMap, BTreeSet, btree_map::Entry},
+    net::IpAddr,
+};
 
 use tracing::{debug, info, warn};
 
-use super::{Interface, InterfaceCache, Problem, SyncReport, incremental::Incremental};
+use super::{
+    Interface, InterfaceCache, Problem, SyncReport,
+    incremental::{Incremental, Input},
+    unready_local_pods,
+};
 use crate::{
-    cluster::{ClusterState, PodRef},
+    cluster::PodRef,
     datapath::bpf::{BpfDatapath, Error, LoadOptions, PinLayout},
     identity::IdentityAllocator,
-    mapstate::{MapState, assign_revisions, diff},
-    policy::PolicyError,
+    mapstate::{MapOp, MapState, assign_revisions, diff},
 };
 
 pub struct BpfEnforcer {
@@ -39,19 +51,46 @@ impl BpfEnforcer {
         })
     }
 
-    /// Compiles `state` (incrementally after the first call) and makes the
+    /// Compiles `input` (incrementally after the first sync) and makes the
     /// datapath enforce it.
-    pub fn sync(&mut self, state: &ClusterState) -> Result<SyncReport, Error> {
-        let compiler = self.inc.update(state);
-        let errors = compiler.errors();
-        sync_parts(
-            &mut self.dp,
-            &mut self.last,
-            &mut self.interfaces,
-            compiler.maps(),
-            compiler.local_pods(),
-            &errors,
-        )
+    pub fn sync(&mut self, input: Input<'_>) -> Result<SyncReport, Error> {
+        let t = std::time::Instant::now();
+        let (_, ops) = self.inc.update(input);
+        let compile_us = t.elapsed().as_micros() as u64;
+        let compiler = self.inc.compiler();
+        let mut report = SyncReport::default();
+        report
+            .problems
+            .extend(compiler.errors().iter().map(Problem::from_policy_error));
+        report.problems.extend(unready_local_pods(self.inc.state()));
+        let incremental =
+            ops.is_some() && self.last.is_some() && !self.interfaces.needs_full_pass();
+        match ops {
+            Some(ops) if incremental => sync_ops(
+                &mut self.dp,
+                &mut self.last,
+                &mut self.interfaces,
+                compiler.local_pods(),
+                ops,
+                &mut report,
+            )?,
+            _ => sync_full(
+                &mut self.dp,
+                &mut self.last,
+                &mut self.interfaces,
+                compiler.maps(),
+                compiler.local_pods(),
+                &mut report,
+            )?,
+        }
+        debug!(
+            compile_us,
+            total_us = t.elapsed().as_micros() as u64,
+            incremental,
+            writes = report.writes,
+            "bpf sync"
+        );
+        Ok(report)
     }
 
     /// Makes the next sync read the maps back from the kernel and look the
@@ -67,19 +106,15 @@ impl BpfEnforcer {
     }
 }
 
-/// Makes the datapath enforce `maps`.
-fn sync_parts(
+/// Re-keys the whole state and writes its difference from the maps.
+fn sync_full(
     dp: &mut BpfDatapath,
     last: &mut Option<MapState<u32>>,
     cache: &mut InterfaceCache,
     maps: &MapState<PodRef>,
     local_pods: &BTreeMap<PodRef, Vec<IpAddr>>,
-    errors: &[PolicyError],
-) -> Result<SyncReport, Error> {
-    let mut report = SyncReport::default();
-    report
-        .problems
-        .extend(errors.iter().map(Problem::from_policy_error));
+    report: &mut SyncReport,
+) -> Result<(), Error> {
     let (mut interfaces, problems) = cache.resolve(local_pods);
     report.problems.extend(problems);
     drop_shared_interfaces(&mut interfaces, &mut report.problems);
@@ -91,7 +126,6 @@ fn sync_parts(
     let mut new = maps.rekey(|pod| interfaces.get(pod).map(|i| i.ifindex));
     assign_revisions(&old, &mut new);
     let ops = diff(&old, &new);
-    debug!(writes = ops.len(), "applying map diff");
     // On failure the maps hold an unknown prefix of the writes: the next
     // sync reads them back rather than trusting a cache.
     dp.maps.apply(&ops)?;
@@ -99,50 +133,163 @@ fn sync_parts(
     report.endpoints = new.endpoints.len();
 
     // Attach after the endpoint entries exist, so the first packet on a new
-    // interface is already judged. Interfaces already recorded are left
-    // alone: attachments are pinned, and a link event resyncs them.
+    // interface is already judged. A full pass verifies every attachment.
     let meta = dp.maps.read_meta()?;
     let verify = cache.take_verify();
     for (pod, iface) in &interfaces {
-        let known = meta.get(&iface.ifindex);
-        if !verify && known.is_some_and(|m| m.attach != 0) {
+        let known = meta.get(&iface.ifindex).is_some_and(|m| m.attach != 0);
+        if known && !verify {
             continue;
         }
-        let fresh = known.is_none();
-        match dp.attach(iface.ifindex, &pod.to_string()) {
-            Ok(()) if fresh => {
-                info!(pod = %pod, interface = %iface.name, "attached");
-                report.attached.push(iface.name.clone());
-            }
-            Ok(()) => {}
-            Err(e) => report.problems.push(Problem {
-                object: format!("pod {pod}"),
-                reason: e.to_string(),
-            }),
-        }
+        attach(dp, pod, iface, !known, report);
     }
     let wanted: BTreeSet<u32> = interfaces.values().map(|i| i.ifindex).collect();
     for (ifindex, m) in meta.iter().filter(|(i, _)| !wanted.contains(i)) {
         let name = String::from_utf8_lossy(&m.name[..(m.name_len as usize).min(m.name.len())])
             .into_owned();
-        match dp.detach(*ifindex) {
-            Ok(()) => {
-                info!(endpoint = %name, ifindex, "detached");
-                report.detached.push(name);
-            }
-            Err(errors) => {
-                for e in errors {
-                    warn!(endpoint = %name, error = %e, "detach");
-                    report.problems.push(Problem {
-                        object: format!("endpoint {name}"),
-                        reason: e.to_string(),
-                    });
+        detach(dp, *ifindex, &name, report);
+    }
+    *last = Some(new);
+    Ok(())
+}
+
+/// Writes the compiler's own ops, re-keyed by interface, with the revision
+/// bumps they imply appended last.
+fn sync_ops(
+    dp: &mut BpfDatapath,
+    last: &mut Option<MapState<u32>>,
+    cache: &mut InterfaceCache,
+    local_pods: &BTreeMap<PodRef, Vec<IpAddr>>,
+    ops: Vec<MapOp<PodRef>>,
+    report: &mut SyncReport,
+) -> Result<(), Error> {
+    let Some(mut state) = last.take() else {
+        return Ok(());
+    };
+    let next_revision = state
+        .endpoints
+        .values()
+        .map(|e| e.revision)
+        .max()
+        .unwrap_or(0)
+        .wrapping_add(1)
+        .max(1);
+    let mut writes: Vec<MapOp<u32>> = Vec::with_capacity(ops.len());
+    let mut bump_all = false;
+    let mut bumped_identities = BTreeSet::new();
+    let mut touched = BTreeSet::new();
+    let mut fresh: Vec<(PodRef, Interface)> = Vec::new();
+    let mut gone: Vec<(u32, String)> = Vec::new();
+    for op in ops {
+        match op {
+            MapOp::UpsertEndpoint(pod, mut info) => {
+                let Some(ips) = local_pods.get(&pod) else {
+                    continue;
+                };
+                let (iface, problems) = cache.resolve_one(&pod, ips);
+                report.problems.extend(problems);
+                let Some(iface) = iface else { continue };
+                match state.endpoints.get(&iface.ifindex) {
+                    Some(prev) => {
+                        info.revision = prev.revision;
+                        touched.insert(iface.ifindex);
+                    }
+                    None => {
+                        info.revision = next_revision;
+                        fresh.push((pod.clone(), iface.clone()));
+                    }
                 }
+                writes.push(MapOp::UpsertEndpoint(iface.ifindex, info));
+            }
+            MapOp::DeleteEndpoint(pod) => {
+                if let Some(iface) = cache.forget(&pod) {
+                    writes.push(MapOp::DeleteEndpoint(iface.ifindex));
+                    gone.push((iface.ifindex, pod.to_string()));
+                }
+            }
+            MapOp::UpsertPolicy(k, v) => {
+                bumped_identities.insert(k.endpoint_identity);
+                writes.push(MapOp::UpsertPolicy(k, v));
+            }
+            MapOp::DeletePolicy(k) => {
+                bumped_identities.insert(k.endpoint_identity);
+                writes.push(MapOp::DeletePolicy(k));
+            }
+            MapOp::UpsertIpcache(k, v) => {
+                bump_all = true;
+                writes.push(MapOp::UpsertIpcache(k, v));
+            }
+            MapOp::DeleteIpcache(k) => {
+                bump_all = true;
+                writes.push(MapOp::DeleteIpcache(k));
+            }
+            MapOp::UpsertIdentity(k, v) => writes.push(MapOp::UpsertIdentity(k, v)),
+            MapOp::DeleteIdentity(k) => writes.push(MapOp::DeleteIdentity(k)),
+        }
+    }
+    for w in &writes {
+        state.apply_op(w);
+    }
+    // Step 9 of the diff order: the revisions, once everything else landed.
+    for (ifindex, ep) in state.endpoints.iter_mut() {
+        let bump = ep.revision != next_revision
+            && (bump_all || bumped_identities.contains(&ep.identity) || touched.contains(ifindex));
+        if bump {
+            ep.revision = next_revision;
+            writes.push(MapOp::UpsertEndpoint(*ifindex, *ep));
+        }
+    }
+    // On failure an unknown prefix is written: `last` stays None, so the
+    // next sync reads the maps back.
+    dp.maps.apply(&writes)?;
+    report.writes = writes.len();
+    report.endpoints = state.endpoints.len();
+    for (pod, iface) in &fresh {
+        attach(dp, pod, iface, true, report);
+    }
+    for (ifindex, name) in &gone {
+        detach(dp, *ifindex, name, report);
+    }
+    *last = Some(state);
+    Ok(())
+}
+
+fn attach(
+    dp: &mut BpfDatapath,
+    pod: &PodRef,
+    iface: &Interface,
+    fresh: bool,
+    report: &mut SyncReport,
+) {
+    match dp.attach(iface.ifindex, &pod.to_string()) {
+        Ok(()) if fresh => {
+            info!(pod = %pod, interface = %iface.name, "attached");
+            report.attached.push(iface.name.clone());
+        }
+        Ok(()) => {}
+        Err(e) => report.problems.push(Problem {
+            object: format!("pod {pod}"),
+            reason: e.to_string(),
+        }),
+    }
+}
+
+fn detach(dp: &mut BpfDatapath, ifindex: u32, name: &str, report: &mut SyncReport) {
+    match dp.detach(ifindex) {
+        Ok(()) => {
+            info!(endpoint = %name, ifindex, "detached");
+            report.detached.push(name.to_owned());
+        }
+        Err(errors) => {
+            for e in errors {
+                warn!(endpoint = %name, error = %e, "detach");
+                report.problems.push(Problem {
+                    object: format!("endpoint {name}"),
+                    reason: e.to_string(),
+                });
             }
         }
     }
-    *last = Some(new);
-    Ok(report)
 }
 
 /// Two pods routed to one interface cannot both be that endpoint: keep

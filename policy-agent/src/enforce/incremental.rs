@@ -1,18 +1,30 @@
-//! Keeps one incremental compiler per enforcer: a new cluster snapshot is
-//! turned into the changes since the last one, and only those are
-//! compiled (the full compile runs once, at the first snapshot).
+//! One incremental compiler per enforcer. Input is either a whole cluster
+//! state (turned into the changes since the last one) or the changes
+//! themselves (a watch or a changed manifest file); only those are
+//! compiled. The full compile runs once, at the first input.
 use std::collections::BTreeMap;
 
 use crate::{
-    cluster::ClusterState,
+    cluster::{ClusterState, PodRef},
     identity::IdentityAllocator,
+    mapstate::MapOp,
     policy::{Change, CompileOptions, Compiler},
 };
+
+/// What a sync starts from.
+#[derive(Clone, Copy, Debug)]
+pub enum Input<'a> {
+    /// The whole state (first sync, `apply`, a re-list).
+    State(&'a ClusterState),
+    /// What changed since the previous input.
+    Changes(&'a [Change]),
+}
 
 pub struct Incremental {
     pub ids: IdentityAllocator,
     compiler: Option<Compiler>,
-    last: Option<ClusterState>,
+    /// The state compiled so far (kept in step with the compiler).
+    state: ClusterState,
 }
 
 impl Incremental {
@@ -20,28 +32,95 @@ impl Incremental {
         Self {
             ids,
             compiler: None,
-            last: None,
+            state: ClusterState::default(),
         }
     }
 
-    /// Brings the compiler up to `state` and returns it.
-    pub fn update(&mut self, state: &ClusterState) -> &Compiler {
-        match (self.compiler.as_mut(), self.last.as_ref()) {
-            (Some(compiler), Some(last)) => {
-                let changes = changes(last, state);
-                if !changes.is_empty() {
-                    compiler.apply(changes, &mut self.ids);
-                }
-            }
-            _ => {
-                // `build` ends its own identity generation.
-                self.compiler = Some(Compiler::build(state, &mut self.ids, CompileOptions::default()));
-            }
-        }
-        self.last = Some(state.clone());
+    /// The cluster state compiled so far.
+    pub fn state(&self) -> &ClusterState {
+        &self.state
+    }
+
+    /// The compiler (call [`Incremental::update`] first).
+    pub fn compiler(&self) -> &Compiler {
         match &self.compiler {
             Some(c) => c,
+            None => unreachable!("update() runs before compiler()"),
+        }
+    }
+
+    /// Brings the compiler up to `input`. Returns the compiler and, when it
+    /// compiled incrementally, the map writes that changed (None after a
+    /// full compile: the caller diffs the whole state).
+    pub fn update(&mut self, input: Input<'_>) -> (&Compiler, Option<Vec<MapOp<PodRef>>>) {
+        let ops = match (self.compiler.as_mut(), input) {
+            (Some(compiler), Input::State(state)) => {
+                let changes = changes(&self.state, state);
+                self.state = state.clone();
+                Some(if changes.is_empty() {
+                    Vec::new()
+                } else {
+                    compiler.apply(changes, &mut self.ids)
+                })
+            }
+            (Some(compiler), Input::Changes(changes)) => {
+                for change in changes {
+                    apply_to_state(&mut self.state, change);
+                }
+                Some(if changes.is_empty() {
+                    Vec::new()
+                } else {
+                    compiler.apply(changes.to_vec(), &mut self.ids)
+                })
+            }
+            (None, input) => {
+                if let Input::State(state) = input {
+                    self.state = state.clone();
+                } else if let Input::Changes(changes) = input {
+                    for change in changes {
+                        apply_to_state(&mut self.state, change);
+                    }
+                }
+                // `build` ends its own identity generation.
+                self.compiler = Some(Compiler::build(
+                    &self.state,
+                    &mut self.ids,
+                    CompileOptions::default(),
+                ));
+                None
+            }
+        };
+        match &self.compiler {
+            Some(c) => (c, ops),
             None => unreachable!("set above"),
+        }
+    }
+}
+
+/// Applies one change to a cluster state.
+pub fn apply_to_state(state: &mut ClusterState, change: &Change) {
+    match change {
+        Change::UpsertPod(k, v) => {
+            state.pods.insert(k.clone(), v.clone());
+        }
+        Change::DeletePod(k) => {
+            state.pods.remove(k);
+        }
+        Change::UpsertNamespace(k, v) => {
+            state.namespaces.insert(k.clone(), v.clone());
+        }
+        Change::DeleteNamespace(k) => {
+            state.namespaces.remove(k);
+        }
+        Change::UpsertPolicy(k, v) => {
+            state.policies.insert(k.clone(), (**v).clone());
+        }
+        Change::DeletePolicy(k) => {
+            state.policies.remove(k);
+        }
+        Change::Node { name, ips } => {
+            state.node_name = name.clone();
+            state.node_ips = ips.clone();
         }
     }
 }
@@ -94,4 +173,36 @@ pub fn changes(old: &ClusterState, new: &ClusterState) -> Vec<Change> {
         &mut out,
     );
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::{ObjectRef, PodInfo};
+
+    #[test]
+    fn changes_replayed_on_the_old_state_give_the_new_state() {
+        let mut old = ClusterState {
+            node_name: "n".into(),
+            ..Default::default()
+        };
+        old.pods
+            .insert(ObjectRef::new("a", "p1"), PodInfo::default());
+        old.pods
+            .insert(ObjectRef::new("a", "p2"), PodInfo::default());
+        let mut new = old.clone();
+        new.pods.remove(&ObjectRef::new("a", "p1"));
+        new.pods
+            .get_mut(&ObjectRef::new("a", "p2"))
+            .unwrap()
+            .labels
+            .insert("x".into(), "y".into());
+        new.node_ips = vec!["10.0.0.1".parse().unwrap()];
+        let mut replay = old.clone();
+        for c in changes(&old, &new) {
+            apply_to_state(&mut replay, &c);
+        }
+        assert_eq!(replay.pods, new.pods);
+        assert_eq!(replay.node_ips, new.node_ips);
+    }
 }

@@ -122,6 +122,43 @@ impl InterfaceCache {
         std::mem::take(&mut self.verify)
     }
 
+    /// Whether the next sync must look at every pod (after a clear).
+    pub fn needs_full_pass(&self) -> bool {
+        self.verify
+    }
+
+    /// One pod's interface (cached unless its IPs changed).
+    pub fn resolve_one(
+        &mut self,
+        pod: &PodRef,
+        ips: &[IpAddr],
+    ) -> (Option<Interface>, Vec<Problem>) {
+        if let Some((known, iface)) = self.found.get(pod)
+            && known.as_slice() == ips
+        {
+            return (Some(iface.clone()), Vec::new());
+        }
+        let one: BTreeMap<PodRef, Vec<IpAddr>> =
+            [(pod.clone(), ips.to_vec())].into_iter().collect();
+        let (mut fresh, problems) = resolve_interfaces(&one);
+        match fresh.remove(pod) {
+            Some(iface) => {
+                self.found
+                    .insert(pod.clone(), (ips.to_vec(), iface.clone()));
+                (Some(iface), problems)
+            }
+            None => {
+                self.found.remove(pod);
+                (None, problems)
+            }
+        }
+    }
+
+    /// Drops a pod that is gone, returning the interface it had.
+    pub fn forget(&mut self, pod: &PodRef) -> Option<Interface> {
+        self.found.remove(pod).map(|(_, i)| i)
+    }
+
     pub fn resolve(
         &mut self,
         pods: &BTreeMap<PodRef, Vec<IpAddr>>,

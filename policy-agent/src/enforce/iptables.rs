@@ -5,10 +5,13 @@ use std::{collections::BTreeMap, net::IpAddr};
 use tracing::info;
 
 use super::{
-    InterfaceCache, Problem, SyncReport, bpf::drop_shared_interfaces, incremental::Incremental,
+    InterfaceCache, Problem, SyncReport,
+    bpf::drop_shared_interfaces,
+    incremental::{Incremental, Input},
+    unready_local_pods,
 };
 use crate::{
-    cluster::{ClusterState, PodRef},
+    cluster::PodRef,
     datapath::iptables::{self, Backend, DEFAULT_MARK, Executor, RenderInput, Ruleset, render},
     identity::IdentityAllocator,
     mapstate::MapState,
@@ -44,15 +47,17 @@ impl IptablesEnforcer {
         }
     }
 
-    /// The ruleset for `state`, with the interfaces found here: (ruleset,
+    /// The ruleset for `input`, with the interfaces found here: (ruleset,
     /// problems, endpoints rendered).
-    pub fn ruleset(&mut self, state: &ClusterState) -> (Ruleset, Vec<Problem>, usize) {
-        let compiler = self.inc.update(state);
+    pub fn ruleset(&mut self, input: Input<'_>) -> (Ruleset, Vec<Problem>, usize) {
+        self.inc.update(input);
+        let compiler = self.inc.compiler();
         let mut problems: Vec<Problem> = compiler
             .errors()
             .iter()
             .map(Problem::from_policy_error)
             .collect();
+        problems.extend(unready_local_pods(self.inc.state()));
         let rules = compiler.rules();
         let (ruleset, more, n) = render_parts(
             &mut self.interfaces,
@@ -65,8 +70,8 @@ impl IptablesEnforcer {
         (ruleset, problems, n)
     }
 
-    pub fn sync(&mut self, state: &ClusterState) -> Result<SyncReport, iptables::Error> {
-        let (ruleset, problems, endpoints) = self.ruleset(state);
+    pub fn sync(&mut self, input: Input<'_>) -> Result<SyncReport, iptables::Error> {
+        let (ruleset, problems, endpoints) = self.ruleset(input);
         let applied = self.exec.apply(&ruleset)?;
         if applied.wrote_anything() {
             info!(

@@ -10,17 +10,14 @@ use tracing::warn;
 
 pub use self::{
     bpf::BpfEnforcer,
-    incremental::{Incremental, changes},
+    incremental::{Incremental, Input, apply_to_state, changes},
     interfaces::{Interface, InterfaceCache, resolve_interfaces},
     iptables::IptablesEnforcer,
     report::{Problem, SyncReport, unready_local_pods},
 };
-use crate::{
-    cluster::ClusterState,
-    datapath::{
-        bpf::{self as bpfdp, LoadOptions, PinLayout},
-        iptables::{self as ipt, Backend},
-    },
+use crate::datapath::{
+    bpf::{self as bpfdp, LoadOptions, PinLayout},
+    iptables::{self as ipt, Backend},
 };
 
 /// Errors of either datapath.
@@ -54,7 +51,7 @@ pub enum Choice {
 /// A datapath that can be kept equal to a cluster state.
 pub trait Enforcer {
     fn name(&self) -> &'static str;
-    fn sync(&mut self, state: &ClusterState) -> Result<SyncReport, Error>;
+    fn sync(&mut self, input: Input<'_>) -> Result<SyncReport, Error>;
     /// The next sync reads the installed state back instead of trusting
     /// what this process last wrote.
     fn forget_cache(&mut self) {}
@@ -66,8 +63,8 @@ impl Enforcer for BpfEnforcer {
     fn name(&self) -> &'static str {
         "bpf"
     }
-    fn sync(&mut self, state: &ClusterState) -> Result<SyncReport, Error> {
-        BpfEnforcer::sync(self, state).map_err(Error::from)
+    fn sync(&mut self, input: Input<'_>) -> Result<SyncReport, Error> {
+        BpfEnforcer::sync(self, input).map_err(Error::from)
     }
     fn forget_cache(&mut self) {
         BpfEnforcer::forget_cache(self);
@@ -81,8 +78,8 @@ impl Enforcer for IptablesEnforcer {
     fn name(&self) -> &'static str {
         "iptables"
     }
-    fn sync(&mut self, state: &ClusterState) -> Result<SyncReport, Error> {
-        IptablesEnforcer::sync(self, state).map_err(Error::from)
+    fn sync(&mut self, input: Input<'_>) -> Result<SyncReport, Error> {
+        IptablesEnforcer::sync(self, input).map_err(Error::from)
     }
     fn forget_cache(&mut self) {
         self.interfaces.clear();

@@ -27,8 +27,9 @@ use tracing::{debug, info, warn};
 
 use crate::{
     cluster::{ClusterState, NamespaceInfo, ObjectRef, PodInfo, namespace_info, pod_info},
-    daemon::SourceState,
+    daemon::SourceUpdate,
     enforce::Problem,
+    policy::Change,
 };
 
 /// A watched kind's objects, with the buffer of a re-list in progress.
@@ -48,41 +49,50 @@ impl<V> Default for Store<V> {
     }
 }
 
-impl<V> Store<V> {
-    /// Applies one watch event; `Ok(true)` when the visible state changed.
+/// What one watch event did to a store.
+enum Applied<V> {
+    Nothing,
+    /// An object changed (None: deleted).
+    Changed(ObjectRef, Option<V>),
+    /// A (re-)list completed: the whole store may differ.
+    Relisted,
+}
+
+impl<V: Clone> Store<V> {
+    /// Applies one watch event.
     fn apply<K>(
         &mut self,
         event: Event<K>,
         mut convert: impl FnMut(&K) -> Option<(ObjectRef, V)>,
-    ) -> bool {
+    ) -> Applied<V> {
         match event {
             Event::Init => {
                 self.relist = Some(BTreeMap::new());
-                false
+                Applied::Nothing
             }
             Event::InitApply(obj) => {
                 if let (Some(buf), Some((k, v))) = (self.relist.as_mut(), convert(&obj)) {
                     buf.insert(k, v);
                 }
-                false
+                Applied::Nothing
             }
             Event::InitDone => {
                 if let Some(buf) = self.relist.take() {
                     self.live = buf;
                 }
                 self.synced = true;
-                true
+                Applied::Relisted
             }
             Event::Apply(obj) => match convert(&obj) {
                 Some((k, v)) => {
-                    self.live.insert(k, v);
-                    true
+                    self.live.insert(k.clone(), v.clone());
+                    Applied::Changed(k, Some(v))
                 }
-                None => false,
+                None => Applied::Nothing,
             },
             Event::Delete(obj) => match convert(&obj) {
-                Some((k, _)) => self.live.remove(&k).is_some(),
-                None => false,
+                Some((k, _)) if self.live.remove(&k).is_some() => Applied::Changed(k, None),
+                _ => Applied::Nothing,
             },
         }
     }
@@ -121,12 +131,13 @@ fn strip_policy(p: &NetworkPolicy) -> NetworkPolicy {
     p
 }
 
-/// Watches the cluster and publishes snapshots on `tx` until it closes.
+/// Watches the cluster and publishes a snapshot once every kind is listed
+/// (and after every re-list), deltas in between, until `tx` closes.
 pub async fn watch(
     client: Client,
     node: String,
     settle: Duration,
-    tx: UnboundedSender<SourceState>,
+    tx: UnboundedSender<SourceUpdate>,
 ) {
     let mut updates = futures::stream::select_all([
         stream(Api::<Pod>::all(client.clone()), "pods", |e| {
@@ -145,6 +156,8 @@ pub async fn watch(
     let mut namespaces: Store<NamespaceInfo> = Store::default();
     let mut policies: Store<NetworkPolicy> = Store::default();
     let mut pod_problems: BTreeMap<ObjectRef, Problem> = BTreeMap::new();
+    let mut changes: Vec<Change> = Vec::new();
+    let mut snapshot_due = true;
     let mut dirty = false;
     let mut failing = false;
     loop {
@@ -155,56 +168,99 @@ pub async fn watch(
         };
         match next {
             Ok(Some(update)) => {
-                let changed = match update {
-                    Update::Pod(e) => pods.apply(*e, |p| match pod_info(p) {
-                        Ok((k, v)) => {
-                            pod_problems.remove(&k);
-                            Some((k, v))
+                let mut relisted = false;
+                match update {
+                    Update::Pod(e) => {
+                        let applied = pods.apply(*e, |p| match pod_info(p) {
+                            Ok((k, v)) => {
+                                pod_problems.remove(&k);
+                                Some((k, v))
+                            }
+                            Err(err) => {
+                                let k =
+                                    ObjectRef::new(p.namespace().unwrap_or_default(), p.name_any());
+                                pod_problems.insert(
+                                    k.clone(),
+                                    Problem {
+                                        object: format!("pod {k}"),
+                                        reason: err.to_string(),
+                                    },
+                                );
+                                None
+                            }
+                        });
+                        match applied {
+                            Applied::Changed(k, Some(v)) => changes.push(Change::UpsertPod(k, v)),
+                            Applied::Changed(k, None) => changes.push(Change::DeletePod(k)),
+                            Applied::Relisted => relisted = true,
+                            Applied::Nothing => {}
                         }
-                        Err(err) => {
-                            let k = ObjectRef::new(p.namespace().unwrap_or_default(), p.name_any());
-                            pod_problems.insert(
-                                k.clone(),
-                                Problem {
-                                    object: format!("pod {k}"),
-                                    reason: err.to_string(),
-                                },
-                            );
-                            None
+                    }
+                    Update::Namespace(e) => {
+                        let applied = namespaces.apply(*e, |n| {
+                            namespace_info(n)
+                                .ok()
+                                .map(|(name, info)| (ObjectRef::new("", name), info))
+                        });
+                        match applied {
+                            Applied::Changed(k, Some(v)) => {
+                                changes.push(Change::UpsertNamespace(k.name, v))
+                            }
+                            Applied::Changed(k, None) => {
+                                changes.push(Change::DeleteNamespace(k.name))
+                            }
+                            Applied::Relisted => relisted = true,
+                            Applied::Nothing => {}
                         }
-                    }),
-                    Update::Namespace(e) => namespaces.apply(*e, |n| {
-                        namespace_info(n)
-                            .ok()
-                            .map(|(name, info)| (ObjectRef::new("", name), info))
-                    }),
-                    Update::Policy(e) => policies.apply(*e, |p| {
-                        Some((
-                            ObjectRef::new(
-                                p.namespace().unwrap_or_else(|| "default".into()),
-                                p.name_any(),
-                            ),
-                            strip_policy(p),
-                        ))
-                    }),
+                    }
+                    Update::Policy(e) => {
+                        let applied = policies.apply(*e, |p| {
+                            Some((
+                                ObjectRef::new(
+                                    p.namespace().unwrap_or_else(|| "default".into()),
+                                    p.name_any(),
+                                ),
+                                strip_policy(p),
+                            ))
+                        });
+                        match applied {
+                            Applied::Changed(k, Some(v)) => {
+                                changes.push(Change::UpsertPolicy(k, Box::new(v)))
+                            }
+                            Applied::Changed(k, None) => changes.push(Change::DeletePolicy(k)),
+                            Applied::Relisted => relisted = true,
+                            Applied::Nothing => {}
+                        }
+                    }
                     Update::Failed(kind, e) => {
                         if !failing {
                             warn!(kind, error = %e, "watch failed; keeping the last state enforced and retrying");
                         }
                         failing = true;
-                        false
                     }
-                };
-                if changed && failing {
-                    info!("watches recovered");
-                    failing = false;
                 }
-                dirty |= changed;
+                if relisted {
+                    // After a re-list only a whole snapshot is exact.
+                    snapshot_due = true;
+                    changes.clear();
+                    if failing {
+                        info!("watches recovered");
+                        failing = false;
+                    }
+                }
+                dirty = true;
             }
             Ok(None) => return,
             Err(_) => {
                 // Settled: publish once every kind has been listed.
-                if pods.synced && namespaces.synced && policies.synced {
+                dirty = false;
+                if !(pods.synced && namespaces.synced && policies.synced) {
+                    continue;
+                }
+                let problems: Vec<Problem> = pod_problems.values().cloned().collect();
+                let update = if snapshot_due {
+                    snapshot_due = false;
+                    changes.clear();
                     let state = ClusterState {
                         node_name: node.clone(),
                         node_ips: Vec::new(),
@@ -221,12 +277,18 @@ pub async fn watch(
                         policies = state.policies.len(),
                         "publishing cluster state"
                     );
-                    let problems = pod_problems.values().cloned().collect();
-                    if tx.send(SourceState { state, problems }).is_err() {
-                        return;
+                    SourceUpdate::Snapshot { state, problems }
+                } else if changes.is_empty() {
+                    continue;
+                } else {
+                    SourceUpdate::Delta {
+                        changes: std::mem::take(&mut changes),
+                        problems,
                     }
+                };
+                if tx.send(update).is_err() {
+                    return;
                 }
-                dirty = false;
             }
         }
     }

@@ -9,7 +9,10 @@
 //! 4. ipcache entries added or changed: an address changes identity only
 //!    once the entries that allow its new identity exist;
 //! 5. policy entries removed: old allows go only after nothing needs them;
-//! 6. ipcache entries removed; 7. endpoints removed; 8. identity names removed.
+//! 6. ipcache entries removed; 7. endpoints removed; 8. identity names removed;
+//! 9. new revisions of existing endpoints (step 3 writes them with their
+//!    old revision): conntrack entries are judged again only once the maps
+//!    hold the whole new state.
 //!
 //! Between steps the datapath enforces at most the union of the old and the
 //! new allows, never less than their intersection.
@@ -62,13 +65,41 @@ pub fn diff<K: Ord + Clone>(old: &MapState<K>, new: &MapState<K>) -> Vec<MapOp<K
             .map(|(k, v)| MapOp::UpsertIdentity(k, Box::new(v))),
     );
     ops.extend(upserts(&old.policy, &new.policy).map(|(k, v)| MapOp::UpsertPolicy(k, v)));
-    ops.extend(upserts(&old.endpoints, &new.endpoints).map(|(k, v)| MapOp::UpsertEndpoint(k, v)));
+    // Existing endpoints keep their old revision here; the new one is
+    // written last (below).
+    ops.extend(
+        upserts(&old.endpoints, &new.endpoints).filter_map(|(k, mut v)| {
+            if let Some(prev) = old.endpoints.get(&k) {
+                v.revision = prev.revision;
+                if *prev == v {
+                    return None;
+                }
+            }
+            Some(MapOp::UpsertEndpoint(k, v))
+        }),
+    );
     ops.extend(upserts(&old.ipcache, &new.ipcache).map(|(k, v)| MapOp::UpsertIpcache(k, v)));
     ops.extend(removals(&old.policy, &new.policy).map(MapOp::DeletePolicy));
     ops.extend(removals(&old.ipcache, &new.ipcache).map(MapOp::DeleteIpcache));
     ops.extend(removals(&old.endpoints, &new.endpoints).map(MapOp::DeleteEndpoint));
     ops.extend(removals(&old.identities, &new.identities).map(MapOp::DeleteIdentity));
+    ops.extend(revision_bumps(old, new));
     ops
+}
+
+/// Step 9: new revisions of existing endpoints, once every other write has
+/// landed. A flow re-judged earlier (under half-applied maps) would be
+/// stamped with the new revision and never judged again.
+pub fn revision_bumps<K: Ord + Clone>(old: &MapState<K>, new: &MapState<K>) -> Vec<MapOp<K>> {
+    new.endpoints
+        .iter()
+        .filter(|(k, v)| {
+            old.endpoints
+                .get(k)
+                .is_some_and(|prev| prev.revision != v.revision)
+        })
+        .map(|(k, v)| MapOp::UpsertEndpoint(k.clone(), *v))
+        .collect()
 }
 
 /// Gives `new`'s endpoints their revisions: an endpoint whose verdicts
@@ -159,17 +190,22 @@ mod tests {
         assign_revisions(&old, &mut new);
         let ops = diff(&old, &new);
         assert!(matches!(ops[0], MapOp::UpsertPolicy(k, _) if k == key));
+        // Isolation flips with the old revision; the new revision comes last.
         assert!(
-            matches!(ops[1], MapOp::UpsertEndpoint(7, e) if e.flags == ENDPOINT_INGRESS_ISOLATED && e.revision == 1)
+            matches!(ops[1], MapOp::UpsertEndpoint(7, e) if e.flags == ENDPOINT_INGRESS_ISOLATED && e.revision == 0)
         );
-        assert_eq!(ops.len(), 2);
+        assert!(matches!(ops[2], MapOp::UpsertEndpoint(7, e) if e.revision == 1));
+        assert_eq!(ops.len(), 3);
 
-        // And back: the endpoint opens before the entry goes.
+        // And back: the endpoint opens before the entry goes, and its
+        // revision moves only after.
         let mut back = old.clone();
         assign_revisions(&new, &mut back);
         let ops = diff(&new, &back);
-        assert!(matches!(ops[0], MapOp::UpsertEndpoint(7, e) if e.flags == 0 && e.revision == 2));
+        assert!(matches!(ops[0], MapOp::UpsertEndpoint(7, e) if e.flags == 0 && e.revision == 1));
         assert!(matches!(ops[1], MapOp::DeletePolicy(k) if k == key));
+        assert!(matches!(ops[2], MapOp::UpsertEndpoint(7, e) if e.flags == 0 && e.revision == 2));
+        assert_eq!(ops.len(), 3);
     }
 
     #[test]

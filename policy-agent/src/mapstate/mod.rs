@@ -20,7 +20,7 @@ use policy_common::{
 };
 
 pub use self::{
-    diff::{MapOp, assign_revisions, diff},
+    diff::{MapOp, assign_revisions, diff, revision_bumps},
     names::{identity_name, identity_name_str},
 };
 
@@ -127,5 +127,37 @@ impl<K: Ord + Clone> MapState<K> {
             m.insert_prefix(net.addr(), u32::from(net.prefix_len()), *entry);
         }
         m
+    }
+}
+
+impl<K: Ord + Clone> MapState<K> {
+    /// Applies one write (as the datapath would).
+    pub fn apply_op(&mut self, op: &MapOp<K>) {
+        match op {
+            MapOp::UpsertIdentity(k, v) => {
+                self.identities.insert(*k, **v);
+            }
+            MapOp::UpsertPolicy(k, v) => {
+                self.policy.insert(*k, *v);
+            }
+            MapOp::UpsertEndpoint(k, v) => {
+                self.endpoints.insert(k.clone(), *v);
+            }
+            MapOp::UpsertIpcache(k, v) => {
+                self.ipcache.insert(*k, *v);
+            }
+            MapOp::DeletePolicy(k) => {
+                self.policy.remove(k);
+            }
+            MapOp::DeleteIpcache(k) => {
+                self.ipcache.remove(k);
+            }
+            MapOp::DeleteEndpoint(k) => {
+                self.endpoints.remove(k);
+            }
+            MapOp::DeleteIdentity(k) => {
+                self.identities.remove(k);
+            }
+        }
     }
 }
