@@ -115,9 +115,11 @@ fn sync_full(
     local_pods: &BTreeMap<PodRef, Vec<IpAddr>>,
     report: &mut SyncReport,
 ) -> Result<(), Error> {
+    let t = std::time::Instant::now();
     let (mut interfaces, problems) = cache.resolve(local_pods);
     report.problems.extend(problems);
     drop_shared_interfaces(&mut interfaces, &mut report.problems);
+    let resolve_us = t.elapsed().as_micros() as u64;
 
     let old = match last.take() {
         Some(state) => state,
@@ -128,27 +130,39 @@ fn sync_full(
     let ops = diff(&old, &new);
     // On failure the maps hold an unknown prefix of the writes: the next
     // sync reads them back rather than trusting a cache.
+    let diff_us = t.elapsed().as_micros() as u64;
     dp.maps.apply(&ops)?;
     report.writes = ops.len();
     report.endpoints = new.endpoints.len();
+    let write_us = t.elapsed().as_micros() as u64;
 
     // Attach after the endpoint entries exist, so the first packet on a new
     // interface is already judged. A full pass verifies every attachment.
     let meta = dp.maps.read_meta()?;
     let verify = cache.take_verify();
+    let mut fresh = Vec::new();
     for (pod, iface) in &interfaces {
         let known = meta.get(&iface.ifindex).is_some_and(|m| m.attach != 0);
-        if known && !verify {
-            continue;
+        if !known {
+            fresh.push((pod.clone(), iface.clone()));
+        } else if verify {
+            attach(dp, pod, iface, false, report);
         }
-        attach(dp, pod, iface, !known, report);
     }
+    attach_fresh(dp, &fresh, report);
     let wanted: BTreeSet<u32> = interfaces.values().map(|i| i.ifindex).collect();
     for (ifindex, m) in meta.iter().filter(|(i, _)| !wanted.contains(i)) {
         let name = String::from_utf8_lossy(&m.name[..(m.name_len as usize).min(m.name.len())])
             .into_owned();
         detach(dp, *ifindex, &name, report);
     }
+    debug!(
+        resolve_us,
+        diff_us,
+        write_us,
+        attach_us = t.elapsed().as_micros() as u64,
+        "full sync"
+    );
     *last = Some(new);
     Ok(())
 }
@@ -244,9 +258,7 @@ fn sync_ops(
     dp.maps.apply(&writes)?;
     report.writes = writes.len();
     report.endpoints = state.endpoints.len();
-    for (pod, iface) in &fresh {
-        attach(dp, pod, iface, true, report);
-    }
+    attach_fresh(dp, &fresh, report);
     for (ifindex, name) in &gone {
         detach(dp, *ifindex, name, report);
     }
@@ -271,6 +283,32 @@ fn attach(
             object: format!("pod {pod}"),
             reason: e.to_string(),
         }),
+    }
+}
+
+/// New interfaces, attached together (in parallel with TCX).
+fn attach_fresh(dp: &mut BpfDatapath, fresh: &[(PodRef, Interface)], report: &mut SyncReport) {
+    if fresh.is_empty() {
+        return;
+    }
+    let items: Vec<(u32, String)> = fresh
+        .iter()
+        .map(|(p, i)| (i.ifindex, p.to_string()))
+        .collect();
+    for (ifindex, result) in dp.attach_many(&items) {
+        let Some((pod, iface)) = fresh.iter().find(|(_, i)| i.ifindex == ifindex) else {
+            continue;
+        };
+        match result {
+            Ok(()) => {
+                info!(pod = %pod, interface = %iface.name, "attached");
+                report.attached.push(iface.name.clone());
+            }
+            Err(e) => report.problems.push(Problem {
+                object: format!("pod {pod}"),
+                reason: e.to_string(),
+            }),
+        }
     }
 }
 

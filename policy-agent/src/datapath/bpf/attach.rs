@@ -325,3 +325,55 @@ impl<'a> Attachment<'a> {
         }
     }
 }
+
+/// Raw TCX attach (BPF_LINK_CREATE) and pin (BPF_OBJ_PIN), usable from
+/// several threads at once: each TCX attach waits for an RCU grace period
+/// in the kernel, so attaching many interfaces one by one is slow.
+pub(crate) fn tcx_attach_and_pin(
+    prog_fd: std::os::fd::RawFd,
+    ifindex: u32,
+    hook: Hook,
+    pin: &std::path::Path,
+) -> std::io::Result<()> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    const BPF_OBJ_PIN: libc::c_long = 6;
+    const BPF_LINK_CREATE: libc::c_long = 28;
+    const BPF_TCX_INGRESS: u32 = 46;
+    const BPF_TCX_EGRESS: u32 = 47;
+    let bpf = |cmd: libc::c_long, attr: &mut [u64; 8]| -> std::io::Result<libc::c_long> {
+        // SAFETY: attr is a valid, zeroed union bpf_attr of the size passed.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                cmd,
+                attr.as_mut_ptr(),
+                std::mem::size_of_val(attr) as libc::c_uint,
+            )
+        };
+        if rc < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(rc)
+        }
+    };
+    let attach_type = match hook {
+        Hook::Ingress => BPF_TCX_INGRESS,
+        Hook::Egress => BPF_TCX_EGRESS,
+    };
+    // BPF_LINK_CREATE: { u32 prog_fd; u32 target_ifindex; u32 attach_type;
+    // u32 flags; tcx { u32 relative_fd; u64 expected_revision } } — zero
+    // flags and relative: appended last.
+    let mut attr = [0u64; 8];
+    attr[0] = u64::from(prog_fd as u32) | (u64::from(ifindex) << 32);
+    attr[1] = u64::from(attach_type);
+    let link = bpf(BPF_LINK_CREATE, &mut attr)?;
+    // SAFETY: the kernel just returned this fd to us; we own it.
+    let link = unsafe { OwnedFd::from_raw_fd(link as i32) };
+    let path = std::ffi::CString::new(pin.as_os_str().as_encoded_bytes())
+        .map_err(std::io::Error::other)?;
+    // BPF_OBJ_PIN: { u64 pathname; u32 bpf_fd; u32 file_flags }
+    let mut attr = [0u64; 8];
+    attr[0] = path.as_ptr() as u64;
+    attr[1] = u64::from(link.as_raw_fd() as u32);
+    bpf(BPF_OBJ_PIN, &mut attr).map(|_| ())
+}

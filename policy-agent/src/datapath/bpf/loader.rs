@@ -7,7 +7,7 @@ use aya::{
     programs::{SchedClassifier, TcAttachType},
 };
 use policy_common::{
-    endpoint::{ENDPOINT_NAME_LEN, EndpointMeta},
+    endpoint::{ATTACH_TCX, ENDPOINT_NAME_LEN, EndpointMeta},
     maps as names,
 };
 use tracing::{debug, info};
@@ -173,6 +173,90 @@ impl BpfDatapath {
         self.maps
             .set_meta(ifindex, &endpoint_meta(name, attachment.bits))?;
         result
+    }
+
+    /// Attaches many new interfaces at once. With TCX the kernel attaches
+    /// in parallel (each attach waits for an RCU grace period); interfaces
+    /// that already have something pinned go through [`Self::attach`].
+    pub fn attach_many(&mut self, items: &[(u32, String)]) -> Vec<(u32, Result<(), Error>)> {
+        use std::os::fd::{AsFd as _, AsRawFd as _};
+        if self.mode != AttachMode::Tcx {
+            return items
+                .iter()
+                .map(|(i, n)| (*i, self.attach(*i, n)))
+                .collect();
+        }
+        let layout = self.layout.clone();
+        let fds: Vec<(Hook, i32)> = Hook::BOTH
+            .iter()
+            .filter_map(|h| {
+                self.programs
+                    .get_mut(*h)
+                    .fd()
+                    .ok()
+                    .map(|fd| (*h, fd.as_fd().as_raw_fd()))
+            })
+            .collect();
+        let (fresh, known): (Vec<_>, Vec<_>) = items
+            .iter()
+            .cloned()
+            .partition(|(i, _)| Hook::BOTH.iter().all(|h| !layout.link(*i, *h).exists()));
+        let mut out: Vec<(u32, Result<(), Error>)> = known
+            .iter()
+            .map(|(i, n)| (*i, self.attach(*i, n)))
+            .collect();
+        let chunk = fresh.len().div_ceil(8).max(1);
+        let results: Vec<(u32, Result<(), Error>)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = fresh
+                .chunks(chunk)
+                .map(|part| {
+                    let (layout, fds) = (&layout, &fds);
+                    scope.spawn(move || {
+                        part.iter()
+                            .map(|(ifindex, _)| {
+                                let r = fds.iter().try_for_each(|(hook, fd)| {
+                                    super::attach::tcx_attach_and_pin(
+                                        *fd,
+                                        *ifindex,
+                                        *hook,
+                                        &layout.link(*ifindex, *hook),
+                                    )
+                                    .map_err(|e| {
+                                        Error::Attach {
+                                            interface: super::attach::if_name(*ifindex)
+                                                .unwrap_or_else(|_| format!("ifindex {ifindex}")),
+                                            direction: hook.name(),
+                                            source: Box::new(e),
+                                        }
+                                    })
+                                });
+                                (*ifindex, r)
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap_or_default())
+                .collect()
+        });
+        for (ifindex, r) in results {
+            let name = fresh
+                .iter()
+                .find(|(i, _)| *i == ifindex)
+                .map(|(_, n)| n.as_str())
+                .unwrap_or("");
+            // Record even partial attachments, so `reset` can undo them.
+            let bits = if Hook::BOTH.iter().any(|h| layout.link(ifindex, *h).exists()) {
+                ATTACH_TCX
+            } else {
+                0
+            };
+            let recorded = self.maps.set_meta(ifindex, &endpoint_meta(name, bits));
+            out.push((ifindex, r.and(recorded)));
+        }
+        out
     }
 
     /// Removes the attachments of `ifindex` and its record.
