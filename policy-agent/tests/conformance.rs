@@ -289,6 +289,42 @@ macro_rules! conformance_suite {
             }
 
             #[test]
+            fn run_mode_attaches_a_pod_interface_that_appears_later() {
+                let port = 19402 + (u16::from($backend == Backend::Iptables));
+                let mut c = env(concat!($p, "late"));
+                // The manifests know alpha/late before its interface exists.
+                let late = support::conformance::PodSpec {
+                    namespace: "alpha".into(),
+                    name: "late".into(),
+                    labels: labels(&[("app", "late")]),
+                    ips: vec!["10.244.1.99".parse().unwrap(), "fd00:244:1::99".parse().unwrap()],
+                    ports: vec![("http".into(), 80, "TCP"), ("dns".into(), 53, "UDP")],
+                };
+                c.pods.push(late.clone());
+                c.write_cluster();
+                c.write_policies(
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: late, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: late}}\n  ingress: [{from: [{namespaceSelector: {matchLabels: {team: b}}}]}]\n",
+                );
+                c.start_daemon(port);
+                let pod = policy_agent::sim::SimPod {
+                    namespace: late.namespace.clone(),
+                    name: late.name.clone(),
+                    ips: late.ips.clone(),
+                    tcp_ports: vec![80, 8080],
+                    udp_ports: vec![53, 5353],
+                };
+                c.node.as_mut().unwrap().add(&pod).unwrap();
+                {
+                    let node = c.node.as_ref().unwrap();
+                    let net = node.pod("alpha/late").unwrap();
+                    c.servers.as_mut().unwrap().add(&net.netns, &net.pod).unwrap();
+                }
+                c.eventually("a late interface is attached and enforced", Duration::from_secs(3), |f, t, _, _| {
+                    always(f, t) || t != "alpha/late" || ns_of(f) == "beta"
+                });
+            }
+
+            #[test]
             fn run_mode_applies_manifest_changes_within_a_second() {
                 let port = 19400 + (u16::from($backend == Backend::Iptables));
                 let mut c = env(concat!($p, "daemon"));

@@ -173,6 +173,12 @@ impl SimNode {
         Ok(())
     }
 
+    /// Adds a pod to the running node (a pod scheduled later).
+    pub fn add(&mut self, pod: &SimPod) -> Result<(), Error> {
+        let index = self.pods.len() + 100;
+        self.add_pod(index, pod)
+    }
+
     pub fn pod(&self, id: &str) -> Option<&PodNet> {
         self.pods.iter().find(|p| p.pod.id() == id)
     }
