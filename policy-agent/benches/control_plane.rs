@@ -242,7 +242,7 @@ fn main() {
     let endpoint = |ifindex: u32| {
         BpfMaps::from_pins(&layout)
             .ok()
-            .and_then(|m| m.endpoints.get(&ifindex, 0).ok())
+            .and_then(|m| m.endpoint(ifindex).ok().flatten())
     };
 
     // p000 runs app0; an extra policy on app "relabelled" isolates p001

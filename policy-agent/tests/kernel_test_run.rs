@@ -749,3 +749,53 @@ fn kernel_debug_log_is_off_by_default_and_switchable_at_run_time() {
     logger.flush();
     assert_eq!(capture.0.lock().unwrap().len(), 1, "off again");
 }
+
+/// Fill of the endpoint array and of the overflow hash, in that order.
+fn endpoint_fill(h: &Harness) -> (usize, usize) {
+    let fill = h.dp.maps.fill();
+    let used = |name: &str| fill.iter().find(|(n, _, _)| *n == name).unwrap().1;
+    (
+        used(policy_common::maps::ENDPOINT_SLOTS),
+        used(policy_common::maps::ENDPOINTS),
+    )
+}
+
+#[test]
+fn endpoints_are_found_in_the_array_slot_and_in_the_overflow_hash() {
+    for (mut h, expect_fill) in [
+        (Harness::new(), (1, 0)),
+        (Harness::with_endpoints_in_overflow_hash(), (0, 1)),
+    ] {
+        h.endpoint(POD, BOTH, 1);
+        h.ipcache("10.0.1.20/32", PEER, WORLD);
+        h.ipcache("10.0.2.30/32", OTHER, WORLD);
+        h.allow(ingress_key(PEER, TCP, 16, 80));
+        h.sync();
+        assert_eq!(endpoint_fill(&h), expect_fill);
+        assert_eq!(h.dp.maps.read_state().unwrap().endpoints, h.state.endpoints);
+        assert_eq!(
+            h.run_reason(Hook::Egress, &to_pod("10.0.1.20", 40000, 80)),
+            (Verdict::Pass, Reason::AllowPolicy)
+        );
+        assert_eq!(
+            h.run_reason(Hook::Egress, &to_pod("10.0.2.30", 40000, 80)),
+            (Verdict::Drop, Reason::DropPolicy)
+        );
+        // An update in place (ingress no longer isolated) is seen.
+        h.endpoint(POD, ENDPOINT_EGRESS_ISOLATED, 2);
+        h.sync();
+        assert_eq!(
+            h.run_reason(Hook::Egress, &to_pod("10.0.2.30", 40001, 80)),
+            (Verdict::Pass, Reason::AllowNotIsolated)
+        );
+        // Removed: the slot or the hash entry is gone, the interface passes.
+        h.state.endpoints.remove(&TEST_IFINDEX);
+        h.sync();
+        assert_eq!(endpoint_fill(&h), (0, 0));
+        assert_eq!(h.dp.maps.endpoint(TEST_IFINDEX).unwrap(), None);
+        assert_eq!(
+            h.run_reason(Hook::Egress, &to_pod("10.0.2.30", 40002, 80)),
+            (Verdict::Pass, Reason::PassNoEndpoint)
+        );
+    }
+}

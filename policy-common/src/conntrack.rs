@@ -62,7 +62,9 @@ pub const CT_REFRESH_NS: u64 = 1_000_000_000;
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct CtEntry {
-    /// `bpf_ktime_get_ns` of the last refresh.
+    /// `bpf_ktime_get_coarse_ns` (CLOCK_MONOTONIC at tick resolution: the
+    /// timeouts are seconds, and the fine clock costs a clocksource read
+    /// per packet) of the last refresh.
     pub last_seen_ns: u64,
     /// The endpoint revision the flow was last judged under.
     pub revision: u32,

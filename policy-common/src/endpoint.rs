@@ -6,6 +6,10 @@ pub const ENDPOINT_INGRESS_ISOLATED: u32 = 1 << 0;
 /// The pod is isolated for egress: it may reach only allowed peers.
 pub const ENDPOINT_EGRESS_ISOLATED: u32 = 1 << 1;
 
+/// Marks a used slot of the `ENDPOINT_SLOTS` array (an unused slot is all
+/// zero). Only the BPF map writer sets it; compiled state never carries it.
+pub const ENDPOINT_SLOT_USED: u32 = 1 << 31;
+
 /// Bits of [`EndpointInfo::ingress_lookups`] / [`EndpointInfo::egress_lookups`].
 ///
 /// They tell the classifier which policy-key shapes exist for this endpoint

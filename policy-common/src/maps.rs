@@ -3,7 +3,14 @@
 //! The names are the contract between the kernel object, the agent's pins
 //! and `bpftool map dump pinned <pin dir>/maps/<NAME>`.
 
-/// ifindex → [`crate::endpoint::EndpointInfo`] (hash).
+/// ifindex → [`crate::endpoint::EndpointInfo`] (array indexed by ifindex,
+/// for every ifindex below its size). The classifier's endpoint lookup
+/// then costs no hashing: the verifier inlines array lookups. A slot
+/// holds an endpoint only if its flags carry
+/// [`crate::endpoint::ENDPOINT_SLOT_USED`].
+pub const ENDPOINT_SLOTS: &str = "ENDPOINT_SLOTS";
+/// ifindex → [`crate::endpoint::EndpointInfo`] (hash) for ifindexes beyond
+/// [`ENDPOINT_SLOTS`] (a node that has created many interfaces since boot).
 pub const ENDPOINTS: &str = "ENDPOINTS";
 /// IPv4 prefix → [`crate::ipcache::IpcacheEntry`] (LPM trie).
 pub const IPCACHE_V4: &str = "IPCACHE_V4";
@@ -28,8 +35,9 @@ pub const IDENTITY_NAMES: &str = "IDENTITY_NAMES";
 pub const ENDPOINT_META: &str = "ENDPOINT_META";
 
 /// Every map the agent pins, in the order `dump` prints them.
-pub const ALL: [&str; 11] = [
+pub const ALL: [&str; 12] = [
     CONFIG,
+    ENDPOINT_SLOTS,
     ENDPOINTS,
     ENDPOINT_META,
     IPCACHE_V4,
@@ -44,6 +52,8 @@ pub const ALL: [&str; 11] = [
 
 /// Default capacities. The agent can override them at load time.
 pub mod capacity {
+    /// ifindexes `0..ENDPOINT_SLOTS` live in the array (24 B each).
+    pub const ENDPOINT_SLOTS: u32 = 16384;
     pub const ENDPOINTS: u32 = 4096;
     pub const IPCACHE: u32 = 65536;
     pub const POLICY: u32 = 262_144;

@@ -5,7 +5,7 @@
 //! (`SCRATCH`): the BPF stack is 512 bytes for the whole call chain.
 use aya_ebpf::{
     bindings::{BPF_ANY, TC_ACT_SHOT, TC_ACT_UNSPEC},
-    helpers::bpf_ktime_get_ns,
+    helpers::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
     programs::TcContext,
 };
 use aya_log_ebpf::debug;
@@ -15,7 +15,7 @@ use policy_common::{
         CT_FLAG_CLOSING, CT_FLAG_SYN_ONLY, CT_REFRESH_NS, CtEntry, CtKey, FragEntry, FragKey,
     },
     direction,
-    endpoint::{EndpointInfo, lookups},
+    endpoint::{ENDPOINT_SLOT_USED, EndpointInfo, lookups},
     event::DropEvent,
     family, identity,
     ipcache::IpcacheEntry,
@@ -26,8 +26,8 @@ use policy_common::{
 
 use crate::{
     maps::{
-        CONFIG, CONNTRACK, COUNTERS, DROP_EVENTS, ENDPOINTS, FRAGMENTS, IPCACHE_V4, IPCACHE_V6,
-        POLICY, SCRATCH, Scratch,
+        CONFIG, CONNTRACK, COUNTERS, DROP_EVENTS, ENDPOINT_SLOTS, ENDPOINTS, FRAGMENTS, IPCACHE_V4,
+        IPCACHE_V6, POLICY, SCRATCH, Scratch,
     },
     parse::{
         FRAG_FIRST, FRAG_LATER, IP, IpPacket, MALFORMED, is_icmpv6_link_control, parse, quoted_flow,
@@ -63,6 +63,22 @@ fn config_flags() -> u32 {
         Some(c) => c.flags,
         None => 0,
     }
+}
+
+/// The local endpoint behind `ifindex`: its array slot when the array
+/// reaches that far (the writer never puts such an ifindex in the hash),
+/// the overflow hash otherwise.
+#[inline(always)]
+fn endpoint(ifindex: u32) -> Option<EndpointInfo> {
+    if let Some(slot) = ENDPOINT_SLOTS.get(ifindex) {
+        return if slot.flags & ENDPOINT_SLOT_USED != 0 {
+            Some(*slot)
+        } else {
+            None
+        };
+    }
+    // SAFETY: map value pointer, valid for this run; copied out at once.
+    ENDPOINTS.get_ptr(ifindex).map(|ep| unsafe { *ep })
 }
 
 #[inline(always)]
@@ -257,7 +273,7 @@ fn decide(
         &pkt.src
     };
     // SAFETY: a helper without preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
 
     if pkt.quoted_off != 0 {
         let v6 = pkt.family == family::IPV6;
@@ -381,12 +397,10 @@ fn emit_drop(ep: &EndpointInfo, meta: u64, pkt: Option<&IpPacket>, peer: &Ipcach
 pub fn classify(ctx: &TcContext, dir: u8) -> i32 {
     // SAFETY: the context pointer is the kernel's __sk_buff for this run.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    let Some(ep) = ENDPOINTS.get_ptr(ifindex) else {
+    let Some(ep) = endpoint(ifindex) else {
         count(Reason::PassNoEndpoint, dir);
         return PASS;
     };
-    // SAFETY: map value pointer, valid for this run; copied out at once.
-    let ep = unsafe { *ep };
     let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
         // Cannot happen (a one-slot array); refuse rather than guess.
         count(Reason::DropMalformed, dir);

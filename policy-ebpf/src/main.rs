@@ -50,7 +50,7 @@ fn main() {
 #[cfg(target_arch = "bpf")]
 mod floors {
     use aya_ebpf::{bindings::TC_ACT_UNSPEC, macros::classifier, programs::TcContext};
-    use policy_common::conntrack::CtKey;
+    use policy_common::conntrack::{CtEntry, CtKey};
 
     use crate::{
         maps::{CONNTRACK, SCRATCH},
@@ -63,8 +63,8 @@ mod floors {
         TC_ACT_UNSPEC
     }
 
-    /// Parses the same headers and does one hash lookup (the 5-tuple): the
-    /// least any stateful enforcer can do.
+    /// Parses the same headers and does one hash lookup (the 5-tuple, a
+    /// hit): the least any stateful enforcer can do.
     #[classifier]
     pub fn floor_one_lookup(ctx: TcContext) -> i32 {
         let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
@@ -89,6 +89,9 @@ mod floors {
             if CONNTRACK.get_ptr(&s.ct).is_some() {
                 return TC_ACT_UNSPEC;
             }
+            // The first run records the flow, so the measured runs hit, as
+            // an established flow does.
+            let _ = CONNTRACK.insert(&s.ct, &CtEntry::default(), 0);
         }
         TC_ACT_UNSPEC
     }

@@ -36,6 +36,10 @@ pub struct Scratch {
 pub static SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();
 
 #[btf_map]
+pub static ENDPOINT_SLOTS: Array<EndpointInfo, { capacity::ENDPOINT_SLOTS as usize }> =
+    Array::new();
+
+#[btf_map]
 pub static ENDPOINTS: HashMap<u32, EndpointInfo, { capacity::ENDPOINTS as usize }> = HashMap::new();
 
 #[btf_map]

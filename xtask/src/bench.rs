@@ -48,7 +48,7 @@ pub fn render(datapath: Option<&Value>, system: Option<&Value>, control: Option<
         let _ = writeln!(out, "### Datapath: per-packet cost (BPF_PROG_TEST_RUN)\n");
         let _ = writeln!(
             out,
-            "{} ipcache entries loaded; mean of {} runs per call, median of 7 calls. Floors loaded and measured the same way: an empty classifier **{:.0} ns**, one that parses the same headers and does one hash lookup **{:.0} ns**.\n",
+            "{} ipcache entries loaded; mean of {} runs per call, median of 7 rounds. Floors loaded and measured the same way, in every round: an empty classifier **{:.0} ns**, one that parses the same headers and does one hash lookup **{:.0} ns** (medians over all rounds). The ratios are medians of per-round ratios against the one-lookup floor of the same round, which cancels the drift of a shared machine; \"vs 10\" compares those floor-relative costs.\n",
             d["ipcache_entries"],
             d["repeat"],
             f(d, "floor_empty_ns"),

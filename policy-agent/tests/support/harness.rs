@@ -37,6 +37,19 @@ impl Harness {
         }
     }
 
+    /// Like [`Self::new`], but with a one-slot endpoint array, so the
+    /// test interface (ifindex 1) lives in the overflow hash: the path a
+    /// node takes once it has created more interfaces than the array has
+    /// slots.
+    #[allow(dead_code)]
+    pub fn with_endpoints_in_overflow_hash() -> Self {
+        Self {
+            dp: Unpinned::load_with(&[(policy_common::maps::ENDPOINT_SLOTS, 1)])
+                .expect("load classifier (are you root?)"),
+            state: MapState::default(),
+        }
+    }
+
     /// Writes `self.state` (after finalize) to the maps.
     pub fn sync(&mut self) {
         let old = self.dp.maps.read_state().unwrap();

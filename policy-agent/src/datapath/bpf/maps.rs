@@ -12,7 +12,7 @@ use ipnet::IpNet;
 use policy_common::{
     config::Config,
     conntrack::{CtEntry, CtKey, FragEntry, FragKey},
-    endpoint::{EndpointInfo, EndpointMeta},
+    endpoint::{ENDPOINT_SLOT_USED, EndpointInfo, EndpointMeta},
     identity::IdentityName,
     ipcache::IpcacheEntry,
     maps as names,
@@ -27,7 +27,10 @@ use crate::mapstate::{MapOp, MapState};
 /// the event reader on its own).
 pub struct BpfMaps {
     pub config: Array<MapData, Config>,
-    pub endpoints: HashMap<MapData, u32, EndpointInfo>,
+    /// Endpoints with an ifindex below its size (see [`Self::endpoint`]).
+    endpoint_slots: Array<MapData, EndpointInfo>,
+    /// Endpoints with a larger ifindex.
+    endpoints: HashMap<MapData, u32, EndpointInfo>,
     pub endpoint_meta: HashMap<MapData, u32, EndpointMeta>,
     pub ipcache_v4: LpmTrie<MapData, [u8; 4], IpcacheEntry>,
     pub ipcache_v6: LpmTrie<MapData, [u8; 16], IpcacheEntry>,
@@ -43,7 +46,7 @@ fn expected_sizes(name: &str) -> Option<(usize, usize)> {
     use std::mem::size_of;
     Some(match name {
         names::CONFIG => (4, size_of::<Config>()),
-        names::ENDPOINTS => (4, size_of::<EndpointInfo>()),
+        names::ENDPOINT_SLOTS | names::ENDPOINTS => (4, size_of::<EndpointInfo>()),
         names::ENDPOINT_META => (4, size_of::<EndpointMeta>()),
         names::IPCACHE_V4 => (8, size_of::<IpcacheEntry>()),
         names::IPCACHE_V6 => (20, size_of::<IpcacheEntry>()),
@@ -118,6 +121,7 @@ impl BpfMaps {
         let mut take = |name: &'static str| ebpf.take_map(name).ok_or(Error::MissingMap(name));
         Ok(Self {
             config: typed(names::CONFIG, layout, take(names::CONFIG)?)?,
+            endpoint_slots: typed(names::ENDPOINT_SLOTS, layout, take(names::ENDPOINT_SLOTS)?)?,
             endpoints: typed(names::ENDPOINTS, layout, take(names::ENDPOINTS)?)?,
             endpoint_meta: typed(names::ENDPOINT_META, layout, take(names::ENDPOINT_META)?)?,
             ipcache_v4: typed(names::IPCACHE_V4, layout, take(names::IPCACHE_V4)?)?,
@@ -139,6 +143,11 @@ impl BpfMaps {
         };
         Ok(Self {
             config: typed(names::CONFIG, Some(layout), open(names::CONFIG)?)?,
+            endpoint_slots: typed(
+                names::ENDPOINT_SLOTS,
+                Some(layout),
+                open(names::ENDPOINT_SLOTS)?,
+            )?,
             endpoints: typed(names::ENDPOINTS, Some(layout), open(names::ENDPOINTS)?)?,
             endpoint_meta: typed(
                 names::ENDPOINT_META,
@@ -169,13 +178,59 @@ impl BpfMaps {
             .map_err(Error::map(names::CONFIG))
     }
 
-    /// Reads the policy-relevant content back (the "old" side of a diff).
-    pub fn read_state(&self) -> Result<MapState<u32>, Error> {
-        let mut state = MapState::default();
+    /// ifindexes below this live in `ENDPOINT_SLOTS`, the rest in
+    /// `ENDPOINTS`: the classifier looks in the array first and trusts an
+    /// empty slot, so an ifindex must never be in the hash as well.
+    fn slot_count(&self) -> u32 {
+        self.endpoint_slots.len()
+    }
+
+    /// The endpoint entry the classifier sees for `ifindex`.
+    pub fn endpoint(&self, ifindex: u32) -> Result<Option<EndpointInfo>, Error> {
+        if ifindex < self.slot_count() {
+            let slot = self
+                .endpoint_slots
+                .get(&ifindex, 0)
+                .map_err(Error::map(names::ENDPOINT_SLOTS))?;
+            return Ok(used_slot(slot));
+        }
+        match self.endpoints.get(&ifindex, 0) {
+            Ok(ep) => Ok(Some(ep)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(Error::map(names::ENDPOINTS)(e)),
+        }
+    }
+
+    /// Every endpoint entry, by ifindex. Reads each array slot: about
+    /// 16k lookups, a few milliseconds.
+    pub fn endpoints(&self) -> Result<BTreeMap<u32, EndpointInfo>, Error> {
+        let mut out = BTreeMap::new();
+        for ifindex in 0..self.slot_count() {
+            let slot = self
+                .endpoint_slots
+                .get(&ifindex, 0)
+                .map_err(Error::map(names::ENDPOINT_SLOTS))?;
+            if let Some(ep) = used_slot(slot) {
+                out.insert(ifindex, ep);
+            }
+        }
         for item in self.endpoints.iter() {
             let (k, v) = item.map_err(Error::map(names::ENDPOINTS))?;
-            state.endpoints.insert(k, v);
+            // A hash entry the array shadows (written by a layout with a
+            // smaller array) is invisible to the classifier: not state.
+            if k >= self.slot_count() {
+                out.insert(k, v);
+            }
         }
+        Ok(out)
+    }
+
+    /// Reads the policy-relevant content back (the "old" side of a diff).
+    pub fn read_state(&self) -> Result<MapState<u32>, Error> {
+        let mut state = MapState {
+            endpoints: self.endpoints()?,
+            ..MapState::default()
+        };
         for item in self.ipcache_v4.iter() {
             let (k, v) = item.map_err(Error::map(names::IPCACHE_V4))?;
             if let Ok(net) = IpNet::new(IpAddr::V4(Ipv4Addr::from(k.data())), k.prefix_len() as u8)
@@ -229,6 +284,16 @@ impl BpfMaps {
                 self.policy.insert(k, v, 0),
                 self.policy.map(),
             ),
+            MapOp::UpsertEndpoint(k, v) if *k < self.slot_count() => {
+                let slot = EndpointInfo {
+                    flags: v.flags | ENDPOINT_SLOT_USED,
+                    ..*v
+                };
+                self.endpoint_slots
+                    .set(*k, slot, 0)
+                    .map_err(Error::map(names::ENDPOINT_SLOTS))?;
+                remove(names::ENDPOINTS, self.endpoints.remove(k))
+            }
             MapOp::UpsertEndpoint(k, v) => insert(
                 names::ENDPOINTS,
                 self.endpoints.insert(k, v, 0),
@@ -247,6 +312,12 @@ impl BpfMaps {
                 ),
             },
             MapOp::DeletePolicy(k) => remove(names::POLICY, self.policy.remove(k)),
+            MapOp::DeleteEndpoint(k) if *k < self.slot_count() => {
+                self.endpoint_slots
+                    .set(*k, EndpointInfo::default(), 0)
+                    .map_err(Error::map(names::ENDPOINT_SLOTS))?;
+                remove(names::ENDPOINTS, self.endpoints.remove(k))
+            }
             MapOp::DeleteEndpoint(k) => remove(names::ENDPOINTS, self.endpoints.remove(k)),
             MapOp::DeleteIdentity(k) => remove(names::IDENTITY_NAMES, self.identities.remove(k)),
             MapOp::DeleteIpcache(net) => match lpm_key(net) {
@@ -295,7 +366,16 @@ impl BpfMaps {
         fn cap(m: &MapData) -> u32 {
             m.info().map(|i| i.max_entries()).unwrap_or(0)
         }
+        let slots = self.slot_count();
+        let in_slots = (0..slots)
+            .filter(|i| {
+                self.endpoint_slots
+                    .get(i, 0)
+                    .is_ok_and(|s| used_slot(s).is_some())
+            })
+            .count();
         vec![
+            (names::ENDPOINT_SLOTS, in_slots, slots),
             (
                 names::ENDPOINTS,
                 self.endpoints.keys().count(),
@@ -328,6 +408,14 @@ impl BpfMaps {
             ),
         ]
     }
+}
+
+/// The endpoint in an array slot, without the writer's marker.
+fn used_slot(slot: EndpointInfo) -> Option<EndpointInfo> {
+    (slot.flags & ENDPOINT_SLOT_USED != 0).then_some(EndpointInfo {
+        flags: slot.flags & !ENDPOINT_SLOT_USED,
+        ..slot
+    })
 }
 
 enum LpmKey {
