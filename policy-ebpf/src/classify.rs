@@ -220,7 +220,7 @@ fn live(entry: &CtEntry, protocol: u8, now: u64) -> bool {
 }
 
 #[inline(always)]
-fn fill_ct_key(key: &mut CtKey, ifindex: u32, pkt: &IpPacket) {
+pub(crate) fn fill_ct_key(key: &mut CtKey, ifindex: u32, pkt: &IpPacket) {
     key.ifindex = ifindex;
     key.src = pkt.src;
     key.dst = pkt.dst;

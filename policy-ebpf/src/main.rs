@@ -50,9 +50,10 @@ fn main() {
 #[cfg(target_arch = "bpf")]
 mod floors {
     use aya_ebpf::{bindings::TC_ACT_UNSPEC, macros::classifier, programs::TcContext};
-    use policy_common::conntrack::{CtEntry, CtKey};
+    use policy_common::conntrack::CtEntry;
 
     use crate::{
+        classify::fill_ct_key,
         maps::{CONNTRACK, SCRATCH},
         parse::{IP, parse},
     };
@@ -75,17 +76,7 @@ mod floors {
         if parse(&ctx, &mut s.pkt) == IP {
             // SAFETY: the context pointer is the kernel's __sk_buff for this run.
             let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-            let p = &s.pkt;
-            s.ct = CtKey {
-                ifindex,
-                src: p.src,
-                dst: p.dst,
-                sport: p.sport,
-                dport: p.dport,
-                protocol: p.protocol,
-                family: p.family,
-                _pad: 0,
-            };
+            fill_ct_key(&mut s.ct, ifindex, &s.pkt);
             if CONNTRACK.get_ptr(&s.ct).is_some() {
                 return TC_ACT_UNSPEC;
             }
