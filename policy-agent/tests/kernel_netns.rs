@@ -339,3 +339,53 @@ fn tcx_attachments_enforce_and_outlive_the_loader() {
 fn netlink_attachments_enforce_and_outlive_the_loader() {
     scenario("e2enl", true);
 }
+
+/// Pins written with a one-slot endpoint array keep ifindex 7 in the
+/// overflow hash. Opened with a full-size array (its pin removed, as after
+/// a layout change), the array shadows that hash entry: the writer drops
+/// it on open, so the entry lives in one place and reads show what the
+/// classifier sees.
+#[test]
+fn a_hash_endpoint_shadowed_by_the_array_is_dropped_when_a_writer_opens() {
+    let layout = PinLayout::new("/sys/fs/bpf/policy-agent-test-kshadow");
+    let _cleanup = Cleanup {
+        prefix: "kshadow",
+        layout: layout.clone(),
+    };
+    let _ = std::fs::remove_dir_all(layout.root());
+    let ep = EndpointInfo {
+        identity: A,
+        flags: ENDPOINT_INGRESS_ISOLATED,
+        revision: 1,
+        ..Default::default()
+    };
+    let small = LoadOptions {
+        capacities: vec![(policy_common::maps::ENDPOINT_SLOTS, 1)],
+        ..LoadOptions::default()
+    };
+    {
+        let mut dp = BpfDatapath::open(&layout, &small).unwrap();
+        let mut state = MapState::default();
+        state.endpoints.insert(7, ep);
+        let old = dp.maps.read_state().unwrap();
+        dp.maps.apply(&diff(&old, &state)).unwrap();
+        let fill = dp.maps.fill();
+        assert!(
+            fill.contains(&(policy_common::maps::ENDPOINTS, 1, 4096)),
+            "{fill:?}"
+        );
+    }
+    std::fs::remove_file(layout.map(policy_common::maps::ENDPOINT_SLOTS)).unwrap();
+    let dp = BpfDatapath::open(&layout, &LoadOptions::default()).unwrap();
+    let fill = dp.maps.fill();
+    assert!(
+        fill.contains(&(policy_common::maps::ENDPOINTS, 0, 4096)),
+        "{fill:?}"
+    );
+    assert!(
+        fill.contains(&(policy_common::maps::ENDPOINT_SLOTS, 0, 16384)),
+        "{fill:?}"
+    );
+    assert_eq!(dp.maps.endpoint(7).unwrap(), None);
+    assert!(dp.maps.read_state().unwrap().endpoints.is_empty());
+}

@@ -116,10 +116,10 @@ where
 }
 
 impl BpfMaps {
-    /// Takes the maps out of a loaded object.
+    /// Takes the maps out of a loaded object: the writer's way in.
     pub fn from_ebpf(ebpf: &mut aya::Ebpf, layout: Option<&PinLayout>) -> Result<Self, Error> {
         let mut take = |name: &'static str| ebpf.take_map(name).ok_or(Error::MissingMap(name));
-        Ok(Self {
+        let mut maps = Self {
             config: typed(names::CONFIG, layout, take(names::CONFIG)?)?,
             endpoint_slots: typed(names::ENDPOINT_SLOTS, layout, take(names::ENDPOINT_SLOTS)?)?,
             endpoints: typed(names::ENDPOINTS, layout, take(names::ENDPOINTS)?)?,
@@ -131,7 +131,9 @@ impl BpfMaps {
             conntrack: typed(names::CONNTRACK, layout, take(names::CONNTRACK)?)?,
             fragments: typed(names::FRAGMENTS, layout, take(names::FRAGMENTS)?)?,
             counters: typed(names::COUNTERS, layout, take(names::COUNTERS)?)?,
-        })
+        };
+        maps.drop_shadowed_endpoints()?;
+        Ok(maps)
     }
 
     /// Opens the maps pinned under `layout` (for `dump`, `events`, `reset`).
@@ -201,28 +203,39 @@ impl BpfMaps {
         }
     }
 
-    /// Every endpoint entry, by ifindex. Reads each array slot: about
-    /// 16k lookups, a few milliseconds.
+    /// Every endpoint entry the classifier sees, by ifindex. Reads each
+    /// array slot: about 16k lookups, a few milliseconds.
     pub fn endpoints(&self) -> Result<BTreeMap<u32, EndpointInfo>, Error> {
         let mut out = BTreeMap::new();
         for ifindex in 0..self.slot_count() {
-            let slot = self
-                .endpoint_slots
-                .get(&ifindex, 0)
-                .map_err(Error::map(names::ENDPOINT_SLOTS))?;
-            if let Some(ep) = used_slot(slot) {
+            if let Some(ep) = self.endpoint(ifindex)? {
                 out.insert(ifindex, ep);
             }
         }
         for item in self.endpoints.iter() {
             let (k, v) = item.map_err(Error::map(names::ENDPOINTS))?;
-            // A hash entry the array shadows (written by a layout with a
-            // smaller array) is invisible to the classifier: not state.
+            // A hash entry the array shadows is invisible to the classifier.
             if k >= self.slot_count() {
                 out.insert(k, v);
             }
         }
         Ok(out)
+    }
+
+    /// Removes hash entries the array shadows (left by a layout with a
+    /// smaller array), so each ifindex lives in one place. Once, when a
+    /// writer opens the maps; the writes below keep it so.
+    fn drop_shadowed_endpoints(&mut self) -> Result<(), Error> {
+        let slots = self.slot_count();
+        let keys = self
+            .endpoints
+            .keys()
+            .collect::<Result<Vec<u32>, _>>()
+            .map_err(Error::map(names::ENDPOINTS))?;
+        for k in keys.into_iter().filter(|k| *k < slots) {
+            remove(names::ENDPOINTS, self.endpoints.remove(&k))?;
+        }
+        Ok(())
     }
 
     /// Reads the policy-relevant content back (the "old" side of a diff).
@@ -291,8 +304,7 @@ impl BpfMaps {
                 };
                 self.endpoint_slots
                     .set(*k, slot, 0)
-                    .map_err(Error::map(names::ENDPOINT_SLOTS))?;
-                remove(names::ENDPOINTS, self.endpoints.remove(k))
+                    .map_err(Error::map(names::ENDPOINT_SLOTS))
             }
             MapOp::UpsertEndpoint(k, v) => insert(
                 names::ENDPOINTS,
@@ -312,12 +324,10 @@ impl BpfMaps {
                 ),
             },
             MapOp::DeletePolicy(k) => remove(names::POLICY, self.policy.remove(k)),
-            MapOp::DeleteEndpoint(k) if *k < self.slot_count() => {
-                self.endpoint_slots
-                    .set(*k, EndpointInfo::default(), 0)
-                    .map_err(Error::map(names::ENDPOINT_SLOTS))?;
-                remove(names::ENDPOINTS, self.endpoints.remove(k))
-            }
+            MapOp::DeleteEndpoint(k) if *k < self.slot_count() => self
+                .endpoint_slots
+                .set(*k, EndpointInfo::default(), 0)
+                .map_err(Error::map(names::ENDPOINT_SLOTS)),
             MapOp::DeleteEndpoint(k) => remove(names::ENDPOINTS, self.endpoints.remove(k)),
             MapOp::DeleteIdentity(k) => remove(names::IDENTITY_NAMES, self.identities.remove(k)),
             MapOp::DeleteIpcache(net) => match lpm_key(net) {
@@ -368,11 +378,7 @@ impl BpfMaps {
         }
         let slots = self.slot_count();
         let in_slots = (0..slots)
-            .filter(|i| {
-                self.endpoint_slots
-                    .get(i, 0)
-                    .is_ok_and(|s| used_slot(s).is_some())
-            })
+            .filter(|i| matches!(self.endpoint(*i), Ok(Some(_))))
             .count();
         vec![
             (names::ENDPOINT_SLOTS, in_slots, slots),
