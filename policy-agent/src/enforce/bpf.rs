@@ -8,7 +8,7 @@
 //! revision bumps: its cost follows the size of the change, not of the
 //! cluster.
 use std::{
-    collections::{BTreeMap, BTreeSet, btree_map::Entry},
+    collections::{BTreeMap, BTreeSet},
     net::IpAddr,
 };
 
@@ -21,7 +21,7 @@ use super::{
 };
 use crate::{
     cluster::PodRef,
-    datapath::bpf::{BpfDatapath, Error, LoadOptions, PinLayout},
+    datapath::bpf::{BpfDatapath, Error, LoadOptions, PinLayout, endpoint_meta_name},
     identity::IdentityAllocator,
     mapstate::{MapOp, MapState, assign_revisions, diff},
 };
@@ -41,7 +41,7 @@ impl BpfEnforcer {
     /// unchanged maps.
     pub fn open(layout: &PinLayout, opts: &LoadOptions) -> Result<Self, Error> {
         let dp = BpfDatapath::open(layout, opts)?;
-        let existing = dp.maps.read_state()?.identities;
+        let existing = dp.maps.read_identities()?;
         let ids = IdentityAllocator::adopt(&existing);
         Ok(Self {
             dp,
@@ -55,7 +55,7 @@ impl BpfEnforcer {
     /// datapath enforce it.
     pub fn sync(&mut self, input: Input<'_>) -> Result<SyncReport, Error> {
         let t = std::time::Instant::now();
-        let (_, ops) = self.inc.update(input);
+        let ops = self.inc.update(input);
         let compile_us = t.elapsed().as_micros() as u64;
         let compiler = self.inc.compiler();
         let mut report = SyncReport::default();
@@ -116,9 +116,8 @@ fn sync_full(
     report: &mut SyncReport,
 ) -> Result<(), Error> {
     let t = std::time::Instant::now();
-    let (mut interfaces, problems) = cache.resolve(local_pods);
+    let (interfaces, problems) = cache.resolve(local_pods);
     report.problems.extend(problems);
-    drop_shared_interfaces(&mut interfaces, &mut report.problems);
     let resolve_us = t.elapsed().as_micros() as u64;
 
     let old = match last.take() {
@@ -146,15 +145,13 @@ fn sync_full(
         if !known {
             fresh.push((pod.clone(), iface.clone()));
         } else if verify {
-            attach(dp, pod, iface, false, report);
+            verify_attached(dp, pod, iface, report);
         }
     }
     attach_fresh(dp, &fresh, report);
     let wanted: BTreeSet<u32> = interfaces.values().map(|i| i.ifindex).collect();
     for (ifindex, m) in meta.iter().filter(|(i, _)| !wanted.contains(i)) {
-        let name = String::from_utf8_lossy(&m.name[..(m.name_len as usize).min(m.name.len())])
-            .into_owned();
-        detach(dp, *ifindex, &name, report);
+        detach(dp, *ifindex, &endpoint_meta_name(m), report);
     }
     debug!(
         resolve_us,
@@ -180,14 +177,7 @@ fn sync_ops(
     let Some(mut state) = last.take() else {
         return Ok(());
     };
-    let next_revision = state
-        .endpoints
-        .values()
-        .map(|e| e.revision)
-        .max()
-        .unwrap_or(0)
-        .wrapping_add(1)
-        .max(1);
+    let next_revision = state.next_revision();
     let mut writes: Vec<MapOp<u32>> = Vec::with_capacity(ops.len());
     let mut bump_all = false;
     let mut bumped_identities = BTreeSet::new();
@@ -266,23 +256,13 @@ fn sync_ops(
     Ok(())
 }
 
-fn attach(
-    dp: &mut BpfDatapath,
-    pod: &PodRef,
-    iface: &Interface,
-    fresh: bool,
-    report: &mut SyncReport,
-) {
-    match dp.attach(iface.ifindex, &pod.to_string()) {
-        Ok(()) if fresh => {
-            info!(pod = %pod, interface = %iface.name, "attached");
-            report.attached.push(iface.name.clone());
-        }
-        Ok(()) => {}
-        Err(e) => report.problems.push(Problem {
+/// Makes sure a known interface still has both programs attached.
+fn verify_attached(dp: &mut BpfDatapath, pod: &PodRef, iface: &Interface, report: &mut SyncReport) {
+    if let Err(e) = dp.attach(iface.ifindex, &pod.to_string()) {
+        report.problems.push(Problem {
             object: format!("pod {pod}"),
             reason: e.to_string(),
-        }),
+        });
     }
 }
 
@@ -327,36 +307,5 @@ fn detach(dp: &mut BpfDatapath, ifindex: u32, name: &str, report: &mut SyncRepor
                 });
             }
         }
-    }
-}
-
-/// Two pods routed to one interface cannot both be that endpoint: keep
-/// the first, report the rest.
-pub(super) fn drop_shared_interfaces(
-    interfaces: &mut BTreeMap<PodRef, Interface>,
-    problems: &mut Vec<Problem>,
-) {
-    let mut owner: BTreeMap<u32, PodRef> = BTreeMap::new();
-    let mut drop = Vec::new();
-    for (pod, iface) in interfaces.iter() {
-        match owner.entry(iface.ifindex) {
-            Entry::Occupied(first) => {
-                problems.push(Problem {
-                    object: format!("pod {pod}"),
-                    reason: format!(
-                        "its interface {} already belongs to pod {}",
-                        iface.name,
-                        first.get()
-                    ),
-                });
-                drop.push(pod.clone());
-            }
-            Entry::Vacant(v) => {
-                v.insert(pod.clone());
-            }
-        }
-    }
-    for pod in drop {
-        interfaces.remove(&pod);
     }
 }

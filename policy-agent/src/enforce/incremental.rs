@@ -49,51 +49,47 @@ impl Incremental {
         }
     }
 
-    /// Brings the compiler up to `input`. Returns the compiler and, when it
-    /// compiled incrementally, the map writes that changed (None after a
+    /// Brings the compiler up to `input`. Returns, when it compiled
+    /// incrementally, the map writes that changed (None after the first,
     /// full compile: the caller diffs the whole state).
-    pub fn update(&mut self, input: Input<'_>) -> (&Compiler, Option<Vec<MapOp<PodRef>>>) {
-        let ops = match (self.compiler.as_mut(), input) {
-            (Some(compiler), Input::State(state)) => {
-                let changes = changes(&self.state, state);
-                self.state = state.clone();
-                Some(if changes.is_empty() {
-                    Vec::new()
+    pub fn update(&mut self, input: Input<'_>) -> Option<Vec<MapOp<PodRef>>> {
+        // Before the first compile nothing is compiled to change from.
+        let compiled = self.compiler.is_some();
+        let changes = match input {
+            Input::State(state) => {
+                let changes = if compiled {
+                    changes(&self.state, state)
                 } else {
-                    compiler.apply(changes, &mut self.ids)
-                })
+                    Vec::new()
+                };
+                self.state = state.clone();
+                changes
             }
-            (Some(compiler), Input::Changes(changes)) => {
+            Input::Changes(changes) => {
                 for change in changes {
                     apply_to_state(&mut self.state, change);
                 }
-                Some(if changes.is_empty() {
-                    Vec::new()
+                if compiled {
+                    changes.to_vec()
                 } else {
-                    compiler.apply(changes.to_vec(), &mut self.ids)
-                })
-            }
-            (None, input) => {
-                if let Input::State(state) = input {
-                    self.state = state.clone();
-                } else if let Input::Changes(changes) = input {
-                    for change in changes {
-                        apply_to_state(&mut self.state, change);
-                    }
+                    Vec::new()
                 }
-                // `build` ends its own identity generation.
-                self.compiler = Some(Compiler::build(
-                    &self.state,
-                    &mut self.ids,
-                    CompileOptions::default(),
-                ));
-                None
             }
         };
-        match &self.compiler {
-            Some(c) => (c, ops),
-            None => unreachable!("set above"),
-        }
+        let Some(compiler) = self.compiler.as_mut() else {
+            // `build` ends its own identity generation.
+            self.compiler = Some(Compiler::build(
+                &self.state,
+                &mut self.ids,
+                CompileOptions::default(),
+            ));
+            return None;
+        };
+        Some(if changes.is_empty() {
+            Vec::new()
+        } else {
+            compiler.apply(changes, &mut self.ids)
+        })
     }
 }
 

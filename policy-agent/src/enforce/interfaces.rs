@@ -1,6 +1,9 @@
 //! Finding each local pod's host-side interface by the route to its IPs
 //! (works for routed veths: Calico, kindnet, Cilium-style ptp).
-use std::{collections::BTreeMap, net::IpAddr};
+use std::{
+    collections::{BTreeMap, btree_map::Entry},
+    net::IpAddr,
+};
 
 use super::Problem;
 use crate::{cluster::PodRef, netlink};
@@ -107,7 +110,7 @@ pub fn resolve_interfaces(
 #[derive(Debug, Default)]
 pub struct InterfaceCache {
     found: BTreeMap<PodRef, (Vec<IpAddr>, Interface)>,
-    /// Unresolvable pods and why, retried every sync.
+    /// Set by a clear: the next full sync re-verifies every attachment.
     verify: bool,
 }
 
@@ -159,6 +162,8 @@ impl InterfaceCache {
         self.found.remove(pod).map(|(_, i)| i)
     }
 
+    /// Every pod's interface; a pod whose interface another pod already
+    /// has is left out, with a problem.
     pub fn resolve(
         &mut self,
         pods: &BTreeMap<PodRef, Vec<IpAddr>>,
@@ -170,17 +175,48 @@ impl InterfaceCache {
             .filter(|(p, _)| !self.found.contains_key(*p))
             .map(|(p, i)| (p.clone(), i.clone()))
             .collect();
-        let (fresh, problems) = resolve_interfaces(&missing);
+        let (fresh, mut problems) = resolve_interfaces(&missing);
         for (pod, iface) in fresh {
             let ips = pods.get(&pod).cloned().unwrap_or_default();
             self.found.insert(pod, (ips, iface));
         }
-        (
-            self.found
-                .iter()
-                .map(|(p, (_, i))| (p.clone(), i.clone()))
-                .collect(),
-            problems,
-        )
+        let mut interfaces = self
+            .found
+            .iter()
+            .map(|(p, (_, i))| (p.clone(), i.clone()))
+            .collect();
+        drop_shared_interfaces(&mut interfaces, &mut problems);
+        (interfaces, problems)
+    }
+}
+
+/// Two pods routed to one interface cannot both be that endpoint: keep
+/// the first, report the rest.
+fn drop_shared_interfaces(
+    interfaces: &mut BTreeMap<PodRef, Interface>,
+    problems: &mut Vec<Problem>,
+) {
+    let mut owner: BTreeMap<u32, PodRef> = BTreeMap::new();
+    let mut drop = Vec::new();
+    for (pod, iface) in interfaces.iter() {
+        match owner.entry(iface.ifindex) {
+            Entry::Occupied(first) => {
+                problems.push(Problem {
+                    object: format!("pod {pod}"),
+                    reason: format!(
+                        "its interface {} already belongs to pod {}",
+                        iface.name,
+                        first.get()
+                    ),
+                });
+                drop.push(pod.clone());
+            }
+            Entry::Vacant(v) => {
+                v.insert(pod.clone());
+            }
+        }
+    }
+    for pod in drop {
+        interfaces.remove(&pod);
     }
 }

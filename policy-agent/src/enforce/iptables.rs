@@ -6,7 +6,6 @@ use tracing::info;
 
 use super::{
     InterfaceCache, Problem, SyncReport,
-    bpf::drop_shared_interfaces,
     incremental::{Incremental, Input},
     unready_local_pods,
 };
@@ -98,8 +97,7 @@ fn render_parts(
     rules: &BTreeMap<u32, RuleOrigin>,
     mark: u32,
 ) -> (Ruleset, Vec<Problem>, usize) {
-    let (mut interfaces, mut problems) = cache.resolve(local_pods);
-    drop_shared_interfaces(&mut interfaces, &mut problems);
+    let (interfaces, problems) = cache.resolve(local_pods);
     let names: BTreeMap<PodRef, String> = interfaces
         .iter()
         .map(|(p, i)| (p.clone(), i.name.clone()))

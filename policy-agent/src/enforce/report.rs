@@ -52,12 +52,6 @@ pub struct SyncReport {
     pub problems: Vec<Problem>,
 }
 
-impl SyncReport {
-    pub fn ok(&self) -> bool {
-        self.problems.is_empty()
-    }
-}
-
 /// Local pods that cannot be enforced yet because they hold no IP.
 pub fn unready_local_pods(state: &crate::cluster::ClusterState) -> Vec<Problem> {
     state

@@ -64,7 +64,7 @@ impl DropEventReader {
     pub fn refresh_names(&mut self) -> Result<(), Error> {
         let maps = BpfMaps::from_pins(&self.layout)?;
         self.names = Names {
-            identities: maps.read_state()?.identities,
+            identities: maps.read_identities()?,
             endpoints: maps.read_meta()?,
         };
         Ok(())

@@ -9,7 +9,7 @@ use policy_common::{
     proto,
 };
 
-use crate::mapstate::identity_name_str;
+use crate::{datapath::bpf::endpoint_meta_name, mapstate::identity_name_str};
 
 /// Lookup tables read from the pinned metadata maps.
 #[derive(Clone, Debug, Default)]
@@ -33,8 +33,7 @@ impl Names {
 
     pub fn endpoint(&self, ifindex: u32) -> String {
         match self.endpoints.get(&ifindex) {
-            Some(m) => String::from_utf8_lossy(&m.name[..(m.name_len as usize).min(m.name.len())])
-                .into_owned(),
+            Some(m) => endpoint_meta_name(m),
             None => format!("ifindex {ifindex}"),
         }
     }

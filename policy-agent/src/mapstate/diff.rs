@@ -90,7 +90,7 @@ pub fn diff<K: Ord + Clone>(old: &MapState<K>, new: &MapState<K>) -> Vec<MapOp<K
 /// Step 9: new revisions of existing endpoints, once every other write has
 /// landed. A flow re-judged earlier (under half-applied maps) would be
 /// stamped with the new revision and never judged again.
-pub fn revision_bumps<K: Ord + Clone>(old: &MapState<K>, new: &MapState<K>) -> Vec<MapOp<K>> {
+fn revision_bumps<K: Ord + Clone>(old: &MapState<K>, new: &MapState<K>) -> Vec<MapOp<K>> {
     new.endpoints
         .iter()
         .filter(|(k, v)| {
@@ -109,14 +109,7 @@ pub fn revision_bumps<K: Ord + Clone>(old: &MapState<K>, new: &MapState<K>) -> V
 /// Verdicts of an endpoint depend on its own entry, the policy entries of
 /// its identity, and the whole ipcache (any peer may have moved).
 pub fn assign_revisions<K: Ord + Clone>(old: &MapState<K>, new: &mut MapState<K>) {
-    let next = old
-        .endpoints
-        .values()
-        .map(|e| e.revision)
-        .max()
-        .unwrap_or(0)
-        .wrapping_add(1)
-        .max(1);
+    let next = old.next_revision();
     let ipcache_changed = old.ipcache != new.ipcache;
     let mut policy_changed: BTreeMap<u32, bool> = BTreeMap::new();
     let mut changed_for = |identity: u32, old: &MapState<K>, new: &MapState<K>| -> bool {

@@ -20,7 +20,7 @@ use policy_common::{
 };
 
 pub use self::{
-    diff::{MapOp, assign_revisions, diff, revision_bumps},
+    diff::{MapOp, assign_revisions, diff},
     names::{identity_name, identity_name_str},
 };
 
@@ -103,6 +103,18 @@ impl<K: Ord + Clone> MapState<K> {
             policy: self.policy.clone(),
             identities: self.identities.clone(),
         }
+    }
+
+    /// A revision above every endpoint's (never 0): what an endpoint whose
+    /// verdicts may have changed moves to.
+    pub fn next_revision(&self) -> u32 {
+        self.endpoints
+            .values()
+            .map(|e| e.revision)
+            .max()
+            .unwrap_or(0)
+            .wrapping_add(1)
+            .max(1)
     }
 
     /// The policy entries of one endpoint identity.

@@ -18,7 +18,7 @@ use aya::{
 use policy_common::endpoint::{ATTACH_CREATED_CLSACT, ATTACH_NETLINK, ATTACH_TCX};
 use tracing::debug;
 
-use super::{Error, Hook, PinLayout, loader::remove_pin, loader::tc_type};
+use super::{Error, Hook, PinLayout, loader::remove_pin, loader::tc_type, sys};
 
 /// Priority and handle of our netlink filters: fixed, so a restarted agent
 /// (and `reset`) finds exactly its own filters.
@@ -43,13 +43,6 @@ impl AttachMode {
             Self::Netlink
         }
     }
-
-    pub fn bit(self) -> u32 {
-        match self {
-            Self::Tcx => ATTACH_TCX,
-            Self::Netlink => ATTACH_NETLINK,
-        }
-    }
 }
 
 /// The interface name of an ifindex.
@@ -64,6 +57,20 @@ pub fn if_name(ifindex: u32) -> Result<String, Error> {
     Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }
         .to_string_lossy()
         .into_owned())
+}
+
+/// An attach failure at `hook` of `ifindex`, naming the interface if it
+/// still exists.
+pub(crate) fn attach_error<E: StdError + Send + Sync + 'static>(
+    ifindex: u32,
+    hook: Hook,
+    e: E,
+) -> Error {
+    Error::Attach {
+        interface: if_name(ifindex).unwrap_or_else(|_| format!("ifindex {ifindex}")),
+        direction: hook.name(),
+        source: Box::new(e),
+    }
 }
 
 fn os_error(e: &(dyn StdError + 'static)) -> Option<i32> {
@@ -82,42 +89,6 @@ fn os_error(e: &(dyn StdError + 'static)) -> Option<i32> {
         cur = err.source();
     }
     None
-}
-
-/// BPF_LINK_DETACH (Linux 5.9): detaches a link at once, whoever else
-/// still holds it. aya 0.14 has no wrapper for it.
-fn link_detach(pin: &std::path::Path) -> std::io::Result<()> {
-    use std::os::fd::{FromRawFd as _, OwnedFd};
-    const BPF_OBJ_GET: libc::c_long = 7;
-    const BPF_LINK_DETACH: libc::c_long = 34;
-    let bpf = |cmd: libc::c_long, attr: &mut [u64; 8]| -> std::io::Result<libc::c_long> {
-        // SAFETY: attr is a valid, zeroed union bpf_attr of the size passed.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                cmd,
-                attr.as_mut_ptr(),
-                std::mem::size_of_val(attr) as libc::c_uint,
-            )
-        };
-        if rc < 0 {
-            Err(std::io::Error::last_os_error())
-        } else {
-            Ok(rc)
-        }
-    };
-    let path = std::ffi::CString::new(pin.as_os_str().as_encoded_bytes())
-        .map_err(std::io::Error::other)?;
-    // BPF_OBJ_GET: { __u64 pathname; __u32 bpf_fd; __u32 file_flags; }
-    let mut attr = [0u64; 8];
-    attr[0] = path.as_ptr() as u64;
-    let fd = bpf(BPF_OBJ_GET, &mut attr)?;
-    // SAFETY: the kernel just returned this fd to us; we own it.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    // BPF_LINK_DETACH: { __u32 link_fd; }
-    let mut attr = [0u64; 8];
-    attr[0] = u64::from(std::os::fd::AsRawFd::as_raw_fd(&fd) as u32);
-    bpf(BPF_LINK_DETACH, &mut attr).map(|_| ())
 }
 
 /// What the agent did to one interface.
@@ -141,12 +112,7 @@ impl<'a> Attachment<'a> {
         &self,
         hook: Hook,
     ) -> impl FnOnce(E) -> Error + '_ {
-        move |e| Error::Attach {
-            interface: if_name(self.ifindex)
-                .unwrap_or_else(|_| format!("ifindex {}", self.ifindex)),
-            direction: hook.name(),
-            source: Box::new(e),
-        }
+        move |e| attach_error(self.ifindex, hook, e)
     }
 
     /// Makes sure `prog` runs at `hook` of this interface.
@@ -279,7 +245,7 @@ impl<'a> Attachment<'a> {
             // Detach now: dropping the last reference (the pin) frees the
             // link only later, from a workqueue.
             if path.exists()
-                && let Err(source) = link_detach(&path)
+                && let Err(source) = sys::link_detach(&path)
                 && source.raw_os_error() != Some(libc::ENOLINK)
             {
                 errors.push(Error::Io {
@@ -324,56 +290,4 @@ impl<'a> Attachment<'a> {
             }
         }
     }
-}
-
-/// Raw TCX attach (BPF_LINK_CREATE) and pin (BPF_OBJ_PIN), usable from
-/// several threads at once: each TCX attach waits for an RCU grace period
-/// in the kernel, so attaching many interfaces one by one is slow.
-pub(crate) fn tcx_attach_and_pin(
-    prog_fd: std::os::fd::RawFd,
-    ifindex: u32,
-    hook: Hook,
-    pin: &std::path::Path,
-) -> std::io::Result<()> {
-    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
-    const BPF_OBJ_PIN: libc::c_long = 6;
-    const BPF_LINK_CREATE: libc::c_long = 28;
-    const BPF_TCX_INGRESS: u32 = 46;
-    const BPF_TCX_EGRESS: u32 = 47;
-    let bpf = |cmd: libc::c_long, attr: &mut [u64; 8]| -> std::io::Result<libc::c_long> {
-        // SAFETY: attr is a valid, zeroed union bpf_attr of the size passed.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                cmd,
-                attr.as_mut_ptr(),
-                std::mem::size_of_val(attr) as libc::c_uint,
-            )
-        };
-        if rc < 0 {
-            Err(std::io::Error::last_os_error())
-        } else {
-            Ok(rc)
-        }
-    };
-    let attach_type = match hook {
-        Hook::Ingress => BPF_TCX_INGRESS,
-        Hook::Egress => BPF_TCX_EGRESS,
-    };
-    // BPF_LINK_CREATE: { u32 prog_fd; u32 target_ifindex; u32 attach_type;
-    // u32 flags; tcx { u32 relative_fd; u64 expected_revision } } — zero
-    // flags and relative: appended last.
-    let mut attr = [0u64; 8];
-    attr[0] = u64::from(prog_fd as u32) | (u64::from(ifindex) << 32);
-    attr[1] = u64::from(attach_type);
-    let link = bpf(BPF_LINK_CREATE, &mut attr)?;
-    // SAFETY: the kernel just returned this fd to us; we own it.
-    let link = unsafe { OwnedFd::from_raw_fd(link as i32) };
-    let path = std::ffi::CString::new(pin.as_os_str().as_encoded_bytes())
-        .map_err(std::io::Error::other)?;
-    // BPF_OBJ_PIN: { u64 pathname; u32 bpf_fd; u32 file_flags }
-    let mut attr = [0u64; 8];
-    attr[0] = path.as_ptr() as u64;
-    attr[1] = u64::from(link.as_raw_fd() as u32);
-    bpf(BPF_OBJ_PIN, &mut attr).map(|_| ())
 }

@@ -14,8 +14,9 @@ use tracing::{debug, info};
 
 use super::{
     BpfMaps, Error, Hook, PinLayout,
-    attach::{AttachMode, Attachment},
+    attach::{AttachMode, Attachment, attach_error},
     object::{OBJECT, object_hash},
+    sys::tcx_attach_and_pin,
 };
 
 /// Knobs for opening the datapath.
@@ -72,17 +73,28 @@ pub struct BpfDatapath {
 }
 
 fn loader<'a>(
-    opts: &'a LoadOptions,
-    paths: &'a [(&'static str, std::path::PathBuf)],
+    capacities: &'a [(&'a str, u32)],
+    pins: &'a [(&'static str, std::path::PathBuf)],
 ) -> EbpfLoader<'a> {
     let mut loader = EbpfLoader::new();
-    for (name, path) in paths {
+    for (name, path) in pins {
         loader.map_pin_path(name, path.as_path());
     }
-    for (name, entries) in &opts.capacities {
+    for (name, entries) in capacities {
         loader.map_max_entries(name, *entries);
     }
     loader
+}
+
+/// The classifier `name` of a loaded object.
+fn classifier<'a>(
+    ebpf: &'a mut aya::Ebpf,
+    name: &'static str,
+) -> Result<&'a mut SchedClassifier, Error> {
+    ebpf.program_mut(name)
+        .ok_or(Error::MissingProgram(name))?
+        .try_into()
+        .map_err(Error::program(name))
 }
 
 impl BpfDatapath {
@@ -99,10 +111,12 @@ impl BpfDatapath {
         layout.create()?;
         let paths: Vec<(&'static str, std::path::PathBuf)> =
             names::ALL.iter().map(|n| (*n, layout.map(n))).collect();
-        let mut ebpf = loader(opts, &paths).load(OBJECT).map_err(|e| Error::Load {
-            pins: layout.maps_dir(),
-            source: Box::new(e),
-        })?;
+        let mut ebpf = loader(&opts.capacities, &paths)
+            .load(OBJECT)
+            .map_err(|e| Error::Load {
+                pins: layout.maps_dir(),
+                source: Box::new(e),
+            })?;
         let mut maps = BpfMaps::from_ebpf(&mut ebpf, Some(layout))?;
         let mode = AttachMode::detect(opts.force_netlink);
 
@@ -119,11 +133,7 @@ impl BpfDatapath {
             let meta = maps.read_meta()?;
             for hook in Hook::BOTH {
                 let name = hook.program();
-                let prog: &mut SchedClassifier = ebpf
-                    .program_mut(name)
-                    .ok_or(Error::MissingProgram(name))?
-                    .try_into()
-                    .map_err(Error::program(name))?;
+                let prog = classifier(&mut ebpf, name)?;
                 prog.load().map_err(Error::program(name))?;
                 // Move existing attachments over before the old pin goes,
                 // so no interface is ever without a program.
@@ -155,12 +165,7 @@ impl BpfDatapath {
     /// (with `name`, e.g. "namespace/pod") in ENDPOINT_META. Write the
     /// endpoint's map entry first, so its first packet is already judged.
     pub fn attach(&mut self, ifindex: u32, name: &str) -> Result<(), Error> {
-        let known = self
-            .maps
-            .endpoint_meta
-            .get(&ifindex, 0)
-            .map(|m| m.attach)
-            .unwrap_or(0);
+        let known = self.maps.meta(ifindex).map(|m| m.attach).unwrap_or(0);
         let mut attachment = Attachment::new(&self.layout, ifindex, known);
         let mut result = Ok(());
         for hook in Hook::BOTH {
@@ -206,31 +211,24 @@ impl BpfDatapath {
             .map(|(i, n)| (*i, self.attach(*i, n)))
             .collect();
         let chunk = fresh.len().div_ceil(8).max(1);
-        let results: Vec<(u32, Result<(), Error>)> = std::thread::scope(|scope| {
+        let results: Vec<(u32, &str, Result<(), Error>)> = std::thread::scope(|scope| {
             let handles: Vec<_> = fresh
                 .chunks(chunk)
                 .map(|part| {
                     let (layout, fds) = (&layout, &fds);
                     scope.spawn(move || {
                         part.iter()
-                            .map(|(ifindex, _)| {
+                            .map(|(ifindex, name)| {
                                 let r = fds.iter().try_for_each(|(hook, fd)| {
-                                    super::attach::tcx_attach_and_pin(
+                                    tcx_attach_and_pin(
                                         *fd,
                                         *ifindex,
                                         *hook,
                                         &layout.link(*ifindex, *hook),
                                     )
-                                    .map_err(|e| {
-                                        Error::Attach {
-                                            interface: super::attach::if_name(*ifindex)
-                                                .unwrap_or_else(|_| format!("ifindex {ifindex}")),
-                                            direction: hook.name(),
-                                            source: Box::new(e),
-                                        }
-                                    })
+                                    .map_err(|e| attach_error(*ifindex, *hook, e))
                                 });
-                                (*ifindex, r)
+                                (*ifindex, name.as_str(), r)
                             })
                             .collect::<Vec<_>>()
                     })
@@ -241,12 +239,7 @@ impl BpfDatapath {
                 .flat_map(|h| h.join().unwrap_or_default())
                 .collect()
         });
-        for (ifindex, r) in results {
-            let name = fresh
-                .iter()
-                .find(|(i, _)| *i == ifindex)
-                .map(|(_, n)| n.as_str())
-                .unwrap_or("");
+        for (ifindex, name, r) in results {
             // Record even partial attachments, so `reset` can undo them.
             let bits = if Hook::BOTH.iter().any(|h| layout.link(ifindex, *h).exists()) {
                 ATTACH_TCX
@@ -261,18 +254,10 @@ impl BpfDatapath {
 
     /// Removes the attachments of `ifindex` and its record.
     pub fn detach(&mut self, ifindex: u32) -> Result<(), Vec<Error>> {
-        let known = self
+        let (known, netns) = self
             .maps
-            .endpoint_meta
-            .get(&ifindex, 0)
-            .map(|m| m.attach)
-            .unwrap_or(0);
-        let netns = self
-            .maps
-            .endpoint_meta
-            .get(&ifindex, 0)
-            .map(|m| m.netns)
-            .unwrap_or(0);
+            .meta(ifindex)
+            .map_or((0, 0), |m| (m.attach, m.netns));
         let mut errors = Vec::new();
         Attachment::new(&self.layout, ifindex, known).detach(netns, &mut errors);
         if let Err(e) = self.maps.remove_meta(ifindex) {
@@ -299,6 +284,12 @@ pub fn endpoint_meta(name: &str, attach: u32) -> EndpointMeta {
     meta.name[..n].copy_from_slice(&bytes[..n]);
     meta.name_len = n as u32;
     meta
+}
+
+/// The name an ENDPOINT_META value records (e.g. "namespace/pod").
+pub fn endpoint_meta_name(meta: &EndpointMeta) -> String {
+    let n = (meta.name_len as usize).min(meta.name.len());
+    String::from_utf8_lossy(&meta.name[..n]).into_owned()
 }
 
 /// Inode of the calling thread's network namespace (0 if unknown).
@@ -349,14 +340,12 @@ impl Unpinned {
         if OBJECT.is_empty() {
             return Err(Error::NoObject);
         }
-        let mut loader = EbpfLoader::new();
-        for (name, entries) in capacities {
-            loader.map_max_entries(name, *entries);
-        }
-        let mut ebpf = loader.load(OBJECT).map_err(|e| Error::Load {
-            pins: Default::default(),
-            source: Box::new(e),
-        })?;
+        let mut ebpf = loader(capacities, &[])
+            .load(OBJECT)
+            .map_err(|e| Error::Load {
+                pins: Default::default(),
+                source: Box::new(e),
+            })?;
         let maps = BpfMaps::from_ebpf(&mut ebpf, None)?;
         let mut this = Self { ebpf, maps };
         for hook in Hook::BOTH {
@@ -369,12 +358,7 @@ impl Unpinned {
     /// Another classifier of the object by name (the benchmark floors),
     /// loaded on first use.
     pub fn extra_program(&mut self, name: &'static str) -> Result<&mut SchedClassifier, Error> {
-        let prog: &mut SchedClassifier = self
-            .ebpf
-            .program_mut(name)
-            .ok_or(Error::MissingProgram(name))?
-            .try_into()
-            .map_err(Error::program(name))?;
+        let prog = classifier(&mut self.ebpf, name)?;
         if prog.fd().is_err() {
             prog.load().map_err(Error::program(name))?;
         }
@@ -382,11 +366,6 @@ impl Unpinned {
     }
 
     pub fn program(&mut self, hook: Hook) -> Result<&mut SchedClassifier, Error> {
-        let name = hook.program();
-        self.ebpf
-            .program_mut(name)
-            .ok_or(Error::MissingProgram(name))?
-            .try_into()
-            .map_err(Error::program(name))
+        classifier(&mut self.ebpf, hook.program())
     }
 }

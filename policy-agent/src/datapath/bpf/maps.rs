@@ -31,7 +31,7 @@ pub struct BpfMaps {
     endpoint_slots: Array<MapData, EndpointInfo>,
     /// Endpoints with a larger ifindex.
     endpoints: HashMap<MapData, u32, EndpointInfo>,
-    pub endpoint_meta: HashMap<MapData, u32, EndpointMeta>,
+    endpoint_meta: HashMap<MapData, u32, EndpointMeta>,
     pub ipcache_v4: LpmTrie<MapData, [u8; 4], IpcacheEntry>,
     pub ipcache_v6: LpmTrie<MapData, [u8; 16], IpcacheEntry>,
     pub policy: HashMap<MapData, PolicyKey, PolicyEntry>,
@@ -115,58 +115,53 @@ where
     })
 }
 
+/// The map `name` from `source`, typed and checked against `layout`.
+fn field<T>(
+    name: &'static str,
+    layout: Option<&PinLayout>,
+    source: &mut impl FnMut(&'static str) -> Result<Map, Error>,
+) -> Result<T, Error>
+where
+    T: TryFrom<Map, Error = MapError>,
+{
+    typed(name, layout, source(name)?)
+}
+
 impl BpfMaps {
     /// Takes the maps out of a loaded object: the writer's way in.
     pub fn from_ebpf(ebpf: &mut aya::Ebpf, layout: Option<&PinLayout>) -> Result<Self, Error> {
-        let mut take = |name: &'static str| ebpf.take_map(name).ok_or(Error::MissingMap(name));
-        let mut maps = Self {
-            config: typed(names::CONFIG, layout, take(names::CONFIG)?)?,
-            endpoint_slots: typed(names::ENDPOINT_SLOTS, layout, take(names::ENDPOINT_SLOTS)?)?,
-            endpoints: typed(names::ENDPOINTS, layout, take(names::ENDPOINTS)?)?,
-            endpoint_meta: typed(names::ENDPOINT_META, layout, take(names::ENDPOINT_META)?)?,
-            ipcache_v4: typed(names::IPCACHE_V4, layout, take(names::IPCACHE_V4)?)?,
-            ipcache_v6: typed(names::IPCACHE_V6, layout, take(names::IPCACHE_V6)?)?,
-            policy: typed(names::POLICY, layout, take(names::POLICY)?)?,
-            identities: typed(names::IDENTITY_NAMES, layout, take(names::IDENTITY_NAMES)?)?,
-            conntrack: typed(names::CONNTRACK, layout, take(names::CONNTRACK)?)?,
-            fragments: typed(names::FRAGMENTS, layout, take(names::FRAGMENTS)?)?,
-            counters: typed(names::COUNTERS, layout, take(names::COUNTERS)?)?,
-        };
+        let mut maps = Self::build(layout, |name| {
+            ebpf.take_map(name).ok_or(Error::MissingMap(name))
+        })?;
         maps.drop_shadowed_endpoints()?;
         Ok(maps)
     }
 
     /// Opens the maps pinned under `layout` (for `dump`, `events`, `reset`).
     pub fn from_pins(layout: &PinLayout) -> Result<Self, Error> {
-        let open = |name: &'static str| -> Result<Map, Error> {
-            let path = layout.map(name);
-            let data = MapData::from_pin(&path).map_err(Error::map(name))?;
+        Self::build(Some(layout), |name| {
+            let data = MapData::from_pin(layout.map(name)).map_err(Error::map(name))?;
             Map::from_map_data(data).map_err(Error::map(name))
-        };
+        })
+    }
+
+    /// Every map from `source`, each checked against this layout.
+    fn build(
+        layout: Option<&PinLayout>,
+        mut source: impl FnMut(&'static str) -> Result<Map, Error>,
+    ) -> Result<Self, Error> {
         Ok(Self {
-            config: typed(names::CONFIG, Some(layout), open(names::CONFIG)?)?,
-            endpoint_slots: typed(
-                names::ENDPOINT_SLOTS,
-                Some(layout),
-                open(names::ENDPOINT_SLOTS)?,
-            )?,
-            endpoints: typed(names::ENDPOINTS, Some(layout), open(names::ENDPOINTS)?)?,
-            endpoint_meta: typed(
-                names::ENDPOINT_META,
-                Some(layout),
-                open(names::ENDPOINT_META)?,
-            )?,
-            ipcache_v4: typed(names::IPCACHE_V4, Some(layout), open(names::IPCACHE_V4)?)?,
-            ipcache_v6: typed(names::IPCACHE_V6, Some(layout), open(names::IPCACHE_V6)?)?,
-            policy: typed(names::POLICY, Some(layout), open(names::POLICY)?)?,
-            identities: typed(
-                names::IDENTITY_NAMES,
-                Some(layout),
-                open(names::IDENTITY_NAMES)?,
-            )?,
-            conntrack: typed(names::CONNTRACK, Some(layout), open(names::CONNTRACK)?)?,
-            fragments: typed(names::FRAGMENTS, Some(layout), open(names::FRAGMENTS)?)?,
-            counters: typed(names::COUNTERS, Some(layout), open(names::COUNTERS)?)?,
+            config: field(names::CONFIG, layout, &mut source)?,
+            endpoint_slots: field(names::ENDPOINT_SLOTS, layout, &mut source)?,
+            endpoints: field(names::ENDPOINTS, layout, &mut source)?,
+            endpoint_meta: field(names::ENDPOINT_META, layout, &mut source)?,
+            ipcache_v4: field(names::IPCACHE_V4, layout, &mut source)?,
+            ipcache_v6: field(names::IPCACHE_V6, layout, &mut source)?,
+            policy: field(names::POLICY, layout, &mut source)?,
+            identities: field(names::IDENTITY_NAMES, layout, &mut source)?,
+            conntrack: field(names::CONNTRACK, layout, &mut source)?,
+            fragments: field(names::FRAGMENTS, layout, &mut source)?,
+            counters: field(names::COUNTERS, layout, &mut source)?,
         })
     }
 
@@ -262,11 +257,16 @@ impl BpfMaps {
             let (k, v) = item.map_err(Error::map(names::POLICY))?;
             state.policy.insert(k, v);
         }
-        for item in self.identities.iter() {
-            let (k, v) = item.map_err(Error::map(names::IDENTITY_NAMES))?;
-            state.identities.insert(k, v);
-        }
+        state.identities = self.read_identities()?;
         Ok(state)
+    }
+
+    /// The identity names alone (cheaper than [`Self::read_state`]).
+    pub fn read_identities(&self) -> Result<BTreeMap<u32, IdentityName>, Error> {
+        self.identities
+            .iter()
+            .map(|r| r.map_err(Error::map(names::IDENTITY_NAMES)))
+            .collect()
     }
 
     pub fn read_meta(&self) -> Result<BTreeMap<u32, EndpointMeta>, Error> {
@@ -335,6 +335,12 @@ impl BpfMaps {
                 LpmKey::V6(k) => remove(names::IPCACHE_V6, self.ipcache_v6.remove(&k)),
             },
         }
+    }
+
+    /// The ENDPOINT_META record of `ifindex`; None when absent (or
+    /// unreadable: then nothing is known to be attached).
+    pub fn meta(&self, ifindex: u32) -> Option<EndpointMeta> {
+        self.endpoint_meta.get(&ifindex, 0).ok()
     }
 
     pub fn set_meta(&mut self, ifindex: u32, meta: &EndpointMeta) -> Result<(), Error> {

@@ -34,11 +34,6 @@ pub enum L4 {
     Icmp {
         kind: u8,
     },
-    /// Another protocol with this payload.
-    Raw {
-        protocol: u8,
-        payload: Vec<u8>,
-    },
 }
 
 /// Fragmentation of the IP packet.
@@ -64,7 +59,6 @@ pub struct Packet {
 
 pub const TCP_FIN: u8 = 0x01;
 pub const TCP_SYN: u8 = 0x02;
-pub const TCP_RST: u8 = 0x04;
 pub const TCP_ACK: u8 = 0x10;
 
 impl Packet {
@@ -103,7 +97,6 @@ impl Packet {
             L4::Sctp { .. } => proto::SCTP,
             L4::Echo { .. } | L4::Unreachable { .. } | L4::Icmp { .. } if v6 => proto::ICMPV6,
             L4::Echo { .. } | L4::Unreachable { .. } | L4::Icmp { .. } => proto::ICMP,
-            L4::Raw { protocol, .. } => *protocol,
         }
     }
 
@@ -168,7 +161,6 @@ impl Packet {
                 b
             }
             L4::Icmp { kind } => vec![*kind, 0, 0, 0, 0, 0, 0, 0],
-            L4::Raw { payload, .. } => payload.clone(),
         }
     }
 
