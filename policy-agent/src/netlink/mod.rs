@@ -81,28 +81,26 @@ pub fn route_to(ip: IpAddr) -> Result<Option<Route>, Error> {
         }
         Err(e) => return Err(e),
     };
-    for reply in replies {
-        if let RouteNetlinkMessage::NewRoute(route) = reply {
-            let mut oif = None;
-            let mut gateway = None;
-            for attr in &route.attributes {
-                match attr {
-                    RouteAttribute::Oif(i) => oif = Some(*i),
-                    RouteAttribute::Gateway(RouteAddress::Inet(a)) => {
-                        gateway = Some(IpAddr::V4(*a))
-                    }
-                    RouteAttribute::Gateway(RouteAddress::Inet6(a)) => {
-                        gateway = Some(IpAddr::V6(*a))
-                    }
-                    _ => {}
-                }
-            }
-            if let Some(oif) = oif {
-                return Ok(Some(Route { oif, gateway }));
-            }
+    Ok(replies.iter().find_map(|reply| match reply {
+        RouteNetlinkMessage::NewRoute(route) => route_from(route),
+        _ => None,
+    }))
+}
+
+/// The output interface and gateway of a route message (None without an
+/// output interface).
+fn route_from(route: &RouteMessage) -> Option<Route> {
+    let mut oif = None;
+    let mut gateway = None;
+    for attr in &route.attributes {
+        match attr {
+            RouteAttribute::Oif(i) => oif = Some(*i),
+            RouteAttribute::Gateway(RouteAddress::Inet(a)) => gateway = Some(IpAddr::V4(*a)),
+            RouteAttribute::Gateway(RouteAddress::Inet6(a)) => gateway = Some(IpAddr::V6(*a)),
+            _ => {}
         }
     }
-    Ok(None)
+    oif.map(|oif| Route { oif, gateway })
 }
 
 fn link_from(msg: &LinkMessage) -> Link {
@@ -148,11 +146,6 @@ pub fn links() -> Result<Vec<Link>, Error> {
             _ => None,
         })
         .collect())
-}
-
-/// One interface by index.
-pub fn link(index: u32) -> Result<Option<Link>, Error> {
-    Ok(links()?.into_iter().find(|l| l.index == index))
 }
 
 /// The namespace's own unicast addresses, loopback and link-local left

@@ -1,5 +1,5 @@
 //! One rtnetlink request and its (possibly multipart) reply.
-use netlink_packet_core::{NetlinkHeader, NetlinkMessage, NetlinkPayload};
+use netlink_packet_core::{DecodeError, NetlinkHeader, NetlinkMessage, NetlinkPayload};
 use netlink_packet_route::RouteNetlinkMessage;
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
@@ -34,16 +34,11 @@ pub(super) fn request(
         let size = socket
             .recv(&mut &mut rx[..], 0)
             .map_err(|source| Error::Request { what, source })?;
-        let mut offset = 0;
-        while offset < size {
-            let bytes = &rx[offset..size];
-            let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(bytes).map_err(|e| {
-                Error::Decode {
-                    what,
-                    detail: e.to_string(),
-                }
+        for msg in messages(&rx[..size]) {
+            let msg = msg.map_err(|e| Error::Decode {
+                what,
+                detail: e.to_string(),
             })?;
-            let len = msg.header.length as usize;
             match msg.payload {
                 NetlinkPayload::Done(_) => return Ok(out),
                 NetlinkPayload::Error(e) => {
@@ -58,13 +53,28 @@ pub(super) fn request(
                 NetlinkPayload::InnerMessage(m) => out.push(m),
                 _ => {}
             }
-            if len == 0 {
-                break;
-            }
-            offset += len;
         }
         if !dump {
             return Ok(out);
         }
     }
+}
+
+/// The messages of one netlink datagram, in order. Ends after a message
+/// that cannot be decoded (yielded as its error) or claims length 0.
+pub(super) fn messages(
+    buf: &[u8],
+) -> impl Iterator<Item = Result<NetlinkMessage<RouteNetlinkMessage>, DecodeError>> + '_ {
+    let mut offset = 0;
+    std::iter::from_fn(move || {
+        if offset >= buf.len() {
+            return None;
+        }
+        let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf[offset..]);
+        match &msg {
+            Ok(m) if m.header.length > 0 => offset += m.header.length as usize,
+            _ => offset = buf.len(),
+        }
+        Some(msg)
+    })
 }

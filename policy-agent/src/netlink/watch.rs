@@ -2,11 +2,11 @@
 //! at once, without polling.
 use std::sync::mpsc::Sender;
 
-use netlink_packet_core::{NetlinkMessage, NetlinkPayload};
+use netlink_packet_core::NetlinkPayload;
 use netlink_packet_route::RouteNetlinkMessage;
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
-use super::{Error, Link, link_from};
+use super::{Error, Link, link_from, request::messages};
 
 const RTMGRP_LINK: u32 = 1;
 
@@ -33,14 +33,8 @@ pub fn watch_links(tx: Sender<LinkEvent>) -> Result<std::thread::JoinHandle<()>,
                     // ENOBUFS after a burst: keep going; the agent resyncs.
                     continue;
                 };
-                let mut offset = 0;
-                while offset < size {
-                    let Ok(msg) =
-                        NetlinkMessage::<RouteNetlinkMessage>::deserialize(&rx[offset..size])
-                    else {
-                        break;
-                    };
-                    let len = msg.header.length as usize;
+                for msg in messages(&rx[..size]) {
+                    let Ok(msg) = msg else { break };
                     let event = match msg.payload {
                         NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l)) => {
                             Some(LinkEvent::Changed(link_from(&l)))
@@ -55,10 +49,6 @@ pub fn watch_links(tx: Sender<LinkEvent>) -> Result<std::thread::JoinHandle<()>,
                     {
                         return;
                     }
-                    if len == 0 {
-                        break;
-                    }
-                    offset += len;
                 }
             }
         })
