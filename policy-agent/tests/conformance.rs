@@ -289,7 +289,7 @@ macro_rules! conformance_suite {
             }
 
             #[test]
-            fn run_mode_attaches_a_pod_interface_that_appears_later() {
+            fn run_mode_attaches_a_pod_whose_interface_and_route_appear_later() {
                 let port = 19402 + (u16::from($backend == Backend::Iptables));
                 let mut c = env(concat!($p, "late"));
                 // The manifests know alpha/late before its interface exists.
@@ -306,14 +306,19 @@ macro_rules! conformance_suite {
                     "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: late, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: late}}\n  ingress: [{from: [{namespaceSelector: {matchLabels: {team: b}}}]}]\n",
                 );
                 c.start_daemon(port);
+                // The interface first, its routes only after the agent has
+                // looked (and found none), as a CNI plugin may do: the route
+                // alone must bring the pod under enforcement.
                 let pod = policy_agent::sim::SimPod {
                     namespace: late.namespace.clone(),
                     name: late.name.clone(),
-                    ips: late.ips.clone(),
+                    ips: Vec::new(),
                     tcp_ports: vec![80, 8080],
                     udp_ports: vec![53, 5353],
                 };
                 c.node.as_mut().unwrap().add(&pod).unwrap();
+                std::thread::sleep(Duration::from_millis(600));
+                c.node.as_mut().unwrap().readdress("alpha/late", &late.ips).unwrap();
                 {
                     let node = c.node.as_ref().unwrap();
                     let net = node.pod("alpha/late").unwrap();

@@ -111,7 +111,8 @@ pub async fn run(
     let worker =
         worker::spawn(config.clone(), rx, metrics.clone(), problem_tx).map_err(Error::Worker)?;
 
-    // New pod interfaces: resync at once so they are attached.
+    // New pod interfaces and pod routes: look the interfaces up again at
+    // once, so they are attached.
     let (link_tx, link_rx) = std::sync::mpsc::channel();
     crate::netlink::watch_links(link_tx)?;
     let links_to_worker = tx.clone();

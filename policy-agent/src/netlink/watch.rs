@@ -1,20 +1,52 @@
-//! Link events (RTNLGRP_LINK), so a pod interface that appears is attached
-//! at once, without polling.
+//! Link events (RTNLGRP_LINK) and pod-route events (RTNLGRP_IPV4_ROUTE,
+//! RTNLGRP_IPV6_ROUTE), so a pod interface is attached as soon as it exists
+//! and its route does (a CNI plugin may add the route after the link is
+//! up), without polling.
 use std::sync::mpsc::Sender;
 
 use netlink_packet_core::NetlinkPayload;
-use netlink_packet_route::RouteNetlinkMessage;
+use netlink_packet_route::{
+    AddressFamily, RouteNetlinkMessage,
+    route::{RouteHeader, RouteMessage, RouteType},
+};
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
-use super::{Error, Link, link_from, request::messages};
+use super::{Error, Link, link_from, request::messages, route_from};
 
-const RTMGRP_LINK: u32 = 1;
+const RTMGRP_LINK: u32 = 0x1;
+const RTMGRP_IPV4_ROUTE: u32 = 0x40;
+const RTMGRP_IPV6_ROUTE: u32 = 0x400;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LinkEvent {
     /// A link appeared or changed (state, name, ...).
     Changed(Link),
     Removed(Link),
+    /// A route that can lead to a pod (main table, unicast, a single
+    /// address, no gateway) appeared or went, through interface `oif`.
+    PodRoute {
+        oif: u32,
+    },
+}
+
+/// Whether `route` is one the interface lookup could now answer with: a
+/// host route straight out of an interface, as CNI plugins add per pod.
+fn pod_route(route: &RouteMessage) -> Option<u32> {
+    let h = &route.header;
+    let host_len = match h.address_family {
+        AddressFamily::Inet => 32,
+        AddressFamily::Inet6 => 128,
+        _ => return None,
+    };
+    if h.table != RouteHeader::RT_TABLE_MAIN
+        || h.kind != RouteType::Unicast
+        || h.destination_prefix_length != host_len
+    {
+        return None;
+    }
+    route_from(route)
+        .filter(|r| r.gateway.is_none())
+        .map(|r| r.oif)
 }
 
 /// Subscribes (in the calling thread's namespace) and forwards events from
@@ -22,7 +54,10 @@ pub enum LinkEvent {
 pub fn watch_links(tx: Sender<LinkEvent>) -> Result<std::thread::JoinHandle<()>, Error> {
     let mut socket = Socket::new(NETLINK_ROUTE).map_err(Error::Socket)?;
     socket
-        .bind(&SocketAddr::new(0, RTMGRP_LINK))
+        .bind(&SocketAddr::new(
+            0,
+            RTMGRP_LINK | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE,
+        ))
         .map_err(Error::Socket)?;
     std::thread::Builder::new()
         .name("netlink-links".into())
@@ -42,6 +77,9 @@ pub fn watch_links(tx: Sender<LinkEvent>) -> Result<std::thread::JoinHandle<()>,
                         NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(l)) => {
                             Some(LinkEvent::Removed(link_from(&l)))
                         }
+                        NetlinkPayload::InnerMessage(
+                            RouteNetlinkMessage::NewRoute(r) | RouteNetlinkMessage::DelRoute(r),
+                        ) => pod_route(&r).map(|oif| LinkEvent::PodRoute { oif }),
                         _ => None,
                     };
                     if let Some(e) = event
