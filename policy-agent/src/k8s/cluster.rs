@@ -7,7 +7,10 @@
 //! re-list is complete: the datapath never sees a half-listed cluster.
 //! While the API server is unreachable nothing is published, so the last
 //! state stays enforced; the watchers retry with backoff.
-use std::{collections::BTreeMap, time::Duration};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    time::Duration,
+};
 
 use futures::{StreamExt as _, stream::BoxStream};
 use k8s_openapi::api::{
@@ -58,7 +61,7 @@ enum Applied<V> {
     Relisted,
 }
 
-impl<V: Clone> Store<V> {
+impl<V: Clone + PartialEq> Store<V> {
     /// Applies one watch event.
     fn apply<K>(
         &mut self,
@@ -84,6 +87,8 @@ impl<V: Clone> Store<V> {
                 Applied::Relisted
             }
             Event::Apply(obj) => match convert(&obj) {
+                // Status churn of objects whose policy-relevant part stayed.
+                Some((k, v)) if self.live.get(&k) == Some(&v) => Applied::Nothing,
                 Some((k, v)) => {
                     self.live.insert(k.clone(), v.clone());
                     Applied::Changed(k, Some(v))
@@ -95,6 +100,62 @@ impl<V: Clone> Store<V> {
                 _ => Applied::Nothing,
             },
         }
+    }
+}
+
+fn pod_ref(p: &Pod) -> ObjectRef {
+    ObjectRef::new(p.namespace().unwrap_or_default(), p.name_any())
+}
+
+/// The pods, and a problem for each pod that cannot be converted. A problem
+/// lasts until the pod converts, is deleted, or is missing from a re-list.
+#[derive(Default)]
+struct Pods {
+    store: Store<PodInfo>,
+    problems: BTreeMap<ObjectRef, Problem>,
+    /// Every pod of the re-list in progress, convertible or not.
+    relisted: BTreeSet<ObjectRef>,
+}
+
+impl Pods {
+    fn apply(&mut self, event: Event<Pod>) -> Applied<PodInfo> {
+        let mut deleted = None;
+        match &event {
+            Event::Init => self.relisted.clear(),
+            Event::InitApply(p) => {
+                self.relisted.insert(pod_ref(p));
+            }
+            Event::Delete(p) => deleted = Some(pod_ref(p)),
+            Event::InitDone | Event::Apply(_) => {}
+        }
+        let relist_done = matches!(event, Event::InitDone);
+        let problems = &mut self.problems;
+        let applied = self.store.apply(event, |p| match pod_info(p) {
+            Ok((k, v)) => {
+                problems.remove(&k);
+                Some((k, v))
+            }
+            Err(err) => {
+                let k = pod_ref(p);
+                problems.insert(
+                    k.clone(),
+                    Problem {
+                        object: format!("pod {k}"),
+                        reason: err.to_string(),
+                    },
+                );
+                None
+            }
+        });
+        // After the store, whose conversion of a deleted pod may report it.
+        if let Some(k) = deleted {
+            self.problems.remove(&k);
+        }
+        if relist_done {
+            let listed = std::mem::take(&mut self.relisted);
+            self.problems.retain(|k, _| listed.contains(k));
+        }
+        applied
     }
 }
 
@@ -152,10 +213,9 @@ pub async fn watch(
             |e| Update::Policy(Box::new(e)),
         ),
     ]);
-    let mut pods: Store<PodInfo> = Store::default();
+    let mut pods = Pods::default();
     let mut namespaces: Store<NamespaceInfo> = Store::default();
     let mut policies: Store<NetworkPolicy> = Store::default();
-    let mut pod_problems: BTreeMap<ObjectRef, Problem> = BTreeMap::new();
     let mut changes: Vec<Change> = Vec::new();
     let mut snapshot_due = true;
     let mut dirty = false;
@@ -170,32 +230,12 @@ pub async fn watch(
             Ok(Some(update)) => {
                 let mut relisted = false;
                 match update {
-                    Update::Pod(e) => {
-                        let applied = pods.apply(*e, |p| match pod_info(p) {
-                            Ok((k, v)) => {
-                                pod_problems.remove(&k);
-                                Some((k, v))
-                            }
-                            Err(err) => {
-                                let k =
-                                    ObjectRef::new(p.namespace().unwrap_or_default(), p.name_any());
-                                pod_problems.insert(
-                                    k.clone(),
-                                    Problem {
-                                        object: format!("pod {k}"),
-                                        reason: err.to_string(),
-                                    },
-                                );
-                                None
-                            }
-                        });
-                        match applied {
-                            Applied::Changed(k, Some(v)) => changes.push(Change::UpsertPod(k, v)),
-                            Applied::Changed(k, None) => changes.push(Change::DeletePod(k)),
-                            Applied::Relisted => relisted = true,
-                            Applied::Nothing => {}
-                        }
-                    }
+                    Update::Pod(e) => match pods.apply(*e) {
+                        Applied::Changed(k, Some(v)) => changes.push(Change::UpsertPod(k, v)),
+                        Applied::Changed(k, None) => changes.push(Change::DeletePod(k)),
+                        Applied::Relisted => relisted = true,
+                        Applied::Nothing => {}
+                    },
                     Update::Namespace(e) => {
                         let applied = namespaces.apply(*e, |n| {
                             namespace_info(n)
@@ -254,10 +294,10 @@ pub async fn watch(
             Err(_) => {
                 // Settled: publish once every kind has been listed.
                 dirty = false;
-                if !(pods.synced && namespaces.synced && policies.synced) {
+                if !(pods.store.synced && namespaces.synced && policies.synced) {
                     continue;
                 }
-                let problems: Vec<Problem> = pod_problems.values().cloned().collect();
+                let problems: Vec<Problem> = pods.problems.values().cloned().collect();
                 let update = if snapshot_due {
                     snapshot_due = false;
                     changes.clear();
@@ -269,7 +309,7 @@ pub async fn watch(
                             .iter()
                             .map(|(k, v)| (k.name.clone(), v.clone()))
                             .collect(),
-                        pods: pods.live.clone(),
+                        pods: pods.store.live.clone(),
                         policies: policies.live.clone(),
                     };
                     debug!(
@@ -342,4 +382,75 @@ fn truncate(s: &str, max: usize) -> String {
         end -= 1;
     }
     format!("{}…", &s[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use k8s_openapi::{api::core::v1::PodStatus, apimachinery::pkg::apis::meta::v1::ObjectMeta};
+
+    use super::*;
+
+    fn pod(name: &str, ip: &str) -> Pod {
+        Pod {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("a".into()),
+                ..Default::default()
+            },
+            status: Some(PodStatus {
+                pod_ip: Some(ip.into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn problem_pods(pods: &Pods) -> Vec<String> {
+        pods.problems.keys().map(|k| k.to_string()).collect()
+    }
+
+    #[test]
+    fn an_unchanged_pod_is_no_change() {
+        let mut pods = Pods::default();
+        let first = pods.apply(Event::Apply(pod("p", "10.0.0.1")));
+        assert!(matches!(first, Applied::Changed(_, Some(_))));
+        let again = pods.apply(Event::Apply(pod("p", "10.0.0.1")));
+        assert!(matches!(again, Applied::Nothing));
+        let moved = pods.apply(Event::Apply(pod("p", "10.0.0.2")));
+        assert!(matches!(moved, Applied::Changed(_, Some(_))));
+    }
+
+    #[test]
+    fn a_pod_problem_lasts_until_the_pod_converts_or_goes_away() {
+        let mut pods = Pods::default();
+        pods.apply(Event::Apply(pod("bad", "not-an-ip")));
+        assert_eq!(problem_pods(&pods), ["a/bad"]);
+        pods.apply(Event::Apply(pod("bad", "10.0.0.9")));
+        assert!(problem_pods(&pods).is_empty());
+
+        pods.apply(Event::Apply(pod("bad", "not-an-ip")));
+        assert_eq!(problem_pods(&pods), ["a/bad"]);
+        pods.apply(Event::Delete(pod("bad", "not-an-ip")));
+        assert!(problem_pods(&pods).is_empty());
+
+        // Listed with a problem, then missing from the next re-list.
+        for event in [
+            Event::Init,
+            Event::InitApply(pod("bad", "not-an-ip")),
+            Event::InitDone,
+        ] {
+            pods.apply(event);
+        }
+        assert_eq!(problem_pods(&pods), ["a/bad"]);
+        for event in [
+            Event::Init,
+            Event::InitApply(pod("good", "10.0.0.1")),
+            Event::InitDone,
+        ] {
+            pods.apply(event);
+        }
+        assert!(problem_pods(&pods).is_empty());
+        assert_eq!(pods.store.live.len(), 1);
+    }
 }
