@@ -76,6 +76,7 @@ fn run(
     let mut node_ips: Option<Vec<std::net::IpAddr>> = None;
     let mut last_problems: Vec<Problem> = Vec::new();
     let mut drops_started = false;
+    let mut kernel_log_started = false;
     let mut retry_at: Option<Instant> = None;
     loop {
         // Wait for a trigger (or a pending retry), then let the burst settle.
@@ -212,9 +213,16 @@ fn run(
                     }
                     last_problems = problems;
                 }
-                if !drops_started && enf.name() == "bpf" {
-                    drops_started = spawn_drop_logger(&config);
-                    follow_kernel_log(&config);
+                if enf.name() == "bpf" {
+                    // The drop logger is retried until it runs; the kernel
+                    // log follower is started once (it would run twice).
+                    if !drops_started {
+                        drops_started = spawn_drop_logger(&config);
+                    }
+                    if !kernel_log_started {
+                        kernel_log_started = true;
+                        follow_kernel_log(&config);
+                    }
                 }
             }
             Err(e) => {
