@@ -19,6 +19,7 @@ use policy_common::{
     proto,
 };
 
+pub(crate) use self::names::fnv1a64;
 pub use self::{
     diff::{MapOp, assign_revisions, diff},
     names::{identity_name, identity_name_str},

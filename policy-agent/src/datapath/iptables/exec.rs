@@ -16,6 +16,7 @@ use super::{
     Error,
     ruleset::{Chain, FORWARD_CHAIN, Family, OWN_PREFIX, Ruleset},
 };
+use crate::mapstate::fnv1a64;
 
 /// Which iptables binaries to drive.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -93,11 +94,7 @@ fn parse_entry(text: &str) -> Option<(IpNet, bool)> {
 /// comment), so "unchanged" is decided without parsing iptables-save's
 /// canonical form of every rule.
 fn chain_hash(chain: &Chain) -> String {
-    let text = chain.rules.join("\n");
-    let h = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    });
-    format!("{h:016x}")
+    format!("{:016x}", fnv1a64(chain.rules.join("\n").as_bytes()))
 }
 
 const MARKER: &str = "policy-agent:";
@@ -126,17 +123,11 @@ pub struct ResetReport {
 
 pub struct Executor {
     pub backend: Backend,
-    /// Delete conntrack entries of pods whose rules changed (cuts flows a
-    /// new policy no longer allows; allowed ones are re-judged as new).
-    pub flush_conntrack: bool,
 }
 
 impl Executor {
     pub fn new(backend: Backend) -> Self {
-        Self {
-            backend,
-            flush_conntrack: true,
-        }
+        Self { backend }
     }
 
     fn tables(&self, fam: Family, what: &str) -> String {
@@ -245,28 +236,24 @@ impl Executor {
                 .keys()
                 .filter(|n| !names.contains(n.as_str()))
                 .collect();
-            let dirty: Vec<&Chain> = want
+            let dirty: Vec<(&Chain, String)> = want
                 .iter()
-                .copied()
-                .filter(|c| have.get(&c.name) != Some(&chain_hash(c)))
+                .map(|c| (*c, chain_hash(c)))
+                .filter(|(c, hash)| have.get(&c.name) != Some(hash))
                 .collect();
             let hooked = inst.hooked.get(&fam).copied().unwrap_or(false);
             if dirty.is_empty() && stale.is_empty() && hooked {
                 continue;
             }
             let mut text = String::from("*filter\n");
-            for c in &dirty {
+            for (c, _) in &dirty {
                 text += &format!(":{} - [0:0]\n", c.name);
             }
             for name in &stale {
                 text += &format!(":{name} - [0:0]\n");
             }
-            for c in &dirty {
-                text += &format!(
-                    "-A {} -m comment --comment \"{MARKER}{}\"\n",
-                    c.name,
-                    chain_hash(c)
-                );
+            for (c, hash) in &dirty {
+                text += &format!("-A {} -m comment --comment \"{MARKER}{hash}\"\n", c.name);
                 for rule in &c.rules {
                     text += &format!("-A {} {rule}\n", c.name);
                 }
@@ -293,33 +280,29 @@ impl Executor {
         }
 
         // 4. Established flows of pods whose rules or peer sets changed.
-        if self.flush_conntrack {
-            let changed: BTreeSet<&String> = changed_sets.iter().copied().collect();
-            for (chain, (pod, ips)) in &desired.pod_chains {
-                let uses_changed = desired
-                    .chain_sets
-                    .get(chain)
-                    .is_some_and(|s| s.iter().any(|x| changed.contains(x)));
-                let policy_changed = desired
-                    .chain_refs
-                    .get(chain)
-                    .is_some_and(|refs| refs.iter().any(|c| changed_chains.contains(c)));
-                if !(changed_chains.contains(chain) || uses_changed || policy_changed) {
-                    continue;
-                }
-                let side = if chain.starts_with("PA-I-") {
-                    "-d"
-                } else {
-                    "-s"
-                };
-                for ip in ips {
-                    // Exit status 1 means "no entries": not an error.
-                    match run("conntrack", &["-D", side, &ip.to_string()], None) {
-                        Ok(_) | Err(Error::Failed { .. }) => report.conntrack_flushed.push(*ip),
-                        Err(e) => {
-                            warn!(pod, error = %e, "cannot flush conntrack; established flows keep their verdict");
-                            break;
-                        }
+        let changed: BTreeSet<&String> = changed_sets.iter().copied().collect();
+        for (chain, (pod, ips)) in &desired.pod_chains {
+            // Pod chains jump to policy chains; only those use sets.
+            let refs = desired.chain_refs.get(chain).into_iter().flatten();
+            let policy_changed = refs.clone().any(|c| changed_chains.contains(c));
+            let uses_changed = refs
+                .filter_map(|c| desired.chain_sets.get(c))
+                .any(|sets| sets.iter().any(|s| changed.contains(s)));
+            if !(changed_chains.contains(chain) || uses_changed || policy_changed) {
+                continue;
+            }
+            let side = if chain.starts_with("PA-I-") {
+                "-d"
+            } else {
+                "-s"
+            };
+            for ip in ips {
+                // Exit status 1 means "no entries": not an error.
+                match run("conntrack", &["-D", side, &ip.to_string()], None) {
+                    Ok(_) | Err(Error::Failed { .. }) => report.conntrack_flushed.push(*ip),
+                    Err(e) => {
+                        warn!(pod, error = %e, "cannot flush conntrack; established flows keep their verdict");
+                        break;
                     }
                 }
             }

@@ -33,7 +33,7 @@ use policy_common::{
 use super::ruleset::{Chain, FORWARD_CHAIN, Family, IpSet, Ruleset, SetKind};
 use crate::{
     cluster::PodRef,
-    mapstate::{MapState, identity_name_str},
+    mapstate::{MapState, fnv1a64, identity_name_str},
     policy::{AddressSet, RuleOrigin, identity_addresses},
 };
 
@@ -51,33 +51,27 @@ pub struct RenderInput<'a> {
 }
 
 fn hash8(s: &str) -> String {
-    let h = s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    });
+    let h = fnv1a64(s.as_bytes());
     format!("{:08x}", (h ^ (h >> 32)) as u32)
 }
 
 fn set_name(maps: &MapState<PodRef>, id: u32, fam: Family) -> String {
     // Named by what the identity stands for, not its number: a fresh
     // `apply` process allocates numbers anew, the names stay put.
-    let (kind, canonical) = if id == WORLD {
-        ("W", "world".to_owned())
+    let kind = if id == WORLD {
+        "W"
     } else if is_cidr(id) {
-        (
-            "C",
-            maps.identities
-                .get(&id)
-                .map(identity_name_str)
-                .unwrap_or_else(|| id.to_string()),
-        )
+        "C"
     } else {
-        (
-            "I",
-            maps.identities
-                .get(&id)
-                .map(identity_name_str)
-                .unwrap_or_else(|| id.to_string()),
-        )
+        "I"
+    };
+    let canonical = if id == WORLD {
+        "world".to_owned()
+    } else {
+        maps.identities
+            .get(&id)
+            .map(identity_name_str)
+            .unwrap_or_else(|| id.to_string())
     };
     format!("PA{kind}-{}-v{}", hash8(&canonical), fam.suffix())
 }
@@ -90,21 +84,24 @@ fn storable(net: &IpNet) -> Vec<IpNet> {
     net.subnets(1).map(|s| s.collect()).unwrap_or_default()
 }
 
-fn build_set(name: String, id: u32, fam: Family, addrs: &AddressSet) -> IpSet {
+/// The set of an identity's addresses in `fam` (empty without addresses).
+fn build_set(name: String, id: u32, fam: Family, addrs: Option<&AddressSet>) -> IpSet {
     let kind = if id == WORLD || is_cidr(id) {
         SetKind::HashNet
     } else {
         SetKind::HashIp
     };
     let mut entries = BTreeSet::new();
-    for net in addrs.include.iter().filter(|n| Family::of(n) == fam) {
-        for part in storable(net) {
-            entries.insert((part, false));
+    if let Some(addrs) = addrs {
+        for net in addrs.include.iter().filter(|n| Family::of(n) == fam) {
+            for part in storable(net) {
+                entries.insert((part, false));
+            }
         }
-    }
-    if kind == SetKind::HashNet {
-        for net in addrs.exclude.iter().filter(|n| Family::of(n) == fam) {
-            entries.insert((*net, true));
+        if kind == SetKind::HashNet {
+            for net in addrs.exclude.iter().filter(|n| Family::of(n) == fam) {
+                entries.insert((*net, true));
+            }
         }
     }
     IpSet {
@@ -185,7 +182,6 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                         .unwrap_or_else(|| format!("rule {:08x}", entry.rule_ref));
                     by_policy.entry(policy).or_default().push(*key);
                 }
-                let mut used_sets = BTreeSet::new();
                 for (policy, keys) in &by_policy {
                     let chain_name = format!(
                         "PA-P-{}",
@@ -200,17 +196,15 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                         continue;
                     }
                     let mut policy_rules = Vec::new();
+                    let mut used_sets = BTreeSet::new();
                     for key in keys {
                         let peer = if key.peer_identity == ANY {
                             String::new()
                         } else {
                             let name = set_name(maps, key.peer_identity, fam);
-                            let addrs = addresses
-                                .get(&key.peer_identity)
-                                .cloned()
-                                .unwrap_or_default();
                             out.sets.entry(name.clone()).or_insert_with(|| {
-                                build_set(name.clone(), key.peer_identity, fam, &addrs)
+                                let addrs = addresses.get(&key.peer_identity);
+                                build_set(name.clone(), key.peer_identity, fam, addrs)
                             });
                             used_sets.insert(name.clone());
                             let side = if dir == direction::INGRESS {
@@ -225,10 +219,7 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                             port_match(key)
                         ));
                     }
-                    out.chain_sets
-                        .entry(chain_name.clone())
-                        .or_default()
-                        .extend(used_sets.iter().cloned());
+                    out.chain_sets.insert(chain_name.clone(), used_sets);
                     chains.insert(
                         chain_name.clone(),
                         Chain {
@@ -239,19 +230,6 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                 }
                 rules.push(format!("-m mark --mark {mark}/{mark} -j RETURN"));
                 rules.push("-j DROP".into());
-                // The policy chains' sets count for this pod too.
-                let mut sets = BTreeSet::new();
-                for r in &rules {
-                    if let Some(c) = r.split("-j ").nth(1).filter(|c| c.starts_with("PA-P-"))
-                        && let Some(s) = out.chain_sets.get(c.trim())
-                    {
-                        sets.extend(s.iter().cloned());
-                    }
-                }
-                out.chain_sets
-                    .entry(pod_chain.clone())
-                    .or_default()
-                    .extend(sets);
                 out.pod_chains
                     .entry(pod_chain.clone())
                     .or_insert_with(|| (pod.to_string(), Vec::new()))

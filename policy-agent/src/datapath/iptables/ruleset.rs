@@ -94,7 +94,8 @@ pub struct Ruleset {
     /// Pod chain name → (pod, its IPs): conntrack entries of these IPs are
     /// flushed when the chain (or a set it uses) changes.
     pub pod_chains: BTreeMap<String, (String, Vec<std::net::IpAddr>)>,
-    /// Sets each chain references (for conntrack flushing on set changes).
+    /// Sets each policy chain references (for conntrack flushing on set
+    /// changes; pod chains reach sets only through policy chains).
     pub chain_sets: BTreeMap<String, BTreeSet<String>>,
     /// Policy rule chains each pod chain jumps to.
     pub chain_refs: BTreeMap<String, BTreeSet<String>>,
