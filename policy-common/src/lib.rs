@@ -36,6 +36,15 @@ pub mod direction {
     pub const INGRESS: u8 = 0;
     /// Traffic sent by the pod: judged by the pod's egress rules.
     pub const EGRESS: u8 = 1;
+
+    /// "ingress" / "egress": the NetworkPolicy field and the name in logs.
+    pub const fn name(direction: u8) -> &'static str {
+        if direction == INGRESS {
+            "ingress"
+        } else {
+            "egress"
+        }
+    }
 }
 
 /// IP protocol numbers the datapath distinguishes.

@@ -8,6 +8,7 @@ use std::{collections::BTreeMap, fmt, net::IpAddr};
 
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 
+pub(crate) use self::convert::protocol_number;
 pub use self::convert::{ConvertError, namespace_info, pod_info};
 
 /// Labels, sorted by key.

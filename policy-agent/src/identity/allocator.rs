@@ -176,33 +176,6 @@ impl IdentityAllocator {
         a
     }
 
-    /// The current generation (bumped by [`Self::end_generation`]).
-    pub fn generation(&self) -> u64 {
-        self.generation
-    }
-
-    /// The number of a key in use.
-    pub fn get(&self, kind: u32, canonical: &str) -> Option<u32> {
-        // HashMap<(u32, String)> cannot be probed by (u32, &str) without a
-        // String; the allocation is cheap next to what callers do per key.
-        self.live.get(&(kind, canonical.to_owned())).copied()
-    }
-
-    /// The kind and canonical name of a number in use.
-    pub fn name_of(&self, id: u32) -> Option<(u32, &str)> {
-        self.by_id.get(&id).map(|(k, n)| (*k, n.as_str()))
-    }
-
-    /// Numbers in use with their kind and canonical name, ascending.
-    pub fn live(&self) -> impl Iterator<Item = (u32, u32, &str)> {
-        self.by_id.iter().map(|(id, (k, n))| (*id, *k, n.as_str()))
-    }
-
-    /// Numbers released and not yet free again.
-    pub fn quarantined(&self) -> impl Iterator<Item = u32> + '_ {
-        self.quarantine.keys().copied()
-    }
-
     /// The number of `canonical` of `kind`, allocating one if the key is not
     /// in use: its own quarantined or adopted number if there is one, else
     /// the lowest free number of the kind's range.

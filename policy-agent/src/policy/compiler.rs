@@ -124,7 +124,7 @@ struct Claim {
 
 /// The incremental compiler. Keeps the inputs it was given, the identity
 /// and selection indexes, and the compiled map content.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Compiler {
     options: CompileOptions,
     node_name: String,
@@ -251,6 +251,20 @@ fn write_rule(
     }
 }
 
+/// The policies of `namespace` that select endpoint identity `e` (only a
+/// policy of its own namespace can), in name order.
+fn policies_selecting<'a>(
+    policies: &'a BTreeMap<PolicyRef, PolicyState>,
+    namespace: &'a str,
+    e: u32,
+) -> impl Iterator<Item = &'a PolicyState> {
+    policies
+        .range(PolicyRef::new(namespace, "")..)
+        .take_while(move |(k, _)| k.namespace == namespace)
+        .map(|(_, ps)| ps)
+        .filter(move |ps| ps.selected.contains(&e))
+}
+
 /// Which of SEL/NAMED rule `rule` has for identity `x`.
 fn member_bits(rule: &Rule, rs: &RuleState, x: &Ident) -> u8 {
     let sel = rule.selects_pod(&x.key);
@@ -274,27 +288,7 @@ impl Compiler {
     fn empty(options: CompileOptions) -> Self {
         Self {
             options,
-            node_name: String::new(),
-            node_ips: BTreeSet::new(),
-            namespaces: BTreeMap::new(),
-            pods: BTreeMap::new(),
-            policies: BTreeMap::new(),
-            carve_refs: BTreeMap::new(),
-            classes: Classes::default(),
-            idents: BTreeMap::new(),
-            key_ids: HashMap::new(),
-            ns_idents: BTreeMap::new(),
-            pod_ident: BTreeMap::new(),
-            pod_claims: BTreeMap::new(),
-            claims: BTreeMap::new(),
-            holders: BTreeMap::new(),
-            pod_held: BTreeMap::new(),
-            endpoint_ids: BTreeSet::new(),
-            flags_dirty: BTreeSet::new(),
-            local_pods: BTreeMap::new(),
-            identity_errors: Vec::new(),
-            out: Output::default(),
-            rebuild_pending: false,
+            ..Self::default()
         }
     }
 
@@ -385,10 +379,11 @@ impl Compiler {
         let all: BTreeSet<PodRef> = self.pods.keys().cloned().collect();
         self.sync_pods(all, ids);
 
-        let (idents, classes) = (&self.idents, self.classes.prefixes());
+        let idents = &self.idents;
+        let classes: BTreeSet<u32> = self.classes.prefixes().values().copied().collect();
         ids.release_unless(|id, k, _| match k {
             kind::LABELS => idents.contains_key(&id),
-            kind::CIDR => classes.values().any(|c| *c == id),
+            kind::CIDR => classes.contains(&id),
             _ => false,
         });
         self.out.maps.finalize();
@@ -420,7 +415,6 @@ impl Compiler {
         } else {
             self.out.take_ops()
         };
-        self.out.stop_journal();
         ids.end_generation();
         ops
     }
@@ -644,20 +638,13 @@ impl Compiler {
         let Some(x) = self.idents.get(&e) else {
             return 0;
         };
-        let start = PolicyRef::new(x.key.namespace.clone(), "");
         let mut flags = 0;
-        for (_, ps) in self
-            .policies
-            .range(start..)
-            .take_while(|(k, _)| k.namespace == x.key.namespace)
-        {
-            if ps.selected.contains(&e) {
-                if ps.parsed.ingress {
-                    flags |= ENDPOINT_INGRESS_ISOLATED;
-                }
-                if ps.parsed.egress {
-                    flags |= ENDPOINT_EGRESS_ISOLATED;
-                }
+        for ps in policies_selecting(&self.policies, &x.key.namespace, e) {
+            if ps.parsed.ingress {
+                flags |= ENDPOINT_INGRESS_ISOLATED;
+            }
+            if ps.parsed.egress {
+                flags |= ENDPOINT_EGRESS_ISOLATED;
             }
         }
         flags
@@ -901,18 +888,14 @@ impl Compiler {
             self.introduce_identity(*x);
         }
         // 6e. Endpoint identities that gained their first local pod.
-        for e in &ep_born {
-            self.endpoint_ids.insert(*e);
-            self.write_endpoint_keys(*e);
+        for e in ep_born {
+            self.endpoint_ids.insert(e);
+            self.write_endpoint_keys(e);
         }
 
-        // 7. Endpoint entries.
-        let mut refresh: BTreeSet<u32> = ep_born.into_iter().collect();
-        refresh.extend(
-            touched_ids
-                .iter()
-                .filter(|id| self.endpoint_ids.contains(id)),
-        );
+        // 7. Endpoint entries (refresh_endpoints skips non-endpoints; the
+        // new endpoint identities are among the touched ones).
+        let mut refresh = touched_ids;
         refresh.append(&mut self.flags_dirty);
         for (pod, endpoint) in &now_endpoint {
             if !endpoint {
@@ -1025,16 +1008,7 @@ impl Compiler {
         let Some(ident) = self.idents.get(&e) else {
             return;
         };
-        let start = PolicyRef::new(ident.key.namespace.clone(), "");
-        let ns = &ident.key.namespace;
-        for (_, ps) in self
-            .policies
-            .range(start..)
-            .take_while(|(k, _)| k.namespace == *ns)
-        {
-            if !ps.selected.contains(&e) {
-                continue;
-            }
+        for ps in policies_selecting(&self.policies, &ident.key.namespace, e) {
             for (rule, rs) in ps.parsed.rules.iter().zip(&ps.rules) {
                 write_rule(&mut self.out, &self.idents, rule, rs, e, true);
             }
@@ -1083,34 +1057,9 @@ impl Compiler {
         out
     }
 
-    /// The parsed form of a policy.
-    pub fn policy(&self, name: &PolicyRef) -> Option<&ParsedPolicy> {
-        self.policies.get(name).map(|p| &p.parsed)
-    }
-
-    /// The label identity of a pod, if it has one.
-    pub fn pod_identity(&self, pod: &PodRef) -> Option<u32> {
-        self.pod_ident.get(pod).copied()
-    }
-
-    /// The carved address classes.
-    pub fn classes(&self) -> &BTreeMap<IpNet, u32> {
-        self.classes.prefixes()
-    }
-
     /// Approximate bytes of the compiled content and its bookkeeping.
     pub fn approx_bytes(&self) -> usize {
         self.out.approx_bytes()
-    }
-
-    /// A snapshot in the [`Compiled`] shape.
-    pub fn compiled(&self) -> Compiled {
-        Compiled {
-            maps: self.out.maps.clone(),
-            local_pods: self.local_pods.clone(),
-            rules: self.rules(),
-            errors: self.errors(),
-        }
     }
 
     pub fn into_compiled(self) -> Compiled {

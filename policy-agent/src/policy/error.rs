@@ -106,22 +106,4 @@ impl PolicyError {
             Self::Identity(_) => "",
         }
     }
-
-    /// A short stable name of the kind of problem (for metrics and events).
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Self::BadCidr { .. } => "bad_cidr",
-            Self::ExceptOutsideCidr { .. } => "except_outside_cidr",
-            Self::IpBlockWithSelector { .. } => "ipblock_with_selector",
-            Self::EmptyPeer { .. } => "empty_peer",
-            Self::UnknownProtocol { .. } => "unknown_protocol",
-            Self::PortOutOfRange { .. } => "port_out_of_range",
-            Self::BadPortName { .. } => "bad_port_name",
-            Self::EndPortWithoutNumericPort { .. } => "end_port_without_numeric_port",
-            Self::EndPortBelowPort { .. } => "end_port_below_port",
-            Self::BadSelector { .. } => "bad_selector",
-            Self::BadPolicyType { .. } => "bad_policy_type",
-            Self::Identity(_) => "identity_exhausted",
-        }
-    }
 }

@@ -28,7 +28,7 @@ use serde::Serialize;
 
 use super::{
     Compiled,
-    parse::{ParsedPolicy, Peers, Rule, direction_field},
+    parse::{ParsedPolicy, Peers, Rule, peer_field},
     peer::Peer,
     ports::{PortMatch, Ports},
 };
@@ -207,14 +207,14 @@ fn key_report(c: &Compiled, key: &PolicyKey) -> KeyReport {
         format!(
             "{} {}[{}]",
             o.policy,
-            direction_field(o.direction),
+            direction::name(o.direction),
             o.rule_index
         )
     });
     KeyReport {
         endpoint_identity: key.endpoint_identity,
         peer_identity: key.peer_identity,
-        direction: direction_field(key.direction).to_owned(),
+        direction: direction::name(key.direction).to_owned(),
         protocol: protocol_name(key.protocol).to_owned(),
         port: key.port,
         port_prefix_len: key.port_prefix_len,
@@ -265,7 +265,8 @@ fn identity_inside_blocks(c: &Compiled, rule: &Rule, identity: u32) -> bool {
 }
 
 /// The rule-level evaluation of one rule for the flow, at `endpoint`
-/// judging traffic with `peer` in `dir`.
+/// judging traffic with `peer` in `dir` (`port` already 0 for a protocol
+/// without ports).
 #[allow(clippy::too_many_arguments)]
 fn match_rule(
     c: &Compiled,
@@ -277,11 +278,7 @@ fn match_rule(
     protocol: u8,
     port: u16,
 ) -> Option<RuleMatch> {
-    let peer_field = if dir == direction::INGRESS {
-        "from"
-    } else {
-        "to"
-    };
+    let peer_field = peer_field(dir);
     let mut peers = Vec::new();
     let mut selector_matched = false;
     match &rule.peers {
@@ -307,7 +304,6 @@ fn match_rule(
     if peers.is_empty() {
         return None;
     }
-    let port = if has_ports(protocol) { port } else { 0 };
     let mut ports = Vec::new();
     match &rule.ports {
         Ports::All => ports.push("ports absent or empty (every port and protocol)".to_owned()),
@@ -393,7 +389,7 @@ fn judge_side(
     }
     let peer_is_node = state.node_ips.contains(&peer.address);
     Some(DirectionReport {
-        direction: direction_field(dir).to_owned(),
+        direction: direction::name(dir).to_owned(),
         endpoint: pod.to_string(),
         endpoint_identity: ep.identity,
         endpoint_identity_name: identity_label(c, ep.identity),

@@ -174,17 +174,7 @@ impl Output {
 
     /// Drops every key of endpoint identity `e`.
     pub fn remove_endpoint_identity(&mut self, e: u32) {
-        let start = PolicyKey {
-            endpoint_identity: e,
-            ..PolicyKey::default()
-        };
-        let keys: Vec<PolicyKey> = self
-            .maps
-            .policy
-            .range(start..)
-            .map(|(k, _)| *k)
-            .take_while(|k| k.endpoint_identity == e)
-            .collect();
+        let keys: Vec<PolicyKey> = self.maps.policy_of(e).map(|(k, _)| *k).collect();
         for key in keys {
             self.shared.remove(&key);
             if let Some(old) = self.maps.policy.remove(&key) {
@@ -256,7 +246,7 @@ impl Output {
     }
 
     /// The ordered writes from the journal start to now (the same list
-    /// [`crate::mapstate::diff`] would give), and a fresh journal.
+    /// [`crate::mapstate::diff`] would give); the journal ends.
     pub fn take_ops(&mut self) -> Vec<MapOp<PodRef>> {
         fn split<K: Ord + Clone, V: Clone + PartialEq>(
             current: &BTreeMap<K, V>,
@@ -298,7 +288,6 @@ impl Output {
         ops.extend(ip_del.into_iter().map(MapOp::DeleteIpcache));
         ops.extend(ep_del.into_iter().map(MapOp::DeleteEndpoint));
         ops.extend(id_del.into_iter().map(MapOp::DeleteIdentity));
-        self.start_journal();
         ops
     }
 

@@ -8,7 +8,9 @@
 use std::collections::BTreeSet;
 
 use ipnet::IpNet;
-use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicyPeer, NetworkPolicyPort};
+use k8s_openapi::api::networking::v1::{
+    NetworkPolicy, NetworkPolicyPeer, NetworkPolicyPort, NetworkPolicySpec,
+};
 use policy_common::direction;
 
 use super::{
@@ -102,12 +104,12 @@ fn fnv1a32(bytes: &[u8]) -> u32 {
     h
 }
 
-/// The name of a direction as the spec spells the field.
-pub fn direction_field(dir: u8) -> &'static str {
+/// The peer list field of a rule in `dir`: `from` (ingress), `to` (egress).
+pub fn peer_field(dir: u8) -> &'static str {
     if dir == direction::INGRESS {
-        "ingress"
+        "from"
     } else {
-        "egress"
+        "to"
     }
 }
 
@@ -119,7 +121,7 @@ pub fn rule_ref(policy: &PolicyRef, dir: u8, index: usize) -> u32 {
             "{}/{}/{}/{}",
             policy.namespace,
             policy.name,
-            direction_field(dir),
+            direction::name(dir),
             index
         )
         .as_bytes(),
@@ -134,12 +136,8 @@ fn parse_rule(
     ports: Option<&Vec<NetworkPolicyPort>>,
     errors: &mut Vec<PolicyError>,
 ) -> Rule {
-    let field = format!("spec.{}[{index}]", direction_field(dir));
-    let peer_field = if dir == direction::INGRESS {
-        "from"
-    } else {
-        "to"
-    };
+    let field = format!("spec.{}[{index}]", direction::name(dir));
+    let peer_field = peer_field(dir);
     let peers = match peers {
         None => Peers::All,
         Some(list) => Peers::List(
@@ -179,7 +177,14 @@ fn parse_rule(
 impl ParsedPolicy {
     /// Validates `np`, stored under `name` (its namespace is the policy's).
     pub fn parse(name: &PolicyRef, np: &NetworkPolicy) -> Self {
-        let spec = np.spec.clone().unwrap_or_default();
+        let default;
+        let spec = match np.spec.as_ref() {
+            Some(s) => s,
+            None => {
+                default = NetworkPolicySpec::default();
+                &default
+            }
+        };
         let mut errors = Vec::new();
 
         // "An empty podSelector selects all pods in this namespace."

@@ -4,7 +4,11 @@ use k8s_openapi::{
 };
 use policy_common::proto;
 
-use crate::{cluster::PolicyRef, identity::LabelKey, policy::error::PolicyError};
+use crate::{
+    cluster::{PolicyRef, protocol_number},
+    identity::LabelKey,
+    policy::error::PolicyError,
+};
 
 /// The ports of one rule.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -34,14 +38,6 @@ pub enum PortMatch {
 }
 
 impl PortMatch {
-    pub fn protocol(&self) -> u8 {
-        match self {
-            Self::Protocol(p)
-            | Self::Range { protocol: p, .. }
-            | Self::Named { protocol: p, .. } => *p,
-        }
-    }
-
     /// Whether a packet's protocol and destination port match, resolving a
     /// named port on `destination` (no destination pod: no match).
     pub fn matches(&self, protocol: u8, port: u16, destination: Option<&LabelKey>) -> bool {
@@ -148,26 +144,17 @@ pub fn is_valid_port_name(name: &str) -> bool {
         && !name.contains("--")
 }
 
-/// Protocol names the API accepts (case-sensitive): "The protocol (TCP,
-/// UDP, or SCTP) which traffic must match. If not specified, this field
-/// defaults to TCP."
-pub fn parse_protocol(name: Option<&str>) -> Option<u8> {
-    match name.unwrap_or("TCP") {
-        "TCP" => Some(proto::TCP),
-        "UDP" => Some(proto::UDP),
-        "SCTP" => Some(proto::SCTP),
-        _ => None,
-    }
-}
-
 /// Validates one `ports` element at `field` (`spec.ingress[0].ports[1]`).
 pub fn parse_port(
     policy: &PolicyRef,
     field: &str,
     p: &NetworkPolicyPort,
 ) -> Result<PortMatch, PolicyError> {
+    // Protocol names the API accepts (case-sensitive): "The protocol (TCP,
+    // UDP, or SCTP) which traffic must match. If not specified, this field
+    // defaults to TCP."
     let protocol =
-        parse_protocol(p.protocol.as_deref()).ok_or_else(|| PolicyError::UnknownProtocol {
+        protocol_number(p.protocol.as_deref()).ok_or_else(|| PolicyError::UnknownProtocol {
             policy: policy.clone(),
             field: format!("{field}.protocol"),
             value: p.protocol.clone().unwrap_or_default(),

@@ -45,10 +45,6 @@ impl Selector {
         Self::default()
     }
 
-    pub fn is_everything(&self) -> bool {
-        self.match_labels.is_empty() && self.match_expressions.is_empty()
-    }
-
     /// "The requirements are ANDed": matchLabels and matchExpressions alike.
     pub fn matches(&self, labels: &Labels) -> bool {
         self.match_labels
