@@ -31,10 +31,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let mut problems: Vec<Problem> = loaded
         .errors
         .iter()
-        .map(|e| Problem {
-            object: "manifest".into(),
-            reason: e.to_string(),
-        })
+        .map(|e| Problem::manifest(e.to_string()))
         .collect();
 
     let opts = LoadOptions {

@@ -61,12 +61,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     let mut loaded = k8s::load_dir(&args.manifests);
     let state = loaded.cluster_state(&args.node, Vec::new());
-    let pods: Vec<_> = state
-        .pods
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    let sim_pods = pods_from_manifests(&pods, &args.node);
+    let sim_pods = pods_from_manifests(&state.pods, &args.node);
     if sim_pods.is_empty() {
         bail!(
             "no pods with IPs on node {} in {}",

@@ -21,7 +21,7 @@ use super::SourceUpdate;
 use crate::{
     cluster::{ClusterState, NamespaceInfo, ObjectRef, PodInfo},
     enforce::Problem,
-    k8s::manifests::{LoadedManifests, load_text},
+    k8s::manifests::{LoadedManifests, is_manifest, load_file},
     policy::Change,
 };
 
@@ -37,22 +37,9 @@ struct FileContent {
     problems: Vec<Problem>,
 }
 
-fn problem(reason: String) -> Problem {
-    Problem {
-        object: "manifest".into(),
-        reason,
-    }
-}
-
 fn read_file(path: &Path, stamp: Stamp) -> FileContent {
     let mut loaded = LoadedManifests::default();
-    match std::fs::read_to_string(path) {
-        Ok(text) => load_text(path, &text, &mut loaded),
-        Err(source) => loaded.errors.push(crate::k8s::ManifestError::Read {
-            path: path.to_path_buf(),
-            source,
-        }),
-    }
+    load_file(path, &mut loaded);
     // Conversion (and duplicates within the file) as `apply` does it.
     let state = loaded.cluster_state("", Vec::new());
     let explicit: BTreeSet<String> = loaded
@@ -73,7 +60,7 @@ fn read_file(path: &Path, stamp: Stamp) -> FileContent {
         problems: loaded
             .errors
             .iter()
-            .map(|e| problem(e.to_string()))
+            .map(|e| Problem::manifest(e.to_string()))
             .collect(),
     }
 }
@@ -83,12 +70,7 @@ fn manifest_files(dir: &Path) -> BTreeMap<PathBuf, Stamp> {
         .map(|entries| {
             entries
                 .filter_map(Result::ok)
-                .filter(|e| {
-                    matches!(
-                        e.path().extension().and_then(|x| x.to_str()),
-                        Some("yaml" | "yml")
-                    )
-                })
+                .filter(|e| is_manifest(&e.path()))
                 .filter_map(|e| {
                     e.metadata()
                         .ok()
@@ -107,16 +89,26 @@ struct Directory {
     merged: ClusterState,
 }
 
-/// Recomputes the winner of each key touched by a file change.
+/// Recomputes the winner of each key a changed file held before or holds
+/// now (`touched`: each changed file with its old content).
 fn merge_keys<K: Ord + Clone, V: Clone + PartialEq>(
     files: &BTreeMap<PathBuf, FileContent>,
-    keys: BTreeSet<K>,
+    touched: &[(PathBuf, FileContent)],
     field: impl Fn(&FileContent) -> &BTreeMap<K, V>,
     merged: &mut BTreeMap<K, V>,
     upsert: impl Fn(K, V) -> Change,
     delete: impl Fn(K) -> Change,
     out: &mut Vec<Change>,
 ) {
+    let keys: BTreeSet<K> = touched
+        .iter()
+        .flat_map(|(path, old)| {
+            field(old)
+                .keys()
+                .chain(files.get(path).into_iter().flat_map(|f| field(f).keys()))
+        })
+        .cloned()
+        .collect();
     for key in keys {
         // Files iterate in name order: the first definition wins.
         let winner = files.values().find_map(|f| field(f).get(&key));
@@ -167,34 +159,10 @@ impl Directory {
         if touched.is_empty() {
             return None;
         }
-        let mut ns_keys = BTreeSet::new();
-        let mut pod_keys = BTreeSet::new();
-        let mut policy_keys = BTreeSet::new();
-        for (path, old) in &touched {
-            let new = self.files.get(path);
-            ns_keys.extend(
-                old.namespaces
-                    .keys()
-                    .cloned()
-                    .chain(new.into_iter().flat_map(|f| f.namespaces.keys().cloned())),
-            );
-            pod_keys.extend(
-                old.pods
-                    .keys()
-                    .cloned()
-                    .chain(new.into_iter().flat_map(|f| f.pods.keys().cloned())),
-            );
-            policy_keys.extend(
-                old.policies
-                    .keys()
-                    .cloned()
-                    .chain(new.into_iter().flat_map(|f| f.policies.keys().cloned())),
-            );
-        }
         let mut changes = Vec::new();
         merge_keys(
             &self.files,
-            ns_keys,
+            &touched,
             |f| &f.namespaces,
             &mut self.merged.namespaces,
             Change::UpsertNamespace,
@@ -203,7 +171,7 @@ impl Directory {
         );
         merge_keys(
             &self.files,
-            pod_keys,
+            &touched,
             |f| &f.pods,
             &mut self.merged.pods,
             Change::UpsertPod,
@@ -212,7 +180,7 @@ impl Directory {
         );
         merge_keys(
             &self.files,
-            policy_keys,
+            &touched,
             |f| &f.policies,
             &mut self.merged.policies,
             |k, v| Change::UpsertPolicy(k, Box::new(v)),
@@ -239,7 +207,7 @@ impl Directory {
                 .chain(f.policies.keys().map(|k| format!("NetworkPolicy {k}")));
             for key in keys {
                 match seen.get(&key) {
-                    Some(first) => out.push(problem(format!(
+                    Some(first) => out.push(Problem::manifest(format!(
                         "{}: {key} is defined again (first in {}); the first definition is used",
                         path.display(),
                         first.display()

@@ -88,7 +88,7 @@ pub async fn run(
     source: Source,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), Error> {
-    let metrics = Arc::new(Metrics::new(Some(config.layout.clone())));
+    let metrics = Arc::new(Metrics::new(config.layout.clone()));
     let (_bound, http) = metrics::serve(config.listen, metrics.clone())
         .await
         .map_err(|source| Error::Listen {

@@ -160,12 +160,12 @@ fn run(
         // The node's own addresses are part of the state.
         match netlink::local_addresses() {
             Ok(ips) if node_ips.as_ref() != Some(&ips) => {
-                match snapshot.as_mut() {
-                    Some(s) => s.node_ips = ips.clone(),
-                    None => changes.push(Change::Node {
+                // A snapshot gets them below.
+                if snapshot.is_none() {
+                    changes.push(Change::Node {
                         name: config.node.clone(),
                         ips: ips.clone(),
-                    }),
+                    });
                 }
                 node_ips = Some(ips);
             }

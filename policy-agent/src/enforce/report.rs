@@ -21,6 +21,14 @@ impl Problem {
         }
     }
 
+    /// A manifest that could not be read, converted or merged.
+    pub fn manifest(reason: String) -> Self {
+        Self {
+            object: "manifest".into(),
+            reason,
+        }
+    }
+
     /// The NetworkPolicy this problem is about, if any (for Kubernetes
     /// Events on it).
     pub fn policy(&self) -> Option<crate::cluster::ObjectRef> {

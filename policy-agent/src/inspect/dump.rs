@@ -11,7 +11,7 @@ use policy_common::{
 };
 use serde::Serialize;
 
-use super::names::{Names, address, direction_name, endpoint_text, protocol_name};
+use super::names::{Names, address, endpoint_text, protocol_name};
 use crate::datapath::bpf::{BpfMaps, Error, PinLayout};
 
 #[derive(Debug, Serialize)]
@@ -159,7 +159,7 @@ pub fn dump(layout: &PinLayout) -> Result<Dump, Error> {
         .map(|(k, v)| PolicyRow {
             endpoint_identity: k.endpoint_identity,
             endpoint: names.identity(k.endpoint_identity),
-            direction: direction_name(k.direction),
+            direction: policy_common::direction::name(k.direction),
             peer_identity: k.peer_identity,
             peer: names.identity(k.peer_identity),
             protocol: protocol_name(k.protocol),
@@ -179,7 +179,7 @@ pub fn dump(layout: &PinLayout) -> Result<Dump, Error> {
             protocol: protocol_name(k.protocol),
             src: endpoint_text(address(k.family, &k.src), k.sport, k.protocol),
             dst: endpoint_text(address(k.family, &k.dst), k.dport, k.protocol),
-            opened: direction_name(v.direction),
+            opened: policy_common::direction::name(v.direction),
             revision: v.revision,
         });
     }
@@ -189,7 +189,7 @@ pub fn dump(layout: &PinLayout) -> Result<Dump, Error> {
         .filter(|(_, n)| *n > 0)
         .map(|((reason, dir), packets)| CounterRow {
             reason: reason.name(),
-            direction: direction_name(dir),
+            direction: policy_common::direction::name(dir),
             packets,
         })
         .collect();

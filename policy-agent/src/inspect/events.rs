@@ -6,7 +6,7 @@ use aya::maps::{Map, MapData, RingBuf};
 use policy_common::{event::DropEvent, maps as names, verdict::Reason};
 use serde::Serialize;
 
-use super::names::{Names, address, direction_name, endpoint_text, protocol_name};
+use super::names::{Names, address, endpoint_text, protocol_name};
 use crate::datapath::bpf::{BpfMaps, Error, PinLayout};
 
 /// One dropped packet, named.
@@ -100,7 +100,7 @@ impl DropEventReader {
     fn record(&self, e: &DropEvent) -> DropRecord {
         DropRecord {
             pod: self.names.endpoint(e.ifindex),
-            direction: direction_name(e.direction),
+            direction: policy_common::direction::name(e.direction),
             reason: Reason::from_u8(e.reason)
                 .map(Reason::name)
                 .unwrap_or("unknown"),

@@ -8,5 +8,5 @@ pub use self::{
     dump::{Dump, dump},
     events::{DropEventReader, DropRecord},
     kernel_log::{KernelLog, follow_kernel_log},
-    names::{Names, direction_label},
+    names::Names,
 };

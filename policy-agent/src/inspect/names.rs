@@ -2,7 +2,6 @@
 use std::{collections::BTreeMap, fmt::Write as _, net::IpAddr};
 
 use policy_common::{
-    direction,
     endpoint::EndpointMeta,
     family,
     identity::{self, IdentityName},
@@ -36,19 +35,6 @@ impl Names {
             Some(m) => endpoint_meta_name(m),
             None => format!("ifindex {ifindex}"),
         }
-    }
-}
-
-/// "ingress" / "egress" (relative to the pod).
-pub fn direction_label(d: u8) -> &'static str {
-    direction_name(d)
-}
-
-pub fn direction_name(d: u8) -> &'static str {
-    if d == direction::INGRESS {
-        "ingress"
-    } else {
-        "egress"
     }
 }
 

@@ -87,21 +87,32 @@ pub fn load_dir(dir: &Path) -> LoadedManifests {
     let mut files: Vec<PathBuf> = entries
         .filter_map(Result::ok)
         .map(|e| e.path())
-        .filter(|p| {
-            p.is_file() && matches!(p.extension().and_then(|e| e.to_str()), Some("yaml" | "yml"))
-        })
+        .filter(|p| p.is_file() && is_manifest(p))
         .collect();
     files.sort();
     for file in files {
-        match std::fs::read_to_string(&file) {
-            Ok(text) => load_text(&file, &text, &mut out),
-            Err(source) => out.errors.push(ManifestError::Read {
-                path: file.clone(),
-                source,
-            }),
-        }
+        load_file(&file, &mut out);
     }
     out
+}
+
+/// Whether a directory entry is read as manifests (by its extension).
+pub fn is_manifest(path: &Path) -> bool {
+    matches!(
+        path.extension().and_then(|e| e.to_str()),
+        Some("yaml" | "yml")
+    )
+}
+
+/// Reads and parses one file (a read failure is recorded like a parse error).
+pub fn load_file(file: &Path, out: &mut LoadedManifests) {
+    match std::fs::read_to_string(file) {
+        Ok(text) => load_text(file, &text, out),
+        Err(source) => out.errors.push(ManifestError::Read {
+            path: file.to_path_buf(),
+            source,
+        }),
+    }
 }
 
 /// Parses one file's text (multi-document YAML).

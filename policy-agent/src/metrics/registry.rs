@@ -25,7 +25,7 @@ struct Histogram {
 
 /// Shared by the sync worker (writes) and the HTTP server (reads).
 pub struct Metrics {
-    layout: Option<PinLayout>,
+    layout: PinLayout,
     ready: AtomicBool,
     syncs_ok: AtomicU64,
     syncs_failed: AtomicU64,
@@ -38,8 +38,9 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// `layout`: where to read kernel counters at scrape time (None: none).
-    pub fn new(layout: Option<PinLayout>) -> Self {
+    /// `layout`: where to read kernel counters at scrape time (nothing is
+    /// read while it holds no pins, as with the iptables datapath).
+    pub fn new(layout: PinLayout) -> Self {
         Self {
             layout,
             ready: AtomicBool::new(false),
@@ -175,9 +176,7 @@ impl Metrics {
                 h.count, h.sum, h.count
             );
         }
-        if let Some(layout) = &self.layout {
-            render_kernel(&mut out, layout);
-        }
+        render_kernel(&mut out, &self.layout);
         out
     }
 }
@@ -192,7 +191,7 @@ fn render_kernel(out: &mut String, layout: &PinLayout) {
             "# HELP policy_agent_packets_total Packets judged by the classifier, by verdict reason and pod direction.\n# TYPE policy_agent_packets_total counter"
         );
         for ((reason, dir), n) in &counters {
-            let d = crate::inspect::direction_label(*dir);
+            let d = policy_common::direction::name(*dir);
             let _ = writeln!(
                 out,
                 "policy_agent_packets_total{{reason=\"{}\",direction=\"{d}\"}} {n}",

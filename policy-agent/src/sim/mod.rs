@@ -14,7 +14,7 @@ pub use self::{
     matrix::{Matrix, NODE_ROW, Target},
     netns::{NetNs, run},
     node::{NODE_V4, NODE_V6, PodNet, SimNode, SimPod, cleanup_prefix, pods_from_manifests},
-    probe::{Outcome, Probe, Transport, connect, echo, matrix, probe_all},
+    probe::{Outcome, Probe, Transport, connect, echo, matrix},
     serve::Servers,
 };
 

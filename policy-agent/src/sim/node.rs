@@ -243,16 +243,6 @@ impl SimNode {
         let _ = self.node.ip(&["link", "del", &p.host_if]);
         Some(p.pod.clone())
     }
-
-    /// Deletes everything now (also done on drop).
-    pub fn destroy(self) {}
-
-    /// Every namespace and interface name this node uses (for leak checks).
-    pub fn netns_names(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.pods.iter().map(|p| p.netns.name.clone()).collect();
-        v.push(self.node.name.clone());
-        v
-    }
 }
 
 /// Deletes leftovers of an earlier run with this prefix (a killed test).
@@ -270,7 +260,7 @@ pub fn cleanup_prefix(prefix: &str) {
 /// Pods of the simulated node from the manifests: every Pod of `node`
 /// with IPs, serving its container ports.
 pub fn pods_from_manifests(
-    pods: &[(crate::cluster::ObjectRef, crate::cluster::PodInfo)],
+    pods: &std::collections::BTreeMap<crate::cluster::ObjectRef, crate::cluster::PodInfo>,
     node: &str,
 ) -> Vec<SimPod> {
     pods.iter()

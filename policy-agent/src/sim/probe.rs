@@ -183,23 +183,6 @@ pub fn run_probes(probes: &[Probe], timeout: Duration) -> std::io::Result<Vec<Ou
         .collect())
 }
 
-/// Runs `probes` from inside `netns`.
-pub fn probe_all(
-    netns: &NetNs,
-    probes: Vec<Probe>,
-    timeout: Duration,
-) -> Result<Vec<Outcome>, Error> {
-    let name = netns.name.clone();
-    let handle = netns.spawn(move || run_probes(&probes, timeout))?;
-    let joined = handle
-        .join()
-        .map_err(|_| Error::Invalid(format!("probe thread in {name} panicked")))??;
-    joined.map_err(|source| Error::Socket {
-        netns: name,
-        source,
-    })
-}
-
 /// Probes from several namespaces in parallel: (source index, probe) → outcome.
 pub fn matrix(
     sources: &[&NetNs],
