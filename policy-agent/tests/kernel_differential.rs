@@ -166,14 +166,14 @@ fn random_packet(rng: &mut StdRng, hook: Hook) -> Packet {
 }
 
 fn to_model(p: &Packet, hook: Hook) -> model::Packet {
-    let (sport, dport, tcp_flags) = match p.l4 {
+    let (sport, dport, tcp_flags, icmp_type) = match p.l4 {
         L4::Tcp {
             sport,
             dport,
             flags,
-        } => (sport, dport, flags),
-        L4::Udp { sport, dport } | L4::Sctp { sport, dport } => (sport, dport, 0),
-        L4::Echo { id, .. } => (id, id, 0),
+        } => (sport, dport, flags, 0),
+        L4::Udp { sport, dport } | L4::Sctp { sport, dport } => (sport, dport, 0, 0),
+        L4::Echo { id, .. } => (id, id, 0, p.icmp_type()),
         _ => unreachable!("not generated"),
     };
     model::Packet {
@@ -185,6 +185,7 @@ fn to_model(p: &Packet, hook: Hook) -> model::Packet {
         sport,
         dport,
         tcp_flags,
+        icmp_type,
     }
 }
 

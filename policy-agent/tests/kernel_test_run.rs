@@ -799,3 +799,44 @@ fn endpoints_are_found_in_the_array_slot_and_in_the_overflow_hash() {
         );
     }
 }
+
+/// ICMP echo is tracked by identifier only: a request from the peer that
+/// reuses the identifier of the pod's own ping is a new flow, judged by
+/// policy, not a reply.
+#[test]
+fn an_echo_request_is_never_taken_for_a_reply() {
+    let mut h = cluster(ENDPOINT_INGRESS_ISOLATED);
+    h.sync();
+    let (pod, peer) = (ip("10.0.0.10"), ip("10.0.1.20"));
+    let echo = |src, dst, reply| Packet::new(src, dst, L4::Echo { id: 7, reply }).frame();
+    assert_eq!(
+        h.run_reason(Hook::Ingress, &echo(pod, peer, false)),
+        (Verdict::Pass, Reason::AllowNotIsolated)
+    );
+    assert_eq!(
+        h.run_reason(Hook::Egress, &echo(peer, pod, false)),
+        (Verdict::Drop, Reason::DropPolicy)
+    );
+    assert_eq!(
+        h.run_reason(Hook::Egress, &echo(peer, pod, true)),
+        (Verdict::Pass, Reason::AllowReply)
+    );
+    assert_eq!(
+        h.run_reason(Hook::Ingress, &echo(pod, peer, false)),
+        (Verdict::Pass, Reason::AllowEstablished)
+    );
+    // The same for ICMPv6.
+    let (pod6, peer6) = (ip("fd00::10"), ip("fd00::20"));
+    assert_eq!(
+        h.run_reason(Hook::Ingress, &echo(pod6, peer6, false)),
+        (Verdict::Pass, Reason::AllowNotIsolated)
+    );
+    assert_eq!(
+        h.run_reason(Hook::Egress, &echo(peer6, pod6, false)),
+        (Verdict::Drop, Reason::DropPolicy)
+    );
+    assert_eq!(
+        h.run_reason(Hook::Egress, &echo(peer6, pod6, true)),
+        (Verdict::Pass, Reason::AllowReply)
+    );
+}

@@ -42,6 +42,33 @@ impl CtKey {
     }
 }
 
+/// [`ct_lookups`]: the packet may continue a flow as it was opened.
+pub const CT_LOOKUP_FORWARD: u8 = 1 << 0;
+/// [`ct_lookups`]: the packet may answer a flow opened from the other side.
+pub const CT_LOOKUP_REPLY: u8 = 1 << 1;
+
+/// Which conntrack lookups a packet may hit. ICMP echo is tracked by its
+/// identifier alone, so its type decides the role: a request only
+/// continues its own flow and a reply only answers a request. Otherwise a
+/// request from the far side that happens to use the same identifier would
+/// pass as a reply without being judged.
+#[inline(always)]
+pub const fn ct_lookups(protocol: u8, icmp_type: u8) -> u8 {
+    const ICMP_ECHO_REPLY: u8 = 0;
+    const ICMP_ECHO: u8 = 8;
+    const ICMPV6_ECHO_REQUEST: u8 = 128;
+    const ICMPV6_ECHO_REPLY: u8 = 129;
+    match (protocol, icmp_type) {
+        (crate::proto::ICMP, ICMP_ECHO) | (crate::proto::ICMPV6, ICMPV6_ECHO_REQUEST) => {
+            CT_LOOKUP_FORWARD
+        }
+        (crate::proto::ICMP, ICMP_ECHO_REPLY) | (crate::proto::ICMPV6, ICMPV6_ECHO_REPLY) => {
+            CT_LOOKUP_REPLY
+        }
+        _ => CT_LOOKUP_FORWARD | CT_LOOKUP_REPLY,
+    }
+}
+
 /// A TCP FIN or RST was seen: the entry expires after [`CT_CLOSING_TIMEOUT_NS`].
 pub const CT_FLAG_CLOSING: u8 = 1 << 0;
 /// Only a SYN has been seen so far.

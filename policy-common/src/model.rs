@@ -22,7 +22,10 @@ use std::{
 };
 
 use crate::{
-    conntrack::{CT_FLAG_CLOSING, CT_FLAG_SYN_ONLY, CtEntry, CtKey},
+    conntrack::{
+        CT_FLAG_CLOSING, CT_FLAG_SYN_ONLY, CT_LOOKUP_FORWARD, CT_LOOKUP_REPLY, CtEntry, CtKey,
+        ct_lookups,
+    },
     direction,
     endpoint::{EndpointInfo, lookups},
     family, identity,
@@ -189,6 +192,8 @@ pub struct Packet {
     pub dport: u16,
     /// TCP flags byte (0 for other protocols).
     pub tcp_flags: u8,
+    /// ICMP/ICMPv6 type (0 for other protocols).
+    pub icmp_type: u8,
 }
 
 pub const TCP_FIN: u8 = 0x01;
@@ -275,7 +280,10 @@ impl Datapath {
         let key = pkt.ct_key();
         let closing = pkt.protocol == proto::TCP && pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0;
 
-        if let Some(entry) = self.conntrack.get(&key).copied() {
+        let lookups = ct_lookups(pkt.protocol, pkt.icmp_type);
+        if lookups & CT_LOOKUP_FORWARD != 0
+            && let Some(entry) = self.conntrack.get(&key).copied()
+        {
             return self.rejudge(
                 &ep,
                 key,
@@ -288,7 +296,9 @@ impl Datapath {
             );
         }
         let reversed = key.reversed();
-        if let Some(entry) = self.conntrack.get(&reversed).copied() {
+        if lookups & CT_LOOKUP_REPLY != 0
+            && let Some(entry) = self.conntrack.get(&reversed).copied()
+        {
             // Judge again as the flow's opener: the other direction, the
             // same peer, the original destination port.
             let orig_port = if has_ports(pkt.protocol) {
@@ -481,6 +491,7 @@ mod tests {
             sport: 40000,
             dport: 80,
             tcp_flags: TCP_SYN,
+            icmp_type: 0,
         };
         let reply = Packet {
             ifindex: 7,
@@ -491,6 +502,7 @@ mod tests {
             sport: 80,
             dport: 40000,
             tcp_flags: TCP_SYN | TCP_ACK,
+            icmp_type: 0,
         };
         assert_eq!(dp.classify(&syn).reason, Reason::AllowPolicy);
         assert_eq!(dp.classify(&reply).reason, Reason::AllowReply);

@@ -12,7 +12,8 @@ use aya_log_ebpf::debug;
 use policy_common::{
     config::{CONFIG_DEBUG_LOG, CONFIG_NO_DROP_EVENTS},
     conntrack::{
-        CT_FLAG_CLOSING, CT_FLAG_SYN_ONLY, CT_REFRESH_NS, CtEntry, CtKey, FragEntry, FragKey,
+        CT_FLAG_CLOSING, CT_FLAG_SYN_ONLY, CT_LOOKUP_FORWARD, CT_LOOKUP_REPLY, CT_REFRESH_NS,
+        CtEntry, CtKey, FragEntry, FragKey, ct_lookups,
     },
     direction,
     endpoint::{ENDPOINT_SLOT_USED, EndpointInfo, lookups},
@@ -287,8 +288,11 @@ fn decide(
         }
     }
 
+    let lookups = ct_lookups(pkt.protocol, pkt.icmp_type);
     fill_ct_key(&mut s.ct, ifindex, pkt);
-    if let Some(entry) = CONNTRACK.get_ptr_mut(&s.ct) {
+    if lookups & CT_LOOKUP_FORWARD != 0
+        && let Some(entry) = CONNTRACK.get_ptr_mut(&s.ct)
+    {
         // SAFETY: a pointer to the map value, valid for this program run.
         let entry = unsafe { &mut *entry };
         if live(entry, pkt.protocol, now) {
@@ -305,7 +309,9 @@ fn decide(
         }
     }
     s.ct = s.ct.reversed();
-    if let Some(entry) = CONNTRACK.get_ptr_mut(&s.ct) {
+    if lookups & CT_LOOKUP_REPLY != 0
+        && let Some(entry) = CONNTRACK.get_ptr_mut(&s.ct)
+    {
         // SAFETY: as above.
         let entry = unsafe { &mut *entry };
         if live(entry, pkt.protocol, now) {

@@ -100,6 +100,21 @@ impl Packet {
         }
     }
 
+    /// The ICMP/ICMPv6 type (0 for other protocols).
+    pub fn icmp_type(&self) -> u8 {
+        let v6 = self.src.is_ipv6();
+        match &self.l4 {
+            L4::Echo { reply: false, .. } if v6 => 128,
+            L4::Echo { reply: true, .. } if v6 => 129,
+            L4::Echo { reply: false, .. } => 8,
+            L4::Echo { reply: true, .. } => 0,
+            L4::Unreachable { .. } if v6 => 1,
+            L4::Unreachable { .. } => 3,
+            L4::Icmp { kind } => *kind,
+            L4::Tcp { .. } | L4::Udp { .. } | L4::Sctp { .. } => 0,
+        }
+    }
+
     /// The transport bytes.
     fn l4_bytes(&self) -> Vec<u8> {
         let v6 = self.src.is_ipv6();
@@ -133,29 +148,14 @@ impl Packet {
                 b[14..16].copy_from_slice(&4u16.to_be_bytes());
                 b
             }
-            L4::Echo { id, reply } => {
-                let kind = match (v6, reply) {
-                    (false, false) => 8,
-                    (false, true) => 0,
-                    (true, false) => 128,
-                    (true, true) => 129,
-                };
-                let mut b = vec![kind, 0, 0, 0];
+            L4::Echo { id, .. } => {
+                let mut b = vec![self.icmp_type(), 0, 0, 0];
                 b.extend_from_slice(&id.to_be_bytes());
                 b.extend_from_slice(&1u16.to_be_bytes());
                 b
             }
             L4::Unreachable { quoted } => {
-                let mut b = vec![
-                    if v6 { 1 } else { 3 },
-                    if v6 { 4 } else { 3 },
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                ];
+                let mut b = vec![self.icmp_type(), if v6 { 4 } else { 3 }, 0, 0, 0, 0, 0, 0];
                 let inner = quoted.ip_bytes();
                 b.extend_from_slice(&inner[..inner.len().min(if v6 { 40 + 8 } else { 28 })]);
                 b
