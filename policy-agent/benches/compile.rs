@@ -19,9 +19,9 @@ use std::{
 use criterion::{BatchSize, Criterion};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use policy_agent::{
-    cluster::{ClusterState, ContainerPort, NamespaceInfo, ObjectRef, PodInfo},
+    cluster::{Change, ClusterState, ContainerPort, NamespaceInfo, ObjectRef, PodInfo},
     identity::IdentityAllocator,
-    policy::{Change, CompileOptions, Compiler},
+    policy::{CompileOptions, Compiler},
 };
 use policy_common::proto;
 use rand::{Rng, SeedableRng, rngs::StdRng};

@@ -14,11 +14,9 @@ use std::net::{IpAddr, Ipv4Addr};
 use aya::programs::{TestRun as _, TestRunOptions};
 use ipnet::IpNet;
 use policy_agent::{
-    datapath::bpf::{
-        Hook, Unpinned,
-        packet::{Packet, TCP_ACK, TCP_SYN},
-    },
+    datapath::bpf::{Hook, Unpinned},
     mapstate::{MapState, diff},
+    sim::packet::{Packet, TCP_ACK, TCP_SYN},
 };
 use policy_common::{
     direction,

@@ -1,18 +1,27 @@
 //! The policy agent: cluster state in, enforced datapath out.
 //!
-//! - [`cluster`]: the plain cluster model the compiler reads;
-//! - [`identity`]: label and address-class identities and their stable numbers;
-//! - [`policy`]: the compiler from cluster state to map content, and explain;
-//! - [`mapstate`]: the datapath-neutral desired map content and its ordered diff.
+//! Layers, each importing only those below it (docs/ARCHITECTURE.md draws
+//! them):
+//! - vocabularies: [`cluster`] (the model and its [`cluster::Change`]s,
+//!   [`cluster::Problem`]), [`identity`], [`mapstate`] (desired map
+//!   content and its ordered diff);
+//! - stages: [`source`] (manifests, the API server, node addresses) →
+//!   [`policy`] (the compiler, explain) → [`datapath`] (bpf, iptables);
+//!   no stage imports another;
+//! - on top: [`worker`] (the `run` daemon, and the enforcer `apply`
+//!   uses), [`inspect`] (`dump`);
+//! - support: [`netlink`], [`exec`], [`metrics`]; [`sim`] (the simulated
+//!   node, with the `sim` feature only).
 pub mod cluster;
-pub mod daemon;
 pub mod datapath;
-pub mod enforce;
+pub mod exec;
 pub mod identity;
 pub mod inspect;
-pub mod k8s;
 pub mod mapstate;
 pub mod metrics;
 pub mod netlink;
 pub mod policy;
+#[cfg(feature = "sim")]
 pub mod sim;
+pub mod source;
+pub mod worker;

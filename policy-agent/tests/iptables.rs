@@ -13,9 +13,9 @@ use policy_agent::{
     cluster::PodRef,
     datapath::iptables::{DEFAULT_MARK, RenderInput, render},
     identity::IdentityAllocator,
-    k8s::manifests::{LoadedManifests, load_text},
     policy,
     sim::NetNs,
+    source::manifests::{LoadedManifests, load_text},
 };
 use support::conformance::{AGENT, Backend, Conformance, ns_of};
 

@@ -8,10 +8,8 @@ mod support;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use policy_agent::datapath::bpf::{
-    Hook,
-    packet::{L4, Packet, TCP_ACK, TCP_FIN, TCP_SYN},
-};
+use policy_agent::datapath::bpf::Hook;
+use policy_agent::sim::packet::{L4, Packet, TCP_ACK, TCP_FIN, TCP_SYN};
 use policy_common::{
     direction,
     endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED},

@@ -5,10 +5,8 @@
 mod support;
 
 use aya::maps::RingBuf;
-use policy_agent::datapath::bpf::{
-    Hook,
-    packet::{Fragment, L4, Packet, TCP_ACK, TCP_SYN, ethernet},
-};
+use policy_agent::datapath::bpf::Hook;
+use policy_agent::sim::packet::{Fragment, L4, Packet, TCP_ACK, TCP_SYN, ethernet};
 use policy_common::{
     direction::{EGRESS, INGRESS},
     endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED},

@@ -14,9 +14,9 @@ use std::{collections::BTreeMap, fs, net::IpAddr, path::PathBuf};
 
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use policy_agent::{
-    cluster::{ClusterState, ContainerPort, NamespaceInfo, ObjectRef, PodInfo},
+    cluster::{Change, ClusterState, ContainerPort, NamespaceInfo, ObjectRef, PodInfo},
     identity::IdentityAllocator,
-    policy::{self, Change, CompileOptions, Compiled, Compiler},
+    policy::{self, CompileOptions, Compiled, Compiler},
 };
 use policy_common::{direction, model::has_ports, proto};
 use prop_oracle::{World, policy_valid};

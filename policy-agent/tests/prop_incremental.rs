@@ -8,10 +8,10 @@ mod prop_oracle;
 use std::net::IpAddr;
 
 use policy_agent::{
-    cluster::{ClusterState, PodRef},
+    cluster::{Change, ClusterState, PodRef},
     identity::IdentityAllocator,
     mapstate::{MapOp, MapState, diff},
-    policy::{self, Change, CompileOptions, Compiler},
+    policy::{self, CompileOptions, Compiler},
 };
 use prop_oracle::{NAMESPACES, cluster};
 use proptest::prelude::*;

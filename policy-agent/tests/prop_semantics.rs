@@ -103,10 +103,7 @@ fn check(state: &ClusterState, all_local: bool) -> Result<(), TestCaseError> {
 
 /// Policies the compiler reports errors for.
 fn failing(c: &Compiled) -> BTreeSet<ObjectRef> {
-    c.errors
-        .iter()
-        .filter_map(|e| e.policy().cloned())
-        .collect()
+    c.errors.iter().map(|e| e.policy().clone()).collect()
 }
 
 proptest! {

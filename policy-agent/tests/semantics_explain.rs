@@ -3,7 +3,10 @@
 
 mod semantics_common;
 
-use policy_agent::policy::{self, ExplainError, ExplainQuery, FlowEnd, identity_addresses};
+use policy_agent::{
+    mapstate::identity_addresses,
+    policy::{self, ExplainError, ExplainQuery, FlowEnd},
+};
 use policy_common::identity::WORLD;
 use semantics_common::*;
 

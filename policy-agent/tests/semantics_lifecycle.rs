@@ -4,9 +4,10 @@
 mod semantics_common;
 
 use policy_agent::{
+    cluster::Change,
     identity::IdentityAllocator,
     mapstate::diff,
-    policy::{self, Change, CompileOptions, Compiler},
+    policy::{self, CompileOptions, Compiler},
 };
 use policy_common::direction::INGRESS;
 use semantics_common::*;

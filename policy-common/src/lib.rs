@@ -56,6 +56,20 @@ pub mod proto {
     pub const UDP: u8 = 17;
     pub const ICMPV6: u8 = 58;
     pub const SCTP: u8 = 132;
+
+    /// Whether the protocol carries ports a policy can name (TCP, UDP,
+    /// SCTP); for every other protocol the policy port is 0.
+    #[inline(always)]
+    pub const fn has_ports(protocol: u8) -> bool {
+        protocol == TCP || protocol == UDP || protocol == SCTP
+    }
+
+    /// The destination port a policy judges: the packet's for protocols
+    /// with ports, 0 otherwise.
+    #[inline(always)]
+    pub const fn policy_port(protocol: u8, port: u16) -> u16 {
+        if has_ports(protocol) { port } else { 0 }
+    }
 }
 
 /// Address family tags used in conntrack keys and events.

@@ -35,10 +35,7 @@ use crate::{
     verdict::Reason,
 };
 
-/// Whether the protocol carries ports the policy can name.
-pub const fn has_ports(protocol: u8) -> bool {
-    matches!(protocol, proto::TCP | proto::UDP | proto::SCTP)
-}
+pub use crate::proto::has_ports;
 
 /// The content of the datapath maps the verdict depends on.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -240,11 +237,7 @@ impl Packet {
 
     /// The destination port used by policy (0 for portless protocols).
     pub fn policy_port(&self) -> u16 {
-        if has_ports(self.protocol) {
-            self.dport
-        } else {
-            0
-        }
+        proto::policy_port(self.protocol, self.dport)
     }
 }
 
@@ -301,11 +294,7 @@ impl Datapath {
         {
             // Judge again as the flow's opener: the other direction, the
             // same peer, the original destination port.
-            let orig_port = if has_ports(pkt.protocol) {
-                pkt.sport
-            } else {
-                0
-            };
+            let orig_port = proto::policy_port(pkt.protocol, pkt.sport);
             return self.rejudge(
                 &ep,
                 reversed,

@@ -59,6 +59,30 @@ pub const fn port_mask(len: u8) -> u16 {
 }
 
 impl PolicyKey {
+    /// The [`crate::endpoint::lookups`] bits this key needs set on its
+    /// endpoint for the classifier to probe it: its port prefix length (or
+    /// any-protocol), plus any-peer when its peer is the wildcard. The one
+    /// statement of the rule: the agent sums it over an endpoint's keys,
+    /// the classifier probes exactly the shapes whose bits are set.
+    #[inline(always)]
+    pub const fn lookup_bits(&self) -> u32 {
+        let shape = if self.protocol == crate::proto::ANY {
+            crate::endpoint::lookups::ANY_PROTOCOL
+        } else {
+            let len = if self.port_prefix_len > 16 {
+                16
+            } else {
+                self.port_prefix_len
+            };
+            crate::endpoint::lookups::port_prefix(len)
+        };
+        if self.peer_identity == crate::identity::ANY {
+            shape | crate::endpoint::lookups::ANY_PEER
+        } else {
+            shape
+        }
+    }
+
     /// A key for one probe of the lookup order.
     #[inline(always)]
     pub const fn new(

@@ -46,11 +46,6 @@ const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
 
 #[inline(always)]
-fn has_ports(protocol: u8) -> bool {
-    protocol == proto::TCP || protocol == proto::UDP || protocol == proto::SCTP
-}
-
-#[inline(always)]
 fn count(reason: Reason, dir: u8) {
     if let Some(slot) = COUNTERS.get_ptr_mut(counter_index(reason, dir)) {
         // SAFETY: per-CPU slot, only this CPU touches it while we run.
@@ -114,12 +109,12 @@ fn probe_peer(endpoint: u32, peer: u32, packed: u32, bits: u32) -> u32 {
     let dir = (packed >> 24) as u8;
     let protocol = (packed >> 16) as u8;
     let port = packed as u16;
-    if has_ports(protocol) {
-        let mut len: u32 = 17;
+    if proto::has_ports(protocol) {
+        let mut len: u8 = 17;
         while len > 0 {
             len -= 1;
-            if bits & (1 << len) != 0 {
-                let key = PolicyKey::new(endpoint, dir, peer, protocol, len as u8, port);
+            if bits & lookups::port_prefix(len) != 0 {
+                let key = PolicyKey::new(endpoint, dir, peer, protocol, len, port);
                 if POLICY.get_ptr(&key).is_some() {
                     return 1;
                 }
@@ -166,11 +161,6 @@ fn judge(
     (Reason::DropPolicy, peer)
 }
 
-#[inline(always)]
-fn policy_port(protocol: u8, port: u16) -> u16 {
-    if has_ports(protocol) { port } else { 0 }
-}
-
 /// A conntrack hit: still allowed under the endpoint's current revision?
 /// `orig_port` is the destination port of the packet that opened the flow.
 #[inline(always)]
@@ -192,7 +182,7 @@ fn on_ct_hit(
             pkt.family,
             peer_addr,
             pkt.protocol,
-            policy_port(pkt.protocol, orig_port),
+            proto::policy_port(pkt.protocol, orig_port),
         );
         peer = p;
         if reason.is_drop() {
@@ -336,7 +326,7 @@ fn decide(
         pkt.family,
         peer_addr,
         pkt.protocol,
-        policy_port(pkt.protocol, pkt.dport),
+        proto::policy_port(pkt.protocol, pkt.dport),
     );
     if reason == Reason::AllowPolicy || reason == Reason::AllowNotIsolated {
         let mut flags = 0;

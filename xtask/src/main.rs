@@ -123,7 +123,14 @@ fn main() -> anyhow::Result<()> {
         Task::Demo { manifests, node } => {
             setup()?;
             require_root("the demo")?;
-            run(cargo().args(["build", "--release", "-p", "policy-agent"]))?;
+            run(cargo().args([
+                "build",
+                "--release",
+                "-p",
+                "policy-agent",
+                "--features",
+                "sim",
+            ]))?;
             let agent = root().join("target/release/policy-agent");
             run(Command::new(agent)
                 .current_dir(root())

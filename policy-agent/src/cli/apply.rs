@@ -1,57 +1,42 @@
 //! `policy-agent apply`: enforce a directory of manifests once.
-use std::{path::PathBuf, process::ExitCode};
+use std::process::ExitCode;
 
 use anyhow::Context as _;
 use policy_agent::{
-    datapath::bpf::LoadOptions,
-    enforce::{self, Input, Problem},
-    k8s, netlink,
+    cluster::{ClusterState, Problem, changes_between},
+    netlink, source,
+    worker::Enforcer,
 };
 
-use super::common::{DatapathArgs, PinArgs, print_problems};
+use super::common::{EnforceArgs, ManifestsArg, NodeArg, print_problems};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Directory of *.yaml / *.yml manifests (Namespaces, Pods, NetworkPolicies).
-    #[arg(long)]
-    pub manifests: PathBuf,
-    /// This node's name: pods with this spec.nodeName are enforced here.
-    #[arg(long, env = "NODE_NAME")]
-    pub node: String,
     #[command(flatten)]
-    pub datapath: DatapathArgs,
+    pub manifests: ManifestsArg,
     #[command(flatten)]
-    pub pins: PinArgs,
+    pub node: NodeArg,
+    #[command(flatten)]
+    pub enforce: EnforceArgs,
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let mut loaded = k8s::load_dir(&args.manifests);
+    let node = &args.node.node;
+    let mut loaded = source::manifests::load_dir(&args.manifests.manifests);
     let node_ips = netlink::local_addresses().context("reading this node's addresses")?;
-    let state = loaded.cluster_state(&args.node, node_ips);
-    let mut problems: Vec<Problem> = loaded
-        .errors
-        .iter()
-        .map(|e| Problem::manifest(e.to_string()))
-        .collect();
+    let state = loaded.cluster_state(node, node_ips);
+    let mut problems: Vec<Problem> = loaded.errors.iter().map(|e| e.problem()).collect();
 
-    let opts = LoadOptions {
-        force_netlink: args.datapath.force_netlink,
-        ..Default::default()
-    };
-    let mut enforcer = enforce::open(
-        args.datapath.datapath.into(),
-        &args.pins.layout(),
-        &opts,
-        args.datapath.iptables_backend.into(),
-    )
-    .context("opening the datapath")?;
-    let report = enforcer.sync(Input::State(&state)).context("enforcing")?;
+    let mut enforcer =
+        Enforcer::open(&args.enforce.open_options()).context("opening the datapath")?;
+    let report = enforcer
+        .enforce(changes_between(&ClusterState::default(), &state))
+        .context("enforcing")?;
     problems.extend(report.problems.iter().cloned());
     println!(
-        "{}: enforcing {} local endpoint(s) on node {}: {} write(s){}{}",
-        enforcer.name(),
+        "{}: enforcing {} local endpoint(s) on node {node}: {} write(s){}{}",
+        enforcer.datapath().name(),
         report.endpoints,
-        args.node,
         report.writes,
         if report.attached.is_empty() {
             String::new()

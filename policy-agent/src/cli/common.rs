@@ -3,11 +3,12 @@ use std::path::PathBuf;
 
 use clap::ValueEnum;
 use policy_agent::{
+    cluster::Problem,
     datapath::{
-        bpf::{DEFAULT_PIN_ROOT, PinLayout},
+        Choice, OpenOptions,
+        bpf::{DEFAULT_PIN_ROOT, LoadOptions, PinLayout},
         iptables::Backend,
     },
-    enforce::{Choice, Problem},
 };
 
 pub fn init_tracing() {
@@ -82,6 +83,46 @@ pub struct DatapathArgs {
     /// Attach with netlink clsact filters even where TCX is available.
     #[arg(long)]
     pub force_netlink: bool,
+}
+
+/// The node the agent enforces on.
+#[derive(clap::Args, Clone, Debug)]
+pub struct NodeArg {
+    /// This node's name: pods with this spec.nodeName are enforced here
+    /// (in a cluster: from the downward API).
+    #[arg(long, env = "NODE_NAME")]
+    pub node: String,
+}
+
+/// A directory of manifests describing the cluster.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ManifestsArg {
+    /// Directory of *.yaml / *.yml manifests (Namespaces, Pods, NetworkPolicies).
+    #[arg(long)]
+    pub manifests: PathBuf,
+}
+
+/// Which datapath to enforce with, and where its pins live.
+#[derive(clap::Args, Clone, Debug)]
+pub struct EnforceArgs {
+    #[command(flatten)]
+    pub datapath: DatapathArgs,
+    #[command(flatten)]
+    pub pins: PinArgs,
+}
+
+impl EnforceArgs {
+    pub fn open_options(&self) -> OpenOptions {
+        OpenOptions {
+            choice: self.datapath.datapath.into(),
+            layout: self.pins.layout(),
+            load: LoadOptions {
+                force_netlink: self.datapath.force_netlink,
+                ..Default::default()
+            },
+            iptables: self.datapath.iptables_backend.into(),
+        }
+    }
 }
 
 /// Prints problems to stderr, one per line.

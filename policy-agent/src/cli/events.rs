@@ -2,7 +2,7 @@
 use std::{process::ExitCode, time::Duration};
 
 use anyhow::Context as _;
-use policy_agent::inspect::DropEventReader;
+use policy_agent::datapath::bpf::{Classifiers, DropEventReader, Hook, follow_kernel_log};
 
 use super::common::PinArgs;
 
@@ -27,10 +27,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let mut reader = DropEventReader::open(&layout)
         .context("opening the drop-event ring buffer (is the agent installed?)")?;
     if args.kernel_log {
-        let maps = policy_agent::datapath::bpf::Classifiers::open_pinned(&layout)
-            .context("opening the pinned programs")?;
-        if let Some(id) = maps.id(policy_agent::datapath::bpf::Hook::Ingress) {
-            policy_agent::inspect::follow_kernel_log(id).context("following the kernel log")?;
+        let programs = Classifiers::open_pinned(&layout).context("opening the pinned programs")?;
+        if let Some(id) = programs.id(Hook::Ingress) {
+            follow_kernel_log(id).context("following the kernel log")?;
         }
     }
     let mut seen = 0usize;

@@ -1,20 +1,21 @@
 //! `policy-agent explain`: the verdict for one flow and why.
-use std::{path::PathBuf, process::ExitCode};
+use std::process::ExitCode;
 
 use anyhow::{Context as _, bail};
 use policy_agent::{
     cluster::ObjectRef,
     identity::IdentityAllocator,
-    k8s,
     policy::{CompileOptions, ExplainQuery, FlowEnd, compile_with, explain},
+    source,
 };
+
+use super::common::ManifestsArg;
 use policy_common::proto;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Directory of manifests describing the cluster.
-    #[arg(long)]
-    pub manifests: PathBuf,
+    #[command(flatten)]
+    pub manifests: ManifestsArg,
     /// Source: NAMESPACE/POD or an IP address.
     #[arg(long)]
     pub from: String,
@@ -51,7 +52,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         "SCTP" => proto::SCTP,
         other => bail!("unknown protocol {other:?}: use TCP, UDP or SCTP"),
     };
-    let mut loaded = k8s::load_dir(&args.manifests);
+    let mut loaded = source::manifests::load_dir(&args.manifests.manifests);
     // Explain judges every pod as if it were local: no node is needed.
     let state = loaded.cluster_state("", Vec::new());
     for e in &loaded.errors {

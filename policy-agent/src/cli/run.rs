@@ -2,12 +2,9 @@
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use anyhow::Context as _;
-use policy_agent::{
-    daemon::{self, Config, Source},
-    datapath::bpf::LoadOptions,
-};
+use policy_agent::worker::{self, Config, Sources};
 
-use super::common::{DatapathArgs, PinArgs};
+use super::common::{EnforceArgs, NodeArg};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -15,30 +12,22 @@ pub struct Args {
     /// (without it: cluster mode, in-cluster config or KUBECONFIG).
     #[arg(long)]
     pub manifests: Option<PathBuf>,
-    /// This node's name (in a cluster: from the downward API).
-    #[arg(long, env = "NODE_NAME")]
-    pub node: String,
+    #[command(flatten)]
+    pub node: NodeArg,
     /// Address for /metrics, /healthz and /readyz.
     #[arg(long, default_value = "127.0.0.1:9402")]
     pub listen: SocketAddr,
     #[command(flatten)]
-    pub datapath: DatapathArgs,
-    #[command(flatten)]
-    pub pins: PinArgs,
+    pub enforce: EnforceArgs,
     /// Quiet time (ms) that ends a burst of changes.
     #[arg(long, default_value_t = 20)]
     pub debounce_ms: u64,
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let mut config = Config::new(args.node.clone(), args.pins.layout());
+    let mut config = Config::new(args.node.node.clone(), args.enforce.pins.layout());
     config.listen = args.listen;
-    config.load = LoadOptions {
-        force_netlink: args.datapath.force_netlink,
-        ..Default::default()
-    };
-    config.datapath = args.datapath.datapath.into();
-    config.iptables = args.datapath.iptables_backend.into();
+    config.datapath = args.enforce.open_options();
     config.debounce = Duration::from_millis(args.debounce_ms);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -58,16 +47,16 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             }
         };
         let source = match args.manifests.clone() {
-            Some(dir) => Source::Manifests(dir),
+            Some(dir) => Sources::Manifests(dir),
             None => {
                 // In a pod: the service account; elsewhere: KUBECONFIG.
                 let client = kube::Client::try_default()
                     .await
                     .context("connecting to the API server (in-cluster config or KUBECONFIG)")?;
-                Source::Cluster(client)
+                Sources::Cluster(client)
             }
         };
-        daemon::run(config, source, shutdown)
+        worker::run(config, source, shutdown)
             .await
             .map_err(anyhow::Error::from)
     })?;

@@ -1,15 +1,23 @@
 //! The cluster state the compiler reads: plain values, free of kube I/O.
 //!
-//! Watchers (kube-rs) and the manifest loader both fill a [`ClusterState`];
-//! only the fields policy needs are kept, so 10,000 pods stay small.
+//! Sources (the manifest directory, kube-rs watchers, the node's own
+//! addresses) describe it with [`Change`]s; only the fields policy needs
+//! are kept, so 10,000 pods stay small. [`Problem`] is how every layer
+//! says what it could not enforce as written.
+mod change;
 mod convert;
+mod problem;
 
 use std::{collections::BTreeMap, fmt, net::IpAddr};
 
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 
 pub(crate) use self::convert::protocol_number;
-pub use self::convert::{ConvertError, namespace_info, pod_info};
+pub use self::{
+    change::{Change, Keyed, changes_between, keyed_changes},
+    convert::{ConvertError, namespace_info, pod_info},
+    problem::{ObjectKind, Problem, Subject},
+};
 
 /// Labels, sorted by key.
 pub type Labels = BTreeMap<String, String>;
@@ -82,4 +90,26 @@ pub struct ClusterState {
     pub namespaces: BTreeMap<String, NamespaceInfo>,
     pub pods: BTreeMap<PodRef, PodInfo>,
     pub policies: BTreeMap<PolicyRef, NetworkPolicy>,
+}
+
+/// Local pods that cannot be enforced yet because they hold no IP.
+pub fn unready_local_pods<'a>(
+    node_name: &str,
+    pods: impl IntoIterator<Item = (&'a PodRef, &'a PodInfo)>,
+) -> Vec<Problem> {
+    pods.into_iter()
+        .filter(|(_, p)| {
+            p.node_name.as_deref() == Some(node_name)
+                && !p.host_network
+                && !p.terminal
+                && p.ips.is_empty()
+        })
+        .map(|(r, _)| {
+            Problem::object(
+                ObjectKind::Pod,
+                r.clone(),
+                "has no IP (status.podIP/podIPs empty): nothing to enforce on yet",
+            )
+        })
+        .collect()
 }

@@ -11,8 +11,10 @@ use policy_common::{
 };
 use serde::Serialize;
 
-use super::names::{Names, address, endpoint_text, protocol_name};
-use crate::datapath::bpf::{BpfMaps, Error, PinLayout};
+use crate::datapath::bpf::{
+    BpfMaps, Error, PinLayout,
+    names::{Names, address, endpoint_text, protocol_name},
+};
 
 #[derive(Debug, Serialize)]
 pub struct Dump {

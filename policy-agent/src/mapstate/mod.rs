@@ -1,28 +1,33 @@
 //! The datapath-neutral description of what every policy map must hold,
-//! and the ordered, minimal difference between two such descriptions.
+//! and the ordered, minimal difference between two such descriptions;
+//! what renderers that match addresses rather than identities need
+//! ([`identity_addresses`], [`RuleOrigin`]) is read from it here.
 //!
 //! The compiler produces a `MapState<PodRef>` (endpoints named by pod); the
 //! BPF datapath resolves pods to host interfaces, giving a `MapState<u32>`
 //! keyed by ifindex, and applies [`diff`] of the pinned content and that.
+mod addresses;
 mod diff;
 mod names;
+mod origin;
 
 use std::collections::BTreeMap;
 
 use ipnet::IpNet;
 use policy_common::{
     direction,
-    endpoint::{EndpointInfo, lookups},
+    endpoint::EndpointInfo,
     identity::IdentityName,
     ipcache::IpcacheEntry,
     policy::{PolicyEntry, PolicyKey},
-    proto,
 };
 
 pub(crate) use self::names::fnv1a64;
 pub use self::{
+    addresses::{AddressSet, identity_addresses},
     diff::{MapOp, assign_revisions, diff},
     names::{identity_name, identity_name_str},
+    origin::RuleOrigin,
 };
 
 /// Desired (or read-back) content of the policy maps.
@@ -56,23 +61,12 @@ pub fn lookup_bits(policy: &BTreeMap<PolicyKey, PolicyEntry>, identity: u32, dir
         endpoint_identity: identity,
         ..PolicyKey::default()
     };
-    let mut bits = 0;
-    for key in policy
+    policy
         .range(start..)
         .map(|(k, _)| k)
         .take_while(|k| k.endpoint_identity == identity)
         .filter(|k| k.direction == dir)
-    {
-        if key.protocol == proto::ANY {
-            bits |= lookups::ANY_PROTOCOL;
-        } else {
-            bits |= lookups::port_prefix(key.port_prefix_len.min(16));
-        }
-        if key.peer_identity == policy_common::identity::ANY {
-            bits |= lookups::ANY_PEER;
-        }
-    }
-    bits
+        .fold(0, |bits, key| bits | key.lookup_bits())
 }
 
 impl<K: Ord + Clone> MapState<K> {

@@ -3,4 +3,7 @@
 mod http;
 mod registry;
 
-pub use self::{http::serve, registry::Metrics};
+pub use self::{
+    http::serve,
+    registry::{Metrics, MetricsSource},
+};

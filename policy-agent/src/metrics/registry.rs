@@ -1,5 +1,5 @@
-//! The agent's own metrics, plus the kernel's verdict counters and map
-//! fill read from the pins at scrape time.
+//! The agent's own metrics, plus what the datapath reports at scrape time
+//! (for BPF: the kernel's verdict counters and map fill).
 use std::{
     fmt::Write as _,
     sync::{
@@ -9,7 +9,8 @@ use std::{
     time::Duration,
 };
 
-use crate::datapath::bpf::{BpfMaps, PinLayout};
+/// Figures a datapath adds at scrape time (appends Prometheus text).
+pub type MetricsSource = std::sync::Arc<dyn Fn(&mut String) + Send + Sync>;
 
 /// Upper bounds (seconds) of the sync duration histogram.
 const BUCKETS: [f64; 12] = [
@@ -25,7 +26,7 @@ struct Histogram {
 
 /// Shared by the sync worker (writes) and the HTTP server (reads).
 pub struct Metrics {
-    layout: PinLayout,
+    datapath: Mutex<Option<MetricsSource>>,
     ready: AtomicBool,
     syncs_ok: AtomicU64,
     syncs_failed: AtomicU64,
@@ -38,11 +39,9 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// `layout`: where to read kernel counters at scrape time (nothing is
-    /// read while it holds no pins, as with the iptables datapath).
-    pub fn new(layout: PinLayout) -> Self {
+    pub fn new() -> Self {
         Self {
-            layout,
+            datapath: Mutex::new(None),
             ready: AtomicBool::new(false),
             syncs_ok: AtomicU64::new(0),
             syncs_failed: AtomicU64::new(0),
@@ -52,6 +51,13 @@ impl Metrics {
             last_sync_unix: AtomicU64::new(0),
             durations: Mutex::new(Histogram::default()),
             errors_by_kind: Mutex::new(Default::default()),
+        }
+    }
+
+    /// What the datapath reports at scrape time, from now on.
+    pub fn set_datapath(&self, source: Option<MetricsSource>) {
+        if let Ok(mut d) = self.datapath.lock() {
+            *d = source;
         }
     }
 
@@ -176,55 +182,16 @@ impl Metrics {
                 h.count, h.sum, h.count
             );
         }
-        render_kernel(&mut out, &self.layout);
+        let source = self.datapath.lock().ok().and_then(|d| d.clone());
+        if let Some(source) = source {
+            source(&mut out);
+        }
         out
     }
 }
 
-fn render_kernel(out: &mut String, layout: &PinLayout) {
-    let Ok(maps) = BpfMaps::from_pins(layout) else {
-        return;
-    };
-    if let Ok(counters) = maps.counters() {
-        let _ = writeln!(
-            out,
-            "# HELP policy_agent_packets_total Packets judged by the classifier, by verdict reason and pod direction.\n# TYPE policy_agent_packets_total counter"
-        );
-        for ((reason, dir), n) in &counters {
-            let d = policy_common::direction::name(*dir);
-            let _ = writeln!(
-                out,
-                "policy_agent_packets_total{{reason=\"{}\",direction=\"{d}\"}} {n}",
-                reason.name()
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP policy_agent_drops_total Packets dropped, by reason.\n# TYPE policy_agent_drops_total counter"
-        );
-        let mut drops: std::collections::BTreeMap<&str, u64> = Default::default();
-        for ((reason, _), n) in &counters {
-            if reason.is_drop() {
-                *drops.entry(reason.name()).or_default() += n;
-            }
-        }
-        for (r, n) in drops {
-            let _ = writeln!(out, "policy_agent_drops_total{{reason=\"{r}\"}} {n}");
-        }
-    }
-    let _ = writeln!(
-        out,
-        "# HELP policy_agent_map_entries Entries in each datapath map.\n# TYPE policy_agent_map_entries gauge"
-    );
-    let fill = maps.fill();
-    for (name, n, _) in &fill {
-        let _ = writeln!(out, "policy_agent_map_entries{{map=\"{name}\"}} {n}");
-    }
-    let _ = writeln!(
-        out,
-        "# HELP policy_agent_map_capacity Capacity of each datapath map.\n# TYPE policy_agent_map_capacity gauge"
-    );
-    for (name, _, cap) in &fill {
-        let _ = writeln!(out, "policy_agent_map_capacity{{map=\"{name}\"}} {cap}");
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
     }
 }

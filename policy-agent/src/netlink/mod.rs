@@ -14,7 +14,7 @@ use netlink_packet_route::{
 };
 
 use self::request::request;
-pub use self::watch::{LinkEvent, watch_links};
+pub use self::watch::{LinkEvent, watch_addresses, watch_links};
 
 /// Errors talking to the kernel over netlink.
 #[derive(Debug, thiserror::Error)]

@@ -14,6 +14,8 @@ use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 use super::{Error, Link, link_from, request::messages, route_from};
 
 const RTMGRP_LINK: u32 = 0x1;
+const RTMGRP_IPV4_IFADDR: u32 = 0x10;
+const RTMGRP_IPV6_IFADDR: u32 = 0x100;
 const RTMGRP_IPV4_ROUTE: u32 = 0x40;
 const RTMGRP_IPV6_ROUTE: u32 = 0x400;
 
@@ -87,6 +89,31 @@ pub fn watch_links(tx: Sender<LinkEvent>) -> Result<std::thread::JoinHandle<()>,
                     {
                         return;
                     }
+                }
+            }
+        })
+        .map_err(Error::Socket)
+}
+
+/// Subscribes (in the calling thread's namespace) to address changes and
+/// signals each one (the receiver reads the addresses again) from a
+/// background thread until the receiver goes away.
+pub fn watch_addresses(
+    tx: tokio::sync::mpsc::UnboundedSender<()>,
+) -> Result<std::thread::JoinHandle<()>, Error> {
+    let mut socket = Socket::new(NETLINK_ROUTE).map_err(Error::Socket)?;
+    socket
+        .bind(&SocketAddr::new(0, RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR))
+        .map_err(Error::Socket)?;
+    std::thread::Builder::new()
+        .name("netlink-addrs".into())
+        .spawn(move || {
+            let mut rx = vec![0u8; 1 << 16];
+            loop {
+                // ENOBUFS after a burst is a change too: read them again.
+                let _ = socket.recv(&mut &mut rx[..], 0);
+                if tx.send(()).is_err() {
+                    return;
                 }
             }
         })

@@ -7,8 +7,8 @@
 //!   the ordered map writes ([`Compiler::apply`]);
 //! - [`explain`]: why a flow is allowed or dropped, from the compiled maps
 //!   (through [`policy_common::model::Maps::judge`]) and from the rules;
-//! - [`identity_addresses`]: which addresses an identity stands for (for
-//!   renderers that match addresses rather than identities).
+//! - [`evaluate`]: one rule against one flow, a spec sentence per helper,
+//!   shared by `explain` and the compiler.
 //!
 //! Decisions (see each module for the spec lines they implement):
 //! - invalid policies fail closed: they isolate what they select in the
@@ -19,12 +19,11 @@
 //!   endpoints: their addresses are the node's; terminal pods hold no
 //!   address; of two live pods claiming one address the newest (then the
 //!   first by namespace/name) holds it.
-mod addresses;
 mod classes;
 mod compiler;
 mod error;
+pub mod evaluate;
 mod explain;
-mod output;
 mod parse;
 mod peer;
 mod ports;
@@ -33,9 +32,8 @@ mod selector;
 use std::{collections::BTreeMap, net::IpAddr};
 
 pub use self::{
-    addresses::{AddressSet, identity_addresses},
-    compiler::{Change, CompileOptions, Compiler},
-    error::PolicyError,
+    compiler::{CompileOptions, Compiler},
+    error::{PolicyError, PolicyErrorKind},
     explain::{
         DirectionReport, ExplainError, ExplainQuery, Explanation, FlowEnd, KeyReport, PeerReport,
         PolicyReport, RuleMatch, explain,
@@ -46,9 +44,9 @@ pub use self::{
     selector::{Requirement, Selector},
 };
 use crate::{
-    cluster::{ClusterState, PodRef, PolicyRef},
-    identity::IdentityAllocator,
-    mapstate::MapState,
+    cluster::{ClusterState, PodRef},
+    identity::{IdentityAllocator, IdentityError},
+    mapstate::{MapState, RuleOrigin},
 };
 
 /// The result of compiling one cluster state.
@@ -67,16 +65,9 @@ pub struct Compiled {
     /// Objects that could not be compiled as written; each names the
     /// object and the field.
     pub errors: Vec<PolicyError>,
-}
-
-/// Where a policy entry came from.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct RuleOrigin {
-    pub policy: PolicyRef,
-    /// [`policy_common::direction`].
-    pub direction: u8,
-    /// Index in `spec.ingress` or `spec.egress`.
-    pub rule_index: usize,
+    /// Identity numbers that could not be allocated (never in practice:
+    /// 2^24 label identities).
+    pub identity_errors: Vec<IdentityError>,
 }
 
 /// Compiles `state` for the node `state.node_name`.

@@ -14,7 +14,7 @@ use k8s_openapi::api::networking::v1::{
 use policy_common::direction;
 
 use super::{
-    error::PolicyError,
+    error::{PolicyError, PolicyErrorKind},
     peer::{IpBlock, Peer, parse_peer},
     ports::{PortMatch, Ports, parse_port},
     selector::Selector,
@@ -193,11 +193,11 @@ impl ParsedPolicy {
             Some(sel) => match Selector::parse(sel) {
                 Ok(s) => Some(s),
                 Err((sub, problem)) => {
-                    errors.push(PolicyError::BadSelector {
-                        policy: name.clone(),
-                        field: format!("spec.podSelector.{sub}"),
-                        problem,
-                    });
+                    errors.push(PolicyError::new(
+                        name,
+                        format!("spec.podSelector.{sub}"),
+                        PolicyErrorKind::BadSelector { problem },
+                    ));
                     None
                 }
             },
@@ -218,17 +218,19 @@ impl ParsedPolicy {
                     "Ingress" => ingress = true,
                     "Egress" => egress = true,
                     other => {
-                        errors.push(PolicyError::BadPolicyType {
-                            policy: name.clone(),
-                            field: format!("spec.policyTypes[{i}]"),
-                            value: other.to_owned(),
-                        });
+                        errors.push(PolicyError::new(
+                            name,
+                            format!("spec.policyTypes[{i}]"),
+                            PolicyErrorKind::BadPolicyType {
+                                value: other.to_owned(),
+                            },
+                        ));
                     }
                 }
             }
             if errors
                 .iter()
-                .any(|e| matches!(e, PolicyError::BadPolicyType { .. }))
+                .any(|e| matches!(e.kind, PolicyErrorKind::BadPolicyType { .. }))
             {
                 // Unknown intent: isolate both ways.
                 (ingress, egress) = (true, true);

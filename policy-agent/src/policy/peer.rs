@@ -4,7 +4,10 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::{IPBlock, NetworkPolicyPeer};
 
-use super::{error::PolicyError, selector::Selector};
+use super::{
+    error::{PolicyError, PolicyErrorKind},
+    selector::Selector,
+};
 use crate::{cluster::PolicyRef, identity::LabelKey};
 
 /// Which namespaces a selector peer looks in.
@@ -76,28 +79,36 @@ pub fn parse_cidr(s: &str) -> Option<IpNet> {
 }
 
 fn parse_block(policy: &PolicyRef, field: &str, b: &IPBlock) -> Result<IpBlock, PolicyError> {
-    let cidr = parse_cidr(&b.cidr).ok_or_else(|| PolicyError::BadCidr {
-        policy: policy.clone(),
-        field: format!("{field}.cidr"),
-        value: b.cidr.clone(),
+    let cidr = parse_cidr(&b.cidr).ok_or_else(|| {
+        PolicyError::new(
+            policy,
+            format!("{field}.cidr"),
+            PolicyErrorKind::BadCidr {
+                value: b.cidr.clone(),
+            },
+        )
     })?;
     let mut except = Vec::new();
     for (i, raw) in b.except.iter().flatten().enumerate() {
         let f = format!("{field}.except[{i}]");
-        let e = parse_cidr(raw).ok_or_else(|| PolicyError::BadCidr {
-            policy: policy.clone(),
-            field: f.clone(),
-            value: raw.clone(),
+        let e = parse_cidr(raw).ok_or_else(|| {
+            PolicyError::new(
+                policy,
+                f.clone(),
+                PolicyErrorKind::BadCidr { value: raw.clone() },
+            )
         })?;
         // "Except values will be rejected if they are outside the cidr
         // range": each must be a strict subset of cidr.
         if !(cidr.contains(&e) && e.prefix_len() > cidr.prefix_len()) {
-            return Err(PolicyError::ExceptOutsideCidr {
-                policy: policy.clone(),
-                field: f,
-                except: raw.clone(),
-                cidr: b.cidr.clone(),
-            });
+            return Err(PolicyError::new(
+                policy,
+                f,
+                PolicyErrorKind::ExceptOutsideCidr {
+                    except: raw.clone(),
+                    cidr: b.cidr.clone(),
+                },
+            ));
         }
         except.push(e);
     }
@@ -114,26 +125,26 @@ pub fn parse_peer(
 ) -> Result<Peer, PolicyError> {
     let selector = |sel: &k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector,
                     name: &str| {
-        Selector::parse(sel).map_err(|(sub, problem)| PolicyError::BadSelector {
-            policy: policy.clone(),
-            field: format!("{field}.{name}.{sub}"),
-            problem,
+        Selector::parse(sel).map_err(|(sub, problem)| {
+            PolicyError::new(
+                policy,
+                format!("{field}.{name}.{sub}"),
+                PolicyErrorKind::BadSelector { problem },
+            )
         })
     };
     match (&p.ip_block, &p.pod_selector, &p.namespace_selector) {
-        (Some(_), Some(_), _) | (Some(_), _, Some(_)) => Err(PolicyError::IpBlockWithSelector {
-            policy: policy.clone(),
-            field: field.to_owned(),
-        }),
+        (Some(_), Some(_), _) | (Some(_), _, Some(_)) => Err(PolicyError::new(
+            policy,
+            field,
+            PolicyErrorKind::IpBlockWithSelector,
+        )),
         (Some(b), None, None) => Ok(Peer::Block(parse_block(
             policy,
             &format!("{field}.ipBlock"),
             b,
         )?)),
-        (None, None, None) => Err(PolicyError::EmptyPeer {
-            policy: policy.clone(),
-            field: field.to_owned(),
-        }),
+        (None, None, None) => Err(PolicyError::new(policy, field, PolicyErrorKind::EmptyPeer)),
         (None, pods, namespaces) => {
             let pods = match pods {
                 Some(s) => selector(s, "podSelector")?,

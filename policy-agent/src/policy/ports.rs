@@ -7,7 +7,7 @@ use policy_common::proto;
 use crate::{
     cluster::{PolicyRef, protocol_number},
     identity::LabelKey,
-    policy::error::PolicyError,
+    policy::error::{PolicyError, PolicyErrorKind},
 };
 
 /// The ports of one rule.
@@ -153,23 +153,25 @@ pub fn parse_port(
     // Protocol names the API accepts (case-sensitive): "The protocol (TCP,
     // UDP, or SCTP) which traffic must match. If not specified, this field
     // defaults to TCP."
-    let protocol =
-        protocol_number(p.protocol.as_deref()).ok_or_else(|| PolicyError::UnknownProtocol {
-            policy: policy.clone(),
-            field: format!("{field}.protocol"),
-            value: p.protocol.clone().unwrap_or_default(),
-        })?;
+    let protocol = protocol_number(p.protocol.as_deref()).ok_or_else(|| {
+        PolicyError::new(
+            policy,
+            format!("{field}.protocol"),
+            PolicyErrorKind::UnknownProtocol {
+                value: p.protocol.clone().unwrap_or_default(),
+            },
+        )
+    })?;
     let in_range = |v: i32| u16::try_from(v).ok().filter(|n| *n != 0);
     match (&p.port, p.end_port) {
         (None, None) => Ok(PortMatch::Protocol(protocol)),
         // "endPort ... cannot be defined if the port field is not defined
         // or if the port field is defined as a named (string) port."
-        (None | Some(IntOrString::String(_)), Some(_)) => {
-            Err(PolicyError::EndPortWithoutNumericPort {
-                policy: policy.clone(),
-                field: format!("{field}.endPort"),
-            })
-        }
+        (None | Some(IntOrString::String(_)), Some(_)) => Err(PolicyError::new(
+            policy,
+            format!("{field}.endPort"),
+            PolicyErrorKind::EndPortWithoutNumericPort,
+        )),
         (Some(IntOrString::String(name)), None) => {
             if is_valid_port_name(name) {
                 Ok(PortMatch::Named {
@@ -177,18 +179,24 @@ pub fn parse_port(
                     name: name.clone(),
                 })
             } else {
-                Err(PolicyError::BadPortName {
-                    policy: policy.clone(),
-                    field: format!("{field}.port"),
-                    value: name.clone(),
-                })
+                Err(PolicyError::new(
+                    policy,
+                    format!("{field}.port"),
+                    PolicyErrorKind::BadPortName {
+                        value: name.clone(),
+                    },
+                ))
             }
         }
         (Some(IntOrString::Int(port)), end) => {
-            let first = in_range(*port).ok_or_else(|| PolicyError::PortOutOfRange {
-                policy: policy.clone(),
-                field: format!("{field}.port"),
-                value: i64::from(*port),
+            let first = in_range(*port).ok_or_else(|| {
+                PolicyError::new(
+                    policy,
+                    format!("{field}.port"),
+                    PolicyErrorKind::PortOutOfRange {
+                        value: i64::from(*port),
+                    },
+                )
             })?;
             let Some(end) = end else {
                 return Ok(PortMatch::Range {
@@ -198,18 +206,24 @@ pub fn parse_port(
                 });
             };
             // "The endPort must be equal or greater than port."
-            let last = in_range(end).ok_or_else(|| PolicyError::PortOutOfRange {
-                policy: policy.clone(),
-                field: format!("{field}.endPort"),
-                value: i64::from(end),
+            let last = in_range(end).ok_or_else(|| {
+                PolicyError::new(
+                    policy,
+                    format!("{field}.endPort"),
+                    PolicyErrorKind::PortOutOfRange {
+                        value: i64::from(end),
+                    },
+                )
             })?;
             if last < first {
-                return Err(PolicyError::EndPortBelowPort {
-                    policy: policy.clone(),
-                    field: format!("{field}.endPort"),
-                    port: *port,
-                    end_port: end,
-                });
+                return Err(PolicyError::new(
+                    policy,
+                    format!("{field}.endPort"),
+                    PolicyErrorKind::EndPortBelowPort {
+                        port: *port,
+                        end_port: end,
+                    },
+                ));
             }
             Ok(PortMatch::Range {
                 protocol,

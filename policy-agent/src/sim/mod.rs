@@ -2,11 +2,14 @@
 //! namespaces behind routed veths, as Calico wires them (a /32 and /128
 //! route per pod interface, proxy ARP for the pods' 169.254.1.1 gateway).
 //!
-//! Used by the demo, the kernel end-to-end tests and the benchmarks. It only
+//! Used by the demo, the kernel end-to-end tests and the benchmarks (with
+//! [`packet`], crafted frames for BPF_PROG_TEST_RUN); built only with the
+//! `sim` feature, so it is no part of the agent a cluster runs. It only
 //! ever creates, and sends traffic between, namespaces it made itself.
 mod matrix;
 mod netns;
 mod node;
+pub mod packet;
 mod probe;
 mod serve;
 
@@ -21,14 +24,10 @@ pub use self::{
 /// Errors of the simulated node.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("running {command}: {source}")]
-    Spawn {
-        command: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{command} failed: {stderr}")]
-    Command { command: String, stderr: String },
+    #[error(transparent)]
+    Command(#[from] crate::exec::CommandError),
+    #[error("starting a thread: {0}")]
+    Thread(#[source] std::io::Error),
     #[error("entering network namespace {name}: {source}")]
     Enter {
         name: String,

@@ -5,21 +5,7 @@ use super::Error;
 
 /// Runs a command, failing with its stderr.
 pub fn run(program: &str, args: &[&str]) -> Result<String, Error> {
-    let command = format!("{program} {}", args.join(" "));
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .map_err(|source| Error::Spawn {
-            command: command.clone(),
-            source,
-        })?;
-    if !out.status.success() {
-        return Err(Error::Command {
-            command,
-            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-        });
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    Ok(crate::exec::run(program, args)?)
 }
 
 /// A named network namespace (`/run/netns/<name>`), deleted on drop.
@@ -124,10 +110,7 @@ impl NetNs {
                 ns.enter()?;
                 Ok(f())
             })
-            .map_err(|source| Error::Spawn {
-                command: "thread".into(),
-                source,
-            })
+            .map_err(Error::Thread)
     }
 }
 

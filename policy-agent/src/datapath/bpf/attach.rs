@@ -18,7 +18,11 @@ use aya::{
 use policy_common::endpoint::{ATTACH_CREATED_CLSACT, ATTACH_NETLINK, ATTACH_TCX};
 use tracing::debug;
 
-use super::{Error, Hook, PinLayout, loader::remove_pin, loader::tc_type, sys};
+use super::{
+    Error, Hook, PinLayout,
+    pins::remove_pin,
+    sys::{self, current_netns, tc_type},
+};
 
 /// Priority and handle of our netlink filters: fixed, so a restarted agent
 /// (and `reset`) finds exactly its own filters.
@@ -261,7 +265,7 @@ impl<'a> Attachment<'a> {
         if self.bits & ATTACH_NETLINK == 0 {
             return;
         }
-        if netns != 0 && netns != super::loader::current_netns() {
+        if netns != 0 && netns != current_netns() {
             errors.push(Error::OtherNamespace {
                 ifindex: self.ifindex,
             });

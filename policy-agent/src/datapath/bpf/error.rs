@@ -71,6 +71,8 @@ pub enum Error {
         "ifindex {ifindex} was attached from another network namespace; run this in that namespace to remove its netlink filters"
     )]
     OtherNamespace { ifindex: u32 },
+    #[error(transparent)]
+    Command(#[from] crate::exec::CommandError),
     #[error("{what} {path}: {source}")]
     Io {
         what: &'static str,
@@ -109,7 +111,7 @@ impl Error {
             | Self::Clsact { .. }
             | Self::NoInterface(_)
             | Self::OtherNamespace { .. } => "attach",
-            Self::Io { .. } => "io",
+            Self::Io { .. } | Self::Command(_) => "io",
         }
     }
 }

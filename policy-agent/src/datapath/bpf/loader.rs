@@ -1,11 +1,6 @@
 //! Loading the object with its maps pinned, reusing what an earlier agent
 //! left, and keeping programs pinned so enforcement outlives the agent.
-use std::path::Path;
-
-use aya::{
-    EbpfLoader,
-    programs::{SchedClassifier, TcAttachType},
-};
+use aya::{EbpfLoader, programs::SchedClassifier};
 use policy_common::{
     endpoint::{ATTACH_TCX, ENDPOINT_NAME_LEN, EndpointMeta},
     maps as names,
@@ -16,7 +11,8 @@ use super::{
     BpfMaps, Error, Hook, PinLayout,
     attach::{AttachMode, Attachment, attach_error},
     object::{OBJECT, object_hash},
-    sys::tcx_attach_and_pin,
+    pins::remove_pin,
+    sys::{current_netns, tcx_attach_and_pin},
 };
 
 /// Knobs for opening the datapath.
@@ -54,13 +50,6 @@ impl Classifiers {
             Hook::Egress => &self.to_pod,
         };
         prog.info().ok().map(|i| i.id())
-    }
-}
-
-pub(crate) fn tc_type(hook: Hook) -> TcAttachType {
-    match hook {
-        Hook::Ingress => TcAttachType::Ingress,
-        Hook::Egress => TcAttachType::Egress,
     }
 }
 
@@ -292,14 +281,6 @@ pub fn endpoint_meta_name(meta: &EndpointMeta) -> String {
     String::from_utf8_lossy(&meta.name[..n]).into_owned()
 }
 
-/// Inode of the calling thread's network namespace (0 if unknown).
-pub fn current_netns() -> u64 {
-    use std::os::unix::fs::MetadataExt as _;
-    std::fs::metadata("/proc/thread-self/ns/net")
-        .map(|m| m.ino())
-        .unwrap_or(0)
-}
-
 fn open_pinned(layout: &PinLayout) -> Result<Classifiers, Error> {
     let open = |hook: Hook| {
         let name = hook.program();
@@ -309,18 +290,6 @@ fn open_pinned(layout: &PinLayout) -> Result<Classifiers, Error> {
         from_pod: open(Hook::Ingress)?,
         to_pod: open(Hook::Egress)?,
     })
-}
-
-pub(crate) fn remove_pin(path: &Path) -> Result<(), Error> {
-    match std::fs::remove_file(path) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(Error::Io {
-            what: "removing pin",
-            path: path.to_path_buf(),
-            source,
-        }),
-    }
 }
 
 /// The object loaded without pins, for packet tests and benchmarks.

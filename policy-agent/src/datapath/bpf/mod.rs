@@ -1,21 +1,29 @@
 //! The eBPF datapath: the classifier object, its pinned maps and programs,
 //! and attachments to pod interfaces.
 mod attach;
+mod driver;
 mod error;
+mod events;
+mod kernel_log;
 mod loader;
 mod maps;
+pub mod names;
 mod object;
-pub mod packet;
+mod observe;
 mod pins;
 mod reset;
 mod sys;
 
 pub use self::{
     attach::{AttachMode, Attachment, NETLINK_HANDLE, NETLINK_PRIORITY, if_name},
+    driver::BpfDriver,
     error::Error,
+    events::{DropEventReader, DropRecord},
+    kernel_log::{KernelLog, follow_kernel_log},
     loader::{BpfDatapath, Classifiers, LoadOptions, Unpinned, endpoint_meta, endpoint_meta_name},
     maps::BpfMaps,
     object::{OBJECT, object_hash},
     pins::{DEFAULT_PIN_ROOT, Hook, PinLayout},
     reset::{ResetReport, reset},
+    sys::current_netns,
 };

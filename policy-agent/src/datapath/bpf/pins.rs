@@ -154,3 +154,16 @@ fn check_bpffs(root: &Path) -> Result<(), Error> {
     }
     Ok(())
 }
+
+/// Removes one pin; a pin already gone is fine.
+pub(crate) fn remove_pin(path: &Path) -> Result<(), Error> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(Error::Io {
+            what: "removing pin",
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}

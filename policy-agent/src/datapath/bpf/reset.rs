@@ -4,7 +4,9 @@ use std::path::PathBuf;
 use policy_common::endpoint::ATTACH_CREATED_CLSACT;
 use tracing::{info, warn};
 
-use super::{Attachment, BpfMaps, Error, PinLayout, attach::if_name, loader::current_netns};
+use crate::exec;
+
+use super::{Attachment, BpfMaps, Error, PinLayout, attach::if_name, sys::current_netns};
 
 /// What `reset` removed.
 #[derive(Debug, Default)]
@@ -69,24 +71,16 @@ pub fn reset(layout: &PinLayout) -> Result<ResetReport, Vec<Error>> {
 /// now hang off it.
 fn remove_clsact_if_empty(ifindex: u32, errors: &mut Vec<Error>) {
     let Ok(name) = if_name(ifindex) else { return };
+    // Unknown (tc failed): assume someone else's filters are there.
     let has_filters = ["ingress", "egress"].iter().any(|hook| {
-        std::process::Command::new("tc")
-            .args(["filter", "show", "dev", &name, hook])
-            .output()
-            .map(|o| !o.stdout.is_empty())
+        exec::run("tc", &["filter", "show", "dev", &name, hook])
+            .map(|out| !out.is_empty())
             .unwrap_or(true)
     });
     if has_filters {
         return;
     }
-    let out = std::process::Command::new("tc")
-        .args(["qdisc", "del", "dev", &name, "clsact"])
-        .output();
-    if let Err(source) = out {
-        errors.push(Error::Io {
-            what: "running tc qdisc del on",
-            path: PathBuf::from(&name),
-            source,
-        });
+    if let Err(e) = exec::run("tc", &["qdisc", "del", "dev", &name, "clsact"]) {
+        errors.push(Error::Command(e));
     }
 }

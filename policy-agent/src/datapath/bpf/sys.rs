@@ -5,6 +5,8 @@ use std::{
     path::Path,
 };
 
+use aya::programs::TcAttachType;
+
 use super::Hook;
 
 const BPF_OBJ_PIN: libc::c_long = 6;
@@ -83,4 +85,20 @@ pub(crate) fn tcx_attach_and_pin(
     attr[0] = path.as_ptr() as u64;
     attr[1] = u64::from(link.as_raw_fd() as u32);
     bpf(BPF_OBJ_PIN, &mut attr).map(|_| ())
+}
+
+/// The tc attach point of a hook.
+pub(crate) fn tc_type(hook: Hook) -> TcAttachType {
+    match hook {
+        Hook::Ingress => TcAttachType::Ingress,
+        Hook::Egress => TcAttachType::Egress,
+    }
+}
+
+/// Inode of the calling thread's network namespace (0 if unknown).
+pub fn current_netns() -> u64 {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata("/proc/thread-self/ns/net")
+        .map(|m| m.ino())
+        .unwrap_or(0)
 }

@@ -1,23 +1,17 @@
-/// Errors of the iptables datapath.
+use crate::exec::CommandError;
+
+/// Errors of the iptables datapath: a tool missing or failing.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{tool} is not installed (needed by the iptables datapath)")]
-    Missing { tool: String },
-    #[error("running {command}: {source}")]
-    Spawn {
-        command: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{command} failed: {stderr}")]
-    Failed { command: String, stderr: String },
+    #[error("iptables datapath: {0}")]
+    Command(#[from] CommandError),
 }
 
 impl Error {
     pub fn metric_label(&self) -> &'static str {
         match self {
-            Self::Missing { .. } => "setup",
-            Self::Spawn { .. } | Self::Failed { .. } => "iptables",
+            Self::Command(CommandError::Missing { .. }) => "setup",
+            Self::Command(_) => "iptables",
         }
     }
 }

@@ -33,8 +33,7 @@ use policy_common::{
 use super::ruleset::{Chain, FORWARD_CHAIN, Family, IpSet, Ruleset, SetKind};
 use crate::{
     cluster::PodRef,
-    mapstate::{MapState, fnv1a64, identity_name_str},
-    policy::{AddressSet, RuleOrigin, identity_addresses},
+    mapstate::{AddressSet, MapState, RuleOrigin, fnv1a64, identity_addresses, identity_name_str},
 };
 
 /// The packet mark bit the chains use while judging (cleared at the start

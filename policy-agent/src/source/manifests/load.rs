@@ -11,7 +11,9 @@ use std::{
 use k8s_openapi::api::{core::v1::Namespace, core::v1::Pod, networking::v1::NetworkPolicy};
 use serde::Deserialize;
 
-use crate::cluster::{ClusterState, NamespaceInfo, ObjectRef, namespace_info, pod_info};
+use crate::cluster::{
+    ClusterState, NamespaceInfo, ObjectRef, Problem, Subject, namespace_info, pod_info,
+};
 
 /// Where an object came from: file and 1-based document number.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -60,6 +62,42 @@ pub enum ManifestError {
         name: String,
         first: Origin,
     },
+}
+
+impl ManifestError {
+    /// Where the problem is: the file, and the document when known.
+    fn origin(&self) -> (PathBuf, Option<usize>) {
+        match self {
+            Self::Read { path, .. } => (path.clone(), None),
+            Self::Yaml { origin, .. }
+            | Self::UnknownKind { origin, .. }
+            | Self::Invalid { origin, .. }
+            | Self::Duplicate { origin, .. } => (origin.file.clone(), Some(origin.document)),
+        }
+    }
+
+    /// The same, as a problem report on the file (and document).
+    pub fn problem(&self) -> Problem {
+        let (file, document) = self.origin();
+        let reason = match self {
+            Self::Read { source, .. } => format!("cannot read: {source}"),
+            Self::Yaml { detail, .. } => format!("not valid YAML: {detail}"),
+            Self::UnknownKind {
+                api_version, kind, ..
+            } => format!(
+                "unsupported object kind {kind:?} (apiVersion {api_version:?}); expected v1 Namespace, v1 Pod or networking.k8s.io/v1 NetworkPolicy"
+            ),
+            Self::Invalid {
+                kind, name, detail, ..
+            } => format!("{kind} {name}: {detail}"),
+            Self::Duplicate {
+                kind, name, first, ..
+            } => format!(
+                "{kind} {name} is defined again (first in {first}); the first definition is used"
+            ),
+        };
+        Problem::new(Subject::Document { file, document }, reason)
+    }
 }
 
 /// What a directory held.

@@ -1,28 +1,22 @@
-//! The manifest-directory source: inotify wakes it when a file is written,
-//! moved in or removed (with a slow poll as a safety net); once the
-//! directory has been quiet for the settle time it re-reads only the files
-//! that changed and publishes what changed in the cluster as a delta.
-//!
-//! Each file's objects are kept converted (as the compiler reads them); an
-//! object defined in several files comes from the first file by name (the
-//! others are reported), as `apply` does.
+//! The directory as a merged cluster state, kept file by file: each
+//! file's objects are kept converted (as the compiler reads them), only
+//! files whose size or mtime moved are read again, and the changes are the
+//! keyed difference of the objects those files held before and hold now.
+//! An object defined in several files comes from the first file by name
+//! (the others are reported), as `apply` does.
 use std::{
     collections::{BTreeMap, BTreeSet},
-    os::fd::{AsRawFd, FromRawFd as _, OwnedFd},
     path::{Path, PathBuf},
-    time::{Duration, SystemTime},
+    time::SystemTime,
 };
 
-use k8s_openapi::api::networking::v1::NetworkPolicy;
-use tokio::{io::unix::AsyncFd, sync::mpsc::UnboundedSender};
-use tracing::{info, warn};
+use tracing::warn;
 
-use super::SourceUpdate;
-use crate::{
-    cluster::{ClusterState, NamespaceInfo, ObjectRef, PodInfo},
-    enforce::Problem,
-    k8s::manifests::{LoadedManifests, is_manifest, load_file},
-    policy::Change,
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+
+use super::load::{LoadedManifests, is_manifest, load_file};
+use crate::cluster::{
+    Change, ClusterState, Keyed, NamespaceInfo, ObjectRef, PodInfo, Problem, Subject, keyed_changes,
 };
 
 type Stamp = (u64, Option<SystemTime>);
@@ -57,11 +51,7 @@ fn read_file(path: &Path, stamp: Stamp) -> FileContent {
             .collect(),
         pods: state.pods,
         policies: state.policies,
-        problems: loaded
-            .errors
-            .iter()
-            .map(|e| Problem::manifest(e.to_string()))
-            .collect(),
+        problems: loaded.errors.iter().map(|e| e.problem()).collect(),
     }
 }
 
@@ -84,53 +74,50 @@ fn manifest_files(dir: &Path) -> BTreeMap<PathBuf, Stamp> {
 
 /// The directory as a merged cluster state, updated file by file.
 #[derive(Default)]
-struct Directory {
+pub(super) struct Directory {
     files: BTreeMap<PathBuf, FileContent>,
     merged: ClusterState,
 }
 
-/// Recomputes the winner of each key a changed file held before or holds
-/// now (`touched`: each changed file with its old content).
-fn merge_keys<K: Ord + Clone, V: Clone + PartialEq>(
+/// The changes of one kind of object after `touched` files changed (each
+/// with its old content): for every key those files held before or hold
+/// now, its winner before (in `merged`) against its winner now.
+fn merge_keys<V: Keyed>(
     files: &BTreeMap<PathBuf, FileContent>,
     touched: &[(PathBuf, FileContent)],
-    field: impl Fn(&FileContent) -> &BTreeMap<K, V>,
-    merged: &mut BTreeMap<K, V>,
-    upsert: impl Fn(K, V) -> Change,
-    delete: impl Fn(K) -> Change,
+    field: impl Fn(&FileContent) -> &BTreeMap<V::Key, V>,
+    merged: &BTreeMap<V::Key, V>,
     out: &mut Vec<Change>,
 ) {
-    let keys: BTreeSet<K> = touched
+    let keys: BTreeSet<&V::Key> = touched
         .iter()
         .flat_map(|(path, old)| {
             field(old)
                 .keys()
                 .chain(files.get(path).into_iter().flat_map(|f| field(f).keys()))
         })
-        .cloned()
         .collect();
-    for key in keys {
-        // Files iterate in name order: the first definition wins.
-        let winner = files.values().find_map(|f| field(f).get(&key));
-        match (winner, merged.get(&key)) {
-            (Some(v), Some(cur)) if v == cur => {}
-            (Some(v), _) => {
-                merged.insert(key.clone(), v.clone());
-                out.push(upsert(key, v.clone()));
-            }
-            (None, Some(_)) => {
-                merged.remove(&key);
-                out.push(delete(key));
-            }
-            (None, None) => {}
-        }
-    }
+    let before: BTreeMap<V::Key, V> = keys
+        .iter()
+        .filter_map(|k| merged.get(*k).map(|v| ((*k).clone(), v.clone())))
+        .collect();
+    // Files iterate in name order: the first definition wins.
+    let after: BTreeMap<V::Key, V> = keys
+        .iter()
+        .filter_map(|k| {
+            files
+                .values()
+                .find_map(|f| field(f).get(*k))
+                .map(|v| ((*k).clone(), v.clone()))
+        })
+        .collect();
+    keyed_changes(&before, &after, out);
 }
 
 impl Directory {
     /// Re-reads what changed; returns the cluster changes (None when no
     /// file changed).
-    fn refresh(&mut self, dir: &Path) -> Option<Vec<Change>> {
+    pub(super) fn refresh(&mut self, dir: &Path) -> Option<Vec<Change>> {
         let now = manifest_files(dir);
         let mut touched: Vec<(PathBuf, FileContent)> = Vec::new();
         for path in self
@@ -160,37 +147,29 @@ impl Directory {
             return None;
         }
         let mut changes = Vec::new();
+        let m = &self.merged;
         merge_keys(
             &self.files,
             &touched,
             |f| &f.namespaces,
-            &mut self.merged.namespaces,
-            Change::UpsertNamespace,
-            Change::DeleteNamespace,
+            &m.namespaces,
             &mut changes,
         );
-        merge_keys(
-            &self.files,
-            &touched,
-            |f| &f.pods,
-            &mut self.merged.pods,
-            Change::UpsertPod,
-            Change::DeletePod,
-            &mut changes,
-        );
+        merge_keys(&self.files, &touched, |f| &f.pods, &m.pods, &mut changes);
         merge_keys(
             &self.files,
             &touched,
             |f| &f.policies,
-            &mut self.merged.policies,
-            |k, v| Change::UpsertPolicy(k, Box::new(v)),
-            Change::DeletePolicy,
+            &m.policies,
             &mut changes,
         );
+        for change in &changes {
+            self.merged.apply(change);
+        }
         Some(changes)
     }
 
-    fn problems(&self) -> Vec<Problem> {
+    pub(super) fn problems(&self) -> Vec<Problem> {
         let mut out: Vec<Problem> = self
             .files
             .values()
@@ -207,11 +186,16 @@ impl Directory {
                 .chain(f.policies.keys().map(|k| format!("NetworkPolicy {k}")));
             for key in keys {
                 match seen.get(&key) {
-                    Some(first) => out.push(Problem::manifest(format!(
-                        "{}: {key} is defined again (first in {}); the first definition is used",
-                        path.display(),
-                        first.display()
-                    ))),
+                    Some(first) => out.push(Problem::new(
+                        Subject::Document {
+                            file: path.clone(),
+                            document: None,
+                        },
+                        format!(
+                            "{key} is defined again (first in {}); the first definition is used",
+                            first.display()
+                        ),
+                    )),
                     None => {
                         seen.insert(key, path);
                     }
@@ -225,112 +209,10 @@ impl Directory {
     }
 }
 
-/// An inotify instance watching `dir`, or None where inotify is missing.
-fn inotify(dir: &Path) -> Option<AsyncFd<OwnedFd>> {
-    // SAFETY: plain syscalls; the fd is owned right away.
-    let fd = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: the kernel just returned this fd.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let path = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
-    let mask = libc::IN_CLOSE_WRITE
-        | libc::IN_MOVED_TO
-        | libc::IN_MOVED_FROM
-        | libc::IN_DELETE
-        | libc::IN_CREATE
-        | libc::IN_MODIFY
-        | libc::IN_ATTRIB;
-    // SAFETY: valid fd and NUL-terminated path.
-    if unsafe { libc::inotify_add_watch(fd.as_raw_fd(), path.as_ptr(), mask) } < 0 {
-        return None;
-    }
-    // SAFETY: the fd is an inotify instance this function owns and hands
-    // to the AsyncFd; nothing else reads or closes it.
-    unsafe { AsyncFd::register(fd) }.ok()
-}
-
-/// Waits for the next inotify event (draining what is queued).
-async fn next_event(fd: &AsyncFd<OwnedFd>) {
-    loop {
-        let Ok(mut guard) = fd.readable().await else {
-            return;
-        };
-        let mut buf = [0u8; 4096];
-        // SAFETY: buf is writable for its length.
-        let n = unsafe { libc::read(fd.get_ref().as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-        if n > 0 {
-            return;
-        }
-        guard.clear_ready();
-    }
-}
-
-/// Publishes the directory's state at start and its changes after every
-/// settled burst of file events.
-pub async fn watch(
-    dir: PathBuf,
-    node: String,
-    settle: Duration,
-    poll: Duration,
-    tx: UnboundedSender<SourceUpdate>,
-) {
-    let mut directory = Directory::default();
-    directory.refresh(&dir);
-    let mut state = directory.merged.clone();
-    state.node_name = node.clone();
-    if tx
-        .send(SourceUpdate::Snapshot {
-            state,
-            problems: directory.problems(),
-        })
-        .is_err()
-    {
-        return;
-    }
-    let notify = inotify(&dir);
-    if notify.is_none() {
-        warn!(dir = %dir.display(), "inotify unavailable; polling for changes");
-    }
-    // Without inotify the poll is the only trigger.
-    let safety_net = if notify.is_some() {
-        poll.max(Duration::from_secs(2))
-    } else {
-        poll
-    };
-    loop {
-        match &notify {
-            Some(fd) => {
-                tokio::select! {
-                    () = next_event(fd) => {
-                        // Let a burst of writes (an editor, a `cp` of many
-                        // files) settle, so a half-written file is never read.
-                        while tokio::time::timeout(settle, next_event(fd)).await.is_ok() {}
-                    }
-                    () = tokio::time::sleep(safety_net) => {}
-                }
-            }
-            None => tokio::time::sleep(safety_net).await,
-        }
-        let t = std::time::Instant::now();
-        if let Some(changes) = directory.refresh(&dir) {
-            info!(dir = %dir.display(), changes = changes.len(), read_us = t.elapsed().as_micros() as u64, "manifests changed");
-            if tx
-                .send(SourceUpdate::Delta {
-                    changes,
-                    problems: directory.problems(),
-                })
-                .is_err()
-            {
-                return;
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     fn pod(name: &str, app: &str) -> String {

@@ -1,4 +1,4 @@
-//! The BPF enforcer: pinned maps and programs, kept equal to the compiled
+//! The BPF driver: pinned maps and programs, kept equal to the compiled
 //! state of the cluster.
 //!
 //! Two paths. The full one (first sync, periodic resync, interface
@@ -14,77 +14,65 @@ use std::{
 
 use tracing::{debug, info, warn};
 
-use super::{
-    Interface, InterfaceCache, Problem, SyncReport,
-    incremental::{Incremental, Input},
-    unready_local_pods,
-};
+use super::{BpfDatapath, Error, LoadOptions, PinLayout, endpoint_meta_name, observe};
 use crate::{
-    cluster::PodRef,
-    datapath::bpf::{BpfDatapath, Error, LoadOptions, PinLayout, endpoint_meta_name},
+    cluster::{ObjectKind, PodRef, Problem},
+    datapath::{self, Datapath, Desired, Interface, InterfaceCache, SyncReport},
     identity::IdentityAllocator,
     mapstate::{MapOp, MapState, assign_revisions, diff},
+    metrics::MetricsSource,
 };
 
-pub struct BpfEnforcer {
+pub struct BpfDriver {
     pub dp: BpfDatapath,
-    inc: Incremental,
     /// What the maps hold after the last sync (this agent is their only
     /// writer), so a sync diffs in memory instead of reading every map.
     last: Option<MapState<u32>>,
     interfaces: InterfaceCache,
+    drop_log: bool,
+    kernel_log: bool,
 }
 
-impl BpfEnforcer {
-    /// Opens (or creates) the pinned datapath and adopts the identity
-    /// numbers an earlier agent left in it, so unchanged input compiles to
-    /// unchanged maps.
+impl BpfDriver {
+    /// Opens (or creates) the pinned datapath.
     pub fn open(layout: &PinLayout, opts: &LoadOptions) -> Result<Self, Error> {
-        let dp = BpfDatapath::open(layout, opts)?;
-        let existing = dp.maps.read_identities()?;
-        let ids = IdentityAllocator::adopt(&existing);
         Ok(Self {
-            dp,
-            inc: Incremental::new(ids),
+            dp: BpfDatapath::open(layout, opts)?,
             last: None,
             interfaces: InterfaceCache::default(),
+            drop_log: false,
+            kernel_log: false,
         })
     }
 
-    /// Compiles `input` (incrementally after the first sync) and makes the
-    /// datapath enforce it.
-    pub fn sync(&mut self, input: Input<'_>) -> Result<SyncReport, Error> {
+    fn sync_bpf(
+        &mut self,
+        desired: &Desired<'_>,
+        ops: &[MapOp<PodRef>],
+    ) -> Result<SyncReport, Error> {
         let t = std::time::Instant::now();
-        let ops = self.inc.update(input);
-        let compile_us = t.elapsed().as_micros() as u64;
-        let compiler = self.inc.compiler();
         let mut report = SyncReport::default();
-        report
-            .problems
-            .extend(compiler.errors().iter().map(Problem::from_policy_error));
-        report.problems.extend(unready_local_pods(self.inc.state()));
-        let incremental =
-            ops.is_some() && self.last.is_some() && !self.interfaces.needs_full_pass();
-        match ops {
-            Some(ops) if incremental => sync_ops(
+        let incremental = self.last.is_some() && !self.interfaces.needs_full_pass();
+        if incremental {
+            sync_ops(
                 &mut self.dp,
                 &mut self.last,
                 &mut self.interfaces,
-                compiler.local_pods(),
+                desired.local_pods,
                 ops,
                 &mut report,
-            )?,
-            _ => sync_full(
+            )?;
+        } else {
+            sync_full(
                 &mut self.dp,
                 &mut self.last,
                 &mut self.interfaces,
-                compiler.maps(),
-                compiler.local_pods(),
+                desired.maps,
+                desired.local_pods,
                 &mut report,
-            )?,
+            )?;
         }
         debug!(
-            compile_us,
             total_us = t.elapsed().as_micros() as u64,
             incremental,
             writes = report.writes,
@@ -92,17 +80,56 @@ impl BpfEnforcer {
         );
         Ok(report)
     }
+}
+
+impl Datapath for BpfDriver {
+    fn name(&self) -> &'static str {
+        "bpf"
+    }
+
+    /// The numbers an earlier agent left in `IDENTITY_NAMES`.
+    fn adopt_identities(&self) -> Result<IdentityAllocator, datapath::Error> {
+        let existing = self.dp.maps.read_identities()?;
+        Ok(IdentityAllocator::adopt(&existing))
+    }
+
+    fn sync(
+        &mut self,
+        desired: &Desired<'_>,
+        ops: &[MapOp<PodRef>],
+    ) -> Result<SyncReport, datapath::Error> {
+        Ok(self.sync_bpf(desired, ops)?)
+    }
 
     /// Makes the next sync read the maps back from the kernel and look the
     /// interfaces up again (periodic resync: heals drift).
-    pub fn forget_cache(&mut self) {
+    fn forget_cache(&mut self) {
         self.last = None;
         self.interfaces.clear();
     }
 
-    /// Interfaces appeared or vanished: look them up again.
-    pub fn links_changed(&mut self) {
+    fn links_changed(&mut self) {
         self.interfaces.clear();
+    }
+
+    /// The drop log is retried until it runs; the kernel log follower is
+    /// started once (it would run twice).
+    fn start_observers(&mut self) -> bool {
+        if !self.drop_log {
+            self.drop_log = observe::spawn_drop_log(&self.dp.layout);
+        }
+        if !self.kernel_log {
+            self.kernel_log = true;
+            observe::follow_kernel_log(&self.dp.layout);
+        }
+        self.drop_log
+    }
+
+    fn metrics(&self) -> Option<MetricsSource> {
+        let layout = self.dp.layout.clone();
+        Some(std::sync::Arc::new(move |out: &mut String| {
+            observe::render_metrics(out, &layout)
+        }))
     }
 }
 
@@ -171,7 +198,7 @@ fn sync_ops(
     last: &mut Option<MapState<u32>>,
     cache: &mut InterfaceCache,
     local_pods: &BTreeMap<PodRef, Vec<IpAddr>>,
-    ops: Vec<MapOp<PodRef>>,
+    ops: &[MapOp<PodRef>],
     report: &mut SyncReport,
 ) -> Result<(), Error> {
     let Some(mut state) = last.take() else {
@@ -184,7 +211,7 @@ fn sync_ops(
     let mut touched = BTreeSet::new();
     let mut fresh: Vec<(PodRef, Interface)> = Vec::new();
     let mut gone: Vec<(u32, String)> = Vec::new();
-    for op in ops {
+    for op in ops.iter().cloned() {
         match op {
             MapOp::UpsertEndpoint(pod, mut info) => {
                 let Some(ips) = local_pods.get(&pod) else {
@@ -259,10 +286,9 @@ fn sync_ops(
 /// Makes sure a known interface still has both programs attached.
 fn verify_attached(dp: &mut BpfDatapath, pod: &PodRef, iface: &Interface, report: &mut SyncReport) {
     if let Err(e) = dp.attach(iface.ifindex, &pod.to_string()) {
-        report.problems.push(Problem {
-            object: format!("pod {pod}"),
-            reason: e.to_string(),
-        });
+        report
+            .problems
+            .push(Problem::object(ObjectKind::Pod, pod.clone(), e.to_string()));
     }
 }
 
@@ -284,10 +310,11 @@ fn attach_fresh(dp: &mut BpfDatapath, fresh: &[(PodRef, Interface)], report: &mu
                 info!(pod = %pod, interface = %iface.name, "attached");
                 report.attached.push(iface.name.clone());
             }
-            Err(e) => report.problems.push(Problem {
-                object: format!("pod {pod}"),
-                reason: e.to_string(),
-            }),
+            Err(e) => {
+                report
+                    .problems
+                    .push(Problem::object(ObjectKind::Pod, pod.clone(), e.to_string()))
+            }
         }
     }
 }
@@ -301,10 +328,9 @@ fn detach(dp: &mut BpfDatapath, ifindex: u32, name: &str, report: &mut SyncRepor
         Err(errors) => {
             for e in errors {
                 warn!(endpoint = %name, error = %e, "detach");
-                report.problems.push(Problem {
-                    object: format!("endpoint {name}"),
-                    reason: e.to_string(),
-                });
+                report
+                    .problems
+                    .push(Problem::node(format!("detaching endpoint {name}: {e}")));
             }
         }
     }

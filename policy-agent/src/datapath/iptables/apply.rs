@@ -4,9 +4,7 @@
 //! and `reset`.
 use std::{
     collections::{BTreeMap, BTreeSet},
-    io::Write as _,
     net::IpAddr,
-    process::{Command, Stdio},
 };
 
 use ipnet::IpNet;
@@ -16,7 +14,7 @@ use super::{
     Error,
     ruleset::{Chain, FORWARD_CHAIN, Family, OWN_PREFIX, Ruleset},
 };
-use crate::mapstate::fnv1a64;
+use crate::{exec, mapstate::fnv1a64};
 
 /// Which iptables binaries to drive.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -29,44 +27,7 @@ pub enum Backend {
 }
 
 fn run(program: &str, args: &[&str], stdin: Option<&str>) -> Result<String, Error> {
-    let command = format!("{program} {}", args.join(" "));
-    let mut child = Command::new(program)
-        .args(args)
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|source| match source.kind() {
-            std::io::ErrorKind::NotFound => Error::Missing {
-                tool: program.to_owned(),
-            },
-            _ => Error::Spawn {
-                command: command.clone(),
-                source,
-            },
-        })?;
-    if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        pipe.write_all(text.as_bytes())
-            .map_err(|source| Error::Spawn {
-                command: command.clone(),
-                source,
-            })?;
-    }
-    let out = child.wait_with_output().map_err(|source| Error::Spawn {
-        command: command.clone(),
-        source,
-    })?;
-    if !out.status.success() {
-        return Err(Error::Failed {
-            command,
-            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-        });
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    Ok(exec::run_with_input(program, args, stdin)?)
 }
 
 /// What is installed now, as far as the agent's objects go.
@@ -299,7 +260,9 @@ impl Executor {
             for ip in ips {
                 // Exit status 1 means "no entries": not an error.
                 match run("conntrack", &["-D", side, &ip.to_string()], None) {
-                    Ok(_) | Err(Error::Failed { .. }) => report.conntrack_flushed.push(*ip),
+                    Ok(_) | Err(Error::Command(exec::CommandError::Failed { .. })) => {
+                        report.conntrack_flushed.push(*ip)
+                    }
                     Err(e) => {
                         warn!(pod, error = %e, "cannot flush conntrack; established flows keep their verdict");
                         break;

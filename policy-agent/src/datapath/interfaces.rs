@@ -5,8 +5,10 @@ use std::{
     net::IpAddr,
 };
 
-use super::Problem;
-use crate::{cluster::PodRef, netlink};
+use crate::{
+    cluster::{ObjectKind, PodRef, Problem},
+    netlink,
+};
 
 /// A pod's host-side interface.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -30,20 +32,13 @@ pub fn resolve_interfaces(
     let links: BTreeMap<u32, netlink::Link> = match netlink::links() {
         Ok(l) => l.into_iter().map(|l| (l.index, l)).collect(),
         Err(e) => {
-            problems.push(Problem {
-                object: "node".into(),
-                reason: format!("listing interfaces: {e}"),
-            });
+            problems.push(Problem::node(format!("listing interfaces: {e}")));
             return (found, problems);
         }
     };
     for (pod, ips) in pods {
-        let mut problem = |reason: String| {
-            problems.push(Problem {
-                object: format!("pod {pod}"),
-                reason,
-            })
-        };
+        let mut problem =
+            |reason: String| problems.push(Problem::object(ObjectKind::Pod, pod.clone(), reason));
         let mut ifindex = None;
         let mut bad = false;
         for ip in ips {
@@ -201,14 +196,15 @@ fn drop_shared_interfaces(
     for (pod, iface) in interfaces.iter() {
         match owner.entry(iface.ifindex) {
             Entry::Occupied(first) => {
-                problems.push(Problem {
-                    object: format!("pod {pod}"),
-                    reason: format!(
+                problems.push(Problem::object(
+                    ObjectKind::Pod,
+                    pod.clone(),
+                    format!(
                         "its interface {} already belongs to pod {}",
                         iface.name,
                         first.get()
                     ),
-                });
+                ));
                 drop.push(pod.clone());
             }
             Entry::Vacant(v) => {

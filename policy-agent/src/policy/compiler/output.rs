@@ -12,10 +12,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use ipnet::IpNet;
 use policy_common::{
     endpoint::{EndpointInfo, lookups},
-    identity::{ANY, IdentityName},
+    identity::IdentityName,
     ipcache::IpcacheEntry,
     policy::{PolicyEntry, PolicyKey},
-    proto,
 };
 
 use crate::{
@@ -23,13 +22,10 @@ use crate::{
     mapstate::{MapOp, MapState},
 };
 
-/// Counter slots: 0..=16 port prefix lengths, 17 any protocol, 18 any peer
-/// (the bit positions of [`lookups`]).
+/// Counter slots, one per bit of [`lookups`]: 0..=16 port prefix lengths,
+/// 17 any protocol, 18 any peer.
 const SLOTS: usize = 19;
-const ANY_PROTOCOL_SLOT: usize = 17;
-const ANY_PEER_SLOT: usize = 18;
-const _: () = assert!(lookups::ANY_PROTOCOL == 1 << ANY_PROTOCOL_SLOT);
-const _: () = assert!(lookups::ANY_PEER == 1 << ANY_PEER_SLOT);
+const _: () = assert!(lookups::ANY_PEER == 1 << (SLOTS - 1));
 
 fn note<K: Ord + Clone, V: Clone>(
     journal: &mut Option<BTreeMap<K, Option<V>>>,
@@ -57,15 +53,6 @@ pub struct Output {
     journal_ipcache: Option<BTreeMap<IpNet, Option<IpcacheEntry>>>,
 }
 
-fn slots(key: &PolicyKey) -> (usize, Option<usize>) {
-    let shape = if key.protocol == proto::ANY {
-        ANY_PROTOCOL_SLOT
-    } else {
-        usize::from(key.port_prefix_len.min(16))
-    };
-    (shape, (key.peer_identity == ANY).then_some(ANY_PEER_SLOT))
-}
-
 impl Output {
     /// Starts recording old values (see [`Self::take_ops`]).
     pub fn start_journal(&mut self) {
@@ -87,8 +74,8 @@ impl Output {
             .counts
             .entry((key.endpoint_identity, key.direction))
             .or_insert([0; SLOTS]);
-        let (shape, peer) = slots(key);
-        for slot in std::iter::once(shape).chain(peer) {
+        let bits = key.lookup_bits();
+        for slot in (0..SLOTS).filter(|s| bits & (1 << s) != 0) {
             let before = c[slot];
             c[slot] = if delta > 0 {
                 before.saturating_add(1)

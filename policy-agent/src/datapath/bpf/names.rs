@@ -8,7 +8,8 @@ use policy_common::{
     proto,
 };
 
-use crate::{datapath::bpf::endpoint_meta_name, mapstate::identity_name_str};
+use super::endpoint_meta_name;
+use crate::mapstate::identity_name_str;
 
 /// Lookup tables read from the pinned metadata maps.
 #[derive(Clone, Debug, Default)]

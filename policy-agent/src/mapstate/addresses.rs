@@ -6,7 +6,7 @@ use ipnet::IpNet;
 use policy_common::identity::{NODE, WORLD, is_cidr, kind};
 use serde::Serialize;
 
-use crate::mapstate::{MapState, identity_name_str};
+use super::{MapState, identity_name_str};
 
 /// The addresses of one identity: every address inside some `include`
 /// prefix and inside no `exclude` prefix.

@@ -6,8 +6,10 @@ use aya::maps::{Map, MapData, RingBuf};
 use policy_common::{event::DropEvent, maps as names, verdict::Reason};
 use serde::Serialize;
 
-use super::names::{Names, address, endpoint_text, protocol_name};
-use crate::datapath::bpf::{BpfMaps, Error, PinLayout};
+use super::{
+    BpfMaps, Error, PinLayout,
+    names::{Names, address, endpoint_text, protocol_name},
+};
 
 /// One dropped packet, named.
 #[derive(Clone, Debug, Serialize)]

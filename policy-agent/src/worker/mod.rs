@@ -1,33 +1,31 @@
 //! `policy-agent run`: keeps the datapath equal to the cluster state as it
-//! changes. A source (a manifest directory, or the API server) publishes
-//! snapshots; a sync worker debounces them with netlink link events and
-//! enforces; an HTTP server exposes metrics and health.
-mod manifests;
-mod worker;
+//! changes. The sources (a manifest directory or the API server, and the
+//! node's own addresses) publish changes; netlink link and pod-route
+//! events and a periodic resync are triggers too; one sync worker thread
+//! owns the [`Enforcer`] (the compiler and the datapath) and reconciles
+//! after each settled burst; an HTTP server exposes metrics and health.
+mod enforcer;
+mod reconcile;
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
-pub use self::worker::{SourceUpdate, Trigger};
+pub use self::enforcer::Enforcer;
+use self::reconcile::{Context, Trigger};
 use crate::{
-    datapath::{
-        bpf::{LoadOptions, PinLayout},
-        iptables::Backend,
-    },
-    enforce,
+    datapath::{Choice, OpenOptions, bpf::PinLayout, iptables::Backend},
     metrics::{self, Metrics},
+    netlink,
+    source::{self, SourceId, SourceUpdate},
 };
 
 /// Settings of the daemon.
 #[derive(Clone, Debug)]
 pub struct Config {
     pub node: String,
-    pub datapath: enforce::Choice,
-    pub iptables: Backend,
-    pub layout: PinLayout,
-    pub load: LoadOptions,
+    pub datapath: OpenOptions,
     pub listen: SocketAddr,
     /// Quiet time that ends a burst of changes (then one sync).
     pub debounce: Duration,
@@ -46,10 +44,12 @@ impl Config {
     pub fn new(node: String, layout: PinLayout) -> Self {
         Self {
             node,
-            datapath: enforce::Choice::Auto,
-            iptables: Backend::Auto,
-            layout,
-            load: LoadOptions::default(),
+            datapath: OpenOptions {
+                choice: Choice::Auto,
+                layout,
+                load: Default::default(),
+                iptables: Backend::Auto,
+            },
             listen: SocketAddr::from(([127, 0, 0, 1], 9402)),
             debounce: Duration::from_millis(20),
             max_delay: Duration::from_millis(250),
@@ -60,12 +60,23 @@ impl Config {
     }
 }
 
-/// Where cluster state comes from.
+/// Where the cluster state comes from (the node's own addresses are read
+/// in either case).
 #[derive(Clone)]
-pub enum Source {
+pub enum Sources {
     Manifests(PathBuf),
     /// Watch the API server with this client.
     Cluster(kube::Client),
+}
+
+impl Sources {
+    /// The sources whose first update the first sync waits for.
+    fn ids(&self) -> [SourceId; 2] {
+        match self {
+            Sources::Manifests(_) => [SourceId::Manifests, SourceId::Node],
+            Sources::Cluster(_) => [SourceId::Kube, SourceId::Node],
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -77,7 +88,7 @@ pub enum Error {
         source: std::io::Error,
     },
     #[error("watching network interfaces: {0}")]
-    Netlink(#[from] crate::netlink::Error),
+    Netlink(#[from] netlink::Error),
     #[error("starting the sync worker: {0}")]
     Worker(#[source] std::io::Error),
 }
@@ -85,10 +96,10 @@ pub enum Error {
 /// Runs until `shutdown` resolves. Enforcement stays in place afterwards.
 pub async fn run(
     config: Config,
-    source: Source,
+    sources: Sources,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), Error> {
-    let metrics = Arc::new(Metrics::new(config.layout.clone()));
+    let metrics = Arc::new(Metrics::new());
     let (_bound, http) = metrics::serve(config.listen, metrics.clone())
         .await
         .map_err(|source| Error::Listen {
@@ -99,28 +110,32 @@ pub async fn run(
     let (tx, rx) = std::sync::mpsc::channel::<Trigger>();
     // In cluster mode, invalid policies become Events on them.
     let (problem_tx, problem_rx) = mpsc::unbounded_channel();
-    let events_task = match &source {
-        Source::Cluster(client) => Some(tokio::spawn(crate::k8s::cluster::publish_events(
+    let events_task = match &sources {
+        Sources::Cluster(client) => Some(tokio::spawn(source::kube::publish_events(
             client.clone(),
             config.node.clone(),
             problem_rx,
         ))),
-        Source::Manifests(_) => None,
+        Sources::Manifests(_) => None,
     };
-    let problem_tx = events_task.as_ref().map(|_| problem_tx);
-    let worker =
-        worker::spawn(config.clone(), rx, metrics.clone(), problem_tx).map_err(Error::Worker)?;
+    let context = Context {
+        config: config.clone(),
+        metrics: metrics.clone(),
+        events: events_task.as_ref().map(|_| problem_tx),
+        sources: sources.ids().into_iter().collect(),
+    };
+    let worker = reconcile::spawn(context, rx).map_err(Error::Worker)?;
 
     // New pod interfaces and pod routes: look the interfaces up again at
     // once, so they are attached.
     let (link_tx, link_rx) = std::sync::mpsc::channel();
-    crate::netlink::watch_links(link_tx)?;
+    netlink::watch_links(link_tx)?;
     let links_to_worker = tx.clone();
     std::thread::Builder::new()
         .name("link-events".into())
         .spawn(move || {
             while let Ok(event) = link_rx.recv() {
-                if let crate::netlink::LinkEvent::Changed(link) = &event
+                if let netlink::LinkEvent::Changed(link) = &event
                     && link.kind.as_deref() != Some("veth")
                 {
                     continue;
@@ -132,26 +147,25 @@ pub async fn run(
         })
         .map_err(Error::Worker)?;
 
-    let (state_tx, mut state_rx) = mpsc::unbounded_channel::<SourceUpdate>();
-    let source_task = match source {
-        Source::Manifests(dir) => tokio::spawn(manifests::watch(
+    let (update_tx, mut update_rx) = mpsc::unbounded_channel::<SourceUpdate>();
+    let cluster_task = match sources {
+        Sources::Manifests(dir) => tokio::spawn(source::manifests::watch(
             dir,
-            config.node.clone(),
             config.settle,
             config.poll,
-            state_tx,
+            update_tx.clone(),
         )),
-        Source::Cluster(client) => tokio::spawn(crate::k8s::cluster::watch(
+        Sources::Cluster(client) => tokio::spawn(source::kube::watch(
             client,
-            config.node.clone(),
             config.debounce,
-            state_tx,
+            update_tx.clone(),
         )),
     };
+    let node_task = tokio::spawn(source::node::watch(config.node.clone(), update_tx));
     let forward = tx.clone();
     let forward_task = tokio::spawn(async move {
-        while let Some(state) = state_rx.recv().await {
-            if forward.send(Trigger::Update(state)).is_err() {
+        while let Some(update) = update_rx.recv().await {
+            if forward.send(Trigger::Update(update)).is_err() {
                 return;
             }
         }
@@ -171,13 +185,12 @@ pub async fn run(
 
     shutdown.await;
     info!("shutting down; enforcement stays pinned");
-    source_task.abort();
+    for task in [cluster_task, node_task, forward_task, resync_task, http] {
+        task.abort();
+    }
     if let Some(t) = events_task {
         t.abort();
     }
-    forward_task.abort();
-    resync_task.abort();
-    http.abort();
     let _ = tx.send(Trigger::Stop);
     if worker.join().is_err() {
         warn!("sync worker panicked");

@@ -1,0 +1,163 @@
+//! The one vocabulary every source speaks: a change of the cluster state.
+//!
+//! Sources (the manifest directory, the API server's watches, the node's
+//! own addresses) publish [`Change`]s; the compiler consumes them. What a
+//! change means is stated once, by [`ClusterState::apply`]; the changes
+//! between two versions of a keyed collection are found once, by
+//! [`keyed_changes`] (which [`changes_between`] and every source use).
+use std::{collections::BTreeMap, net::IpAddr};
+
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+
+use super::{ClusterState, NamespaceInfo, PodInfo, PodRef, PolicyRef};
+
+/// One change of the cluster state.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Change {
+    UpsertPod(PodRef, PodInfo),
+    DeletePod(PodRef),
+    UpsertNamespace(String, NamespaceInfo),
+    DeleteNamespace(String),
+    UpsertPolicy(PolicyRef, Box<NetworkPolicy>),
+    DeletePolicy(PolicyRef),
+    /// The enforcing node's name or its own addresses changed.
+    Node {
+        name: String,
+        ips: Vec<IpAddr>,
+    },
+}
+
+/// A kind of object kept by key, and how its changes are spelled.
+pub trait Keyed: Clone + PartialEq {
+    type Key: Ord + Clone;
+    fn upsert(key: Self::Key, value: Self) -> Change;
+    fn delete(key: Self::Key) -> Change;
+}
+
+impl Keyed for PodInfo {
+    type Key = PodRef;
+    fn upsert(key: PodRef, value: Self) -> Change {
+        Change::UpsertPod(key, value)
+    }
+    fn delete(key: PodRef) -> Change {
+        Change::DeletePod(key)
+    }
+}
+
+impl Keyed for NamespaceInfo {
+    type Key = String;
+    fn upsert(key: String, value: Self) -> Change {
+        Change::UpsertNamespace(key, value)
+    }
+    fn delete(key: String) -> Change {
+        Change::DeleteNamespace(key)
+    }
+}
+
+impl Keyed for NetworkPolicy {
+    type Key = PolicyRef;
+    fn upsert(key: PolicyRef, value: Self) -> Change {
+        Change::UpsertPolicy(key, Box::new(value))
+    }
+    fn delete(key: PolicyRef) -> Change {
+        Change::DeletePolicy(key)
+    }
+}
+
+/// Appends the changes that turn `old` into `new`: an upsert for every
+/// key that is new or differs, then a delete for every key that is gone.
+pub fn keyed_changes<V: Keyed>(
+    old: &BTreeMap<V::Key, V>,
+    new: &BTreeMap<V::Key, V>,
+    out: &mut Vec<Change>,
+) {
+    for (k, v) in new {
+        if old.get(k) != Some(v) {
+            out.push(V::upsert(k.clone(), v.clone()));
+        }
+    }
+    for k in old.keys().filter(|k| !new.contains_key(*k)) {
+        out.push(V::delete(k.clone()));
+    }
+}
+
+/// What changed from `old` to `new`: the node first, then namespaces,
+/// pods and policies (a namespace exists before its pods are read).
+pub fn changes_between(old: &ClusterState, new: &ClusterState) -> Vec<Change> {
+    let mut out = Vec::new();
+    if old.node_name != new.node_name || old.node_ips != new.node_ips {
+        out.push(Change::Node {
+            name: new.node_name.clone(),
+            ips: new.node_ips.clone(),
+        });
+    }
+    keyed_changes(&old.namespaces, &new.namespaces, &mut out);
+    keyed_changes(&old.pods, &new.pods, &mut out);
+    keyed_changes(&old.policies, &new.policies, &mut out);
+    out
+}
+
+impl ClusterState {
+    /// Applies one change: the meaning of each [`Change`].
+    pub fn apply(&mut self, change: &Change) {
+        match change {
+            Change::UpsertPod(k, v) => {
+                self.pods.insert(k.clone(), v.clone());
+            }
+            Change::DeletePod(k) => {
+                self.pods.remove(k);
+            }
+            Change::UpsertNamespace(k, v) => {
+                self.namespaces.insert(k.clone(), v.clone());
+            }
+            Change::DeleteNamespace(k) => {
+                self.namespaces.remove(k);
+            }
+            Change::UpsertPolicy(k, v) => {
+                self.policies.insert(k.clone(), (**v).clone());
+            }
+            Change::DeletePolicy(k) => {
+                self.policies.remove(k);
+            }
+            Change::Node { name, ips } => {
+                self.node_name.clone_from(name);
+                self.node_ips.clone_from(ips);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::ObjectRef;
+
+    #[test]
+    fn changes_replayed_on_the_old_state_give_the_new_state() {
+        let mut old = ClusterState {
+            node_name: "n".into(),
+            ..Default::default()
+        };
+        old.pods
+            .insert(ObjectRef::new("a", "p1"), PodInfo::default());
+        old.pods
+            .insert(ObjectRef::new("a", "p2"), PodInfo::default());
+        let mut new = old.clone();
+        new.pods.remove(&ObjectRef::new("a", "p1"));
+        new.pods
+            .get_mut(&ObjectRef::new("a", "p2"))
+            .unwrap()
+            .labels
+            .insert("x".into(), "y".into());
+        new.node_ips = vec!["10.0.0.1".parse().unwrap()];
+        new.namespaces.insert("a".into(), NamespaceInfo::default());
+        let mut replay = old.clone();
+        for c in changes_between(&old, &new) {
+            replay.apply(&c);
+        }
+        assert_eq!(replay.pods, new.pods);
+        assert_eq!(replay.namespaces, new.namespaces);
+        assert_eq!(replay.node_ips, new.node_ips);
+        assert!(changes_between(&new, &replay).is_empty());
+    }
+}

@@ -1,0 +1,98 @@
+//! The iptables driver: the same compiled state, rendered as ipsets and
+//! chains and applied (only what differs from what is installed).
+use std::collections::BTreeMap;
+
+use tracing::info;
+
+use super::{Backend, DEFAULT_MARK, Error, Executor, RenderInput, Ruleset, render};
+use crate::{
+    cluster::{PodRef, Problem},
+    datapath::{self, Datapath, Desired, InterfaceCache, SyncReport},
+    mapstate::MapOp,
+};
+
+pub struct IptablesDriver {
+    pub exec: Executor,
+    interfaces: InterfaceCache,
+    pub mark: u32,
+}
+
+impl IptablesDriver {
+    /// Checks that ipset and the iptables tools of `backend` are usable.
+    pub fn open(backend: Backend) -> Result<Self, Error> {
+        let exec = Executor::new(backend);
+        exec.check()?;
+        Ok(Self::unchecked_with(exec))
+    }
+
+    /// A driver that has not checked for the tools (for rendering).
+    pub fn unchecked(backend: Backend) -> Self {
+        Self::unchecked_with(Executor::new(backend))
+    }
+
+    fn unchecked_with(exec: Executor) -> Self {
+        Self {
+            exec,
+            interfaces: InterfaceCache::default(),
+            mark: DEFAULT_MARK,
+        }
+    }
+
+    /// The ruleset for `desired`, with the interfaces found here: (ruleset,
+    /// problems, endpoints rendered).
+    pub fn ruleset(&mut self, desired: &Desired<'_>) -> (Ruleset, Vec<Problem>, usize) {
+        let (interfaces, problems) = self.interfaces.resolve(desired.local_pods);
+        let names: BTreeMap<PodRef, String> = interfaces
+            .iter()
+            .map(|(p, i)| (p.clone(), i.name.clone()))
+            .collect();
+        let ruleset = render(&RenderInput {
+            maps: desired.maps,
+            local_pods: desired.local_pods,
+            interfaces: &names,
+            rules: desired.rules,
+            mark: self.mark,
+        });
+        (ruleset, problems, names.len())
+    }
+}
+
+impl Datapath for IptablesDriver {
+    fn name(&self) -> &'static str {
+        "iptables"
+    }
+
+    /// Renders the whole ruleset (the compiler's ops are not needed: what
+    /// is installed is read back and only what differs is written).
+    fn sync(
+        &mut self,
+        desired: &Desired<'_>,
+        _ops: &[MapOp<PodRef>],
+    ) -> Result<SyncReport, datapath::Error> {
+        let (ruleset, problems, endpoints) = self.ruleset(desired);
+        let applied = self.exec.apply(&ruleset)?;
+        if applied.wrote_anything() {
+            info!(
+                sets = applied.sets_written,
+                chains = applied.chains_written,
+                removed = applied.chains_removed,
+                conntrack_flushed = applied.conntrack_flushed.len(),
+                "iptables synced"
+            );
+        }
+        Ok(SyncReport {
+            writes: applied.sets_written + applied.chains_written + applied.chains_removed,
+            endpoints,
+            problems,
+            ..Default::default()
+        })
+    }
+
+    fn forget_cache(&mut self) {
+        self.interfaces.clear();
+    }
+
+    fn links_changed(&mut self) {
+        self.interfaces.clear();
+    }
+}

@@ -1,0 +1,101 @@
+//! The entries that follow from the indexes: an address's ipcache entry
+//! and an endpoint's isolation flags and lookup bits.
+use std::{collections::BTreeSet, net::IpAddr};
+
+use ipnet::IpNet;
+use policy_common::{
+    direction,
+    endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED, EndpointInfo},
+    identity::{ANY, NODE},
+    ipcache::IpcacheEntry,
+};
+
+use super::{Compiler, host_net, selection::policies_selecting};
+
+impl Compiler {
+    /// The ipcache entry of one address (its host prefix): the node, the
+    /// pod holding it, or only its address class.
+    pub(super) fn ipcache_entry(&self, ip: IpAddr) -> Option<IpcacheEntry> {
+        let cidr_identity = self.classes.class_of(ip);
+        if self.node_ips.contains(&ip) {
+            return Some(IpcacheEntry {
+                identity: NODE,
+                cidr_identity,
+            });
+        }
+        if let Some(pod) = self.claims.holder(&ip) {
+            let identity = self.index.of_pod(pod).unwrap_or(ANY);
+            return Some(IpcacheEntry {
+                identity,
+                cidr_identity,
+            });
+        }
+        self.classes.id_of(&host_net(ip)).map(|c| IpcacheEntry {
+            identity: ANY,
+            cidr_identity: c,
+        })
+    }
+
+    /// The ipcache entry of a carved prefix (or of one address).
+    pub(super) fn ipcache_net_entry(&self, net: IpNet) -> Option<IpcacheEntry> {
+        if net.prefix_len() == net.max_prefix_len() {
+            return self.ipcache_entry(net.addr());
+        }
+        self.classes.id_of(&net).map(|c| IpcacheEntry {
+            identity: ANY,
+            cidr_identity: c,
+        })
+    }
+
+    /// Rewrites the ipcache entries of `ips`.
+    pub(super) fn refresh_addresses(&mut self, ips: BTreeSet<IpAddr>) {
+        for ip in ips {
+            let entry = self.ipcache_entry(ip);
+            self.out.set_ipcache(host_net(ip), entry);
+        }
+    }
+
+    /// "A pod is isolated for ingress/egress if there is any NetworkPolicy
+    /// that both selects the pod and has Ingress/Egress in its
+    /// policyTypes."
+    fn flags_of(&self, e: u32) -> u32 {
+        let Some(x) = self.index.idents.get(&e) else {
+            return 0;
+        };
+        let mut flags = 0;
+        for ps in policies_selecting(&self.policies, &x.key.namespace, e) {
+            if ps.parsed.ingress {
+                flags |= ENDPOINT_INGRESS_ISOLATED;
+            }
+            if ps.parsed.egress {
+                flags |= ENDPOINT_EGRESS_ISOLATED;
+            }
+        }
+        flags
+    }
+
+    /// Rewrites the endpoint entries of identities `es` and of those whose
+    /// lookup bits may have moved (flags and lookups).
+    pub(super) fn refresh_endpoints(&mut self, es: BTreeSet<u32>) {
+        let dirty = std::mem::take(&mut self.out.dirty_lookups);
+        for e in es.union(&dirty) {
+            if !self.index.endpoint_ids.contains(e) {
+                continue;
+            }
+            let info = EndpointInfo {
+                identity: *e,
+                flags: self.flags_of(*e),
+                revision: 0,
+                ingress_lookups: self.out.lookup_bits(*e, direction::INGRESS),
+                egress_lookups: self.out.lookup_bits(*e, direction::EGRESS),
+                _reserved: 0,
+            };
+            let Some(ident) = self.index.idents.get(e) else {
+                continue;
+            };
+            for pod in &ident.endpoints {
+                self.out.set_endpoint(pod, Some(info));
+            }
+        }
+    }
+}

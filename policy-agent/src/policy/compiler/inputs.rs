@@ -1,0 +1,160 @@
+//! Changes of the compiler's inputs: each [`Change`] updates the stored
+//! input and, unless a full rebuild is pending, what depends on it.
+use std::{borrow::Cow, collections::BTreeSet};
+
+use super::{
+    Compiler,
+    keys::{Write, write_rule},
+    selection::{PolicyState, rule_state},
+};
+use crate::{
+    cluster::{Change, Labels, PodInfo, PodRef, PolicyRef},
+    identity::{IdentityAllocator, default_namespace_labels},
+    policy::parse::ParsedPolicy,
+};
+
+impl Compiler {
+    pub(super) fn apply_one(&mut self, change: Change, ids: &mut IdentityAllocator) {
+        match change {
+            Change::UpsertPod(pod, info) => {
+                self.pods.insert(pod.clone(), info);
+                if !self.rebuild_pending {
+                    self.sync_pods(BTreeSet::from([pod]), ids);
+                }
+            }
+            Change::DeletePod(pod) => {
+                self.pods.remove(&pod);
+                if !self.rebuild_pending {
+                    self.sync_pods(BTreeSet::from([pod]), ids);
+                }
+            }
+            Change::UpsertNamespace(ns, info) => {
+                self.namespaces.insert(ns.clone(), info);
+                self.namespace_changed(&ns, ids);
+            }
+            Change::DeleteNamespace(ns) => {
+                self.namespaces.remove(&ns);
+                self.namespace_changed(&ns, ids);
+            }
+            Change::UpsertPolicy(name, np) => {
+                let parsed = ParsedPolicy::parse(&name, &np);
+                self.replace_policy(&name, Some(parsed));
+            }
+            Change::DeletePolicy(name) => self.replace_policy(&name, None),
+            Change::Node { name, ips } => {
+                self.node_name = name;
+                self.node_ips = ips.into_iter().collect();
+                self.rebuild_pending = true;
+            }
+        }
+    }
+
+    /// Every pod of `ns` may have a new identity (its namespace labels are
+    /// part of it).
+    fn namespace_changed(&mut self, ns: &str, ids: &mut IdentityAllocator) {
+        if self.rebuild_pending {
+            return;
+        }
+        let start = PodRef::new(ns, "");
+        let affected: BTreeSet<PodRef> = self
+            .pods
+            .range(start..)
+            .map(|(k, _)| k)
+            .take_while(|k| k.namespace == ns)
+            .cloned()
+            .collect();
+        self.sync_pods(affected, ids);
+    }
+
+    fn replace_policy(&mut self, name: &PolicyRef, new: Option<ParsedPolicy>) {
+        let old = self.policies.get(name).map(|p| &p.parsed);
+        if !self.rebuild_pending && self.carving.changes(old, new.as_ref()) {
+            self.rebuild_pending = true;
+        }
+        if self.rebuild_pending {
+            match new {
+                Some(parsed) => self
+                    .policies
+                    .insert(name.clone(), PolicyState::unmatched(parsed)),
+                None => self.policies.remove(name),
+            };
+            return;
+        }
+        self.remove_policy_state(name);
+        if let Some(parsed) = new {
+            self.add_policy_state(parsed);
+        }
+        let dirty = std::mem::take(&mut self.flags_dirty);
+        self.refresh_endpoints(dirty);
+    }
+
+    fn remove_policy_state(&mut self, name: &PolicyRef) {
+        let Some(ps) = self.policies.remove(name) else {
+            return;
+        };
+        for e in ps
+            .selected
+            .iter()
+            .filter(|e| self.index.endpoint_ids.contains(e))
+        {
+            for (rule, rs) in ps.rules() {
+                write_rule(
+                    &mut self.out,
+                    &self.index.idents,
+                    rule,
+                    rs,
+                    *e,
+                    Write::Remove,
+                );
+            }
+            self.flags_dirty.insert(*e);
+        }
+        self.carving.remove(&ps.parsed);
+    }
+
+    pub(super) fn add_policy_state(&mut self, parsed: ParsedPolicy) {
+        self.carving.add(&parsed);
+        let rules = parsed
+            .rules
+            .iter()
+            .map(|r| rule_state(r, &self.classes, &self.index.idents))
+            .collect();
+        let selected: BTreeSet<u32> = self
+            .index
+            .in_namespace(&parsed.name.namespace)
+            .filter(|x| {
+                self.index
+                    .idents
+                    .get(x)
+                    .is_some_and(|i| parsed.selects(&i.key.namespace, &i.key.labels))
+            })
+            .collect();
+        let ps = PolicyState {
+            parsed,
+            selected,
+            rules,
+        };
+        for e in ps
+            .selected
+            .iter()
+            .filter(|e| self.index.endpoint_ids.contains(e))
+        {
+            for (rule, rs) in ps.rules() {
+                write_rule(&mut self.out, &self.index.idents, rule, rs, *e, Write::Add);
+            }
+            self.flags_dirty.insert(*e);
+        }
+        self.policies.insert(ps.parsed.name.clone(), ps);
+    }
+
+    pub(super) fn namespace_labels(&self, ns: &str) -> Cow<'_, Labels> {
+        match self.namespaces.get(ns) {
+            Some(info) => Cow::Borrowed(&info.labels),
+            None => Cow::Owned(default_namespace_labels(ns)),
+        }
+    }
+
+    pub(super) fn is_local(&self, info: &PodInfo) -> bool {
+        self.options.all_pods_local || info.node_name.as_deref() == Some(self.node_name.as_str())
+    }
+}

@@ -1,0 +1,157 @@
+//! The API server as a source: watchers on Pods (every node: remote pod
+//! IPs feed the ipcache), Namespaces and NetworkPolicies, kept as plain
+//! values (no managed fields, annotations or status).
+//!
+//! Changes are published only once every watcher has completed its
+//! initial list, and a re-list (410 Gone, a reconnect) is buffered until
+//! it is complete and then published as its difference from what was
+//! known: the datapath never sees a half-listed cluster. While the API
+//! server is unreachable nothing is published, so the last state stays
+//! enforced; the watchers retry with backoff.
+mod events;
+mod store;
+
+use std::time::Duration;
+
+use futures::{StreamExt as _, stream::BoxStream};
+use k8s_openapi::api::{
+    core::v1::{Namespace, Pod},
+    networking::v1::NetworkPolicy,
+};
+use kube::{
+    Api, Client, ResourceExt as _,
+    runtime::{
+        WatchStreamExt as _,
+        watcher::{self, Event},
+    },
+};
+use tokio::sync::mpsc::UnboundedSender;
+use tracing::{debug, info, warn};
+
+pub use self::events::publish_events;
+use self::store::{Pods, Store};
+use super::{SourceId, SourceUpdate};
+use crate::cluster::{Change, NamespaceInfo, ObjectRef, Problem, namespace_info};
+
+enum Update {
+    Pod(Box<Event<Pod>>),
+    Namespace(Box<Event<Namespace>>),
+    Policy(Box<Event<NetworkPolicy>>),
+    Failed(&'static str, watcher::Error),
+}
+
+fn stream<K>(
+    api: Api<K>,
+    label: &'static str,
+    wrap: fn(Event<K>) -> Update,
+) -> BoxStream<'static, Update>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    watcher::watcher(api, watcher::Config::default())
+        .default_backoff()
+        .map(move |r| match r {
+            Ok(e) => wrap(e),
+            Err(e) => Update::Failed(label, e),
+        })
+        .boxed()
+}
+
+/// Keeps only what policy reads: no managed fields, annotations or owners.
+fn strip_policy(p: &NetworkPolicy) -> NetworkPolicy {
+    let mut p = p.clone();
+    p.metadata.managed_fields = None;
+    p.metadata.annotations = None;
+    p.metadata.owner_references = None;
+    p
+}
+
+fn policy_entry(p: &NetworkPolicy) -> Option<(ObjectRef, NetworkPolicy)> {
+    Some((
+        ObjectRef::new(
+            p.namespace().unwrap_or_else(|| "default".into()),
+            p.name_any(),
+        ),
+        strip_policy(p),
+    ))
+}
+
+fn namespace_entry(n: &Namespace) -> Option<(String, NamespaceInfo)> {
+    namespace_info(n).ok()
+}
+
+/// Watches the cluster and publishes every object once each kind is
+/// listed, then what changed after each settled burst, until `tx` closes.
+pub async fn watch(client: Client, settle: Duration, tx: UnboundedSender<SourceUpdate>) {
+    let mut updates = futures::stream::select_all([
+        stream(Api::<Pod>::all(client.clone()), "pods", |e| {
+            Update::Pod(Box::new(e))
+        }),
+        stream(Api::<Namespace>::all(client.clone()), "namespaces", |e| {
+            Update::Namespace(Box::new(e))
+        }),
+        stream(
+            Api::<NetworkPolicy>::all(client.clone()),
+            "networkpolicies",
+            |e| Update::Policy(Box::new(e)),
+        ),
+    ]);
+    let mut pods = Pods::default();
+    let mut namespaces: Store<NamespaceInfo> = Store::default();
+    let mut policies: Store<NetworkPolicy> = Store::default();
+    let mut changes: Vec<Change> = Vec::new();
+    let mut dirty = false;
+    let mut failing = false;
+    // The first update goes out (even empty) once every kind is listed.
+    let mut published: Option<Vec<Problem>> = None;
+    loop {
+        let next = if dirty {
+            tokio::time::timeout(settle, updates.next()).await
+        } else {
+            Ok(updates.next().await)
+        };
+        match next {
+            Ok(Some(update)) => {
+                let relisted = match update {
+                    Update::Pod(e) => pods.apply(*e, &mut changes),
+                    Update::Namespace(e) => namespaces.apply(*e, namespace_entry, &mut changes),
+                    Update::Policy(e) => policies.apply(*e, policy_entry, &mut changes),
+                    Update::Failed(kind, e) => {
+                        if !failing {
+                            warn!(kind, error = %e, "watch failed; keeping the last state enforced and retrying");
+                        }
+                        failing = true;
+                        false
+                    }
+                };
+                if relisted && failing {
+                    info!("watches recovered");
+                    failing = false;
+                }
+                dirty = true;
+            }
+            Ok(None) => return,
+            Err(_) => {
+                // Settled: publish once every kind has been listed.
+                dirty = false;
+                if !(pods.store.synced() && namespaces.synced() && policies.synced()) {
+                    continue;
+                }
+                let problems: Vec<Problem> = pods.problems().cloned().collect();
+                if changes.is_empty() && published.as_ref() == Some(&problems) {
+                    continue;
+                }
+                published = Some(problems.clone());
+                debug!(changes = changes.len(), "publishing cluster changes");
+                let update = SourceUpdate {
+                    source: SourceId::Kube,
+                    changes: std::mem::take(&mut changes),
+                    problems,
+                };
+                if tx.send(update).is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}

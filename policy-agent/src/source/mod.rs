@@ -1,0 +1,33 @@
+//! Where the cluster state comes from. Every source speaks the cluster
+//! model's vocabulary: it publishes [`Change`]s (all of its objects in its
+//! first update, what changed after that) and the problems it met.
+//!
+//! - [`manifests`]: a directory of YAML manifests (the loader, and the
+//!   inotify watcher that re-reads only changed files);
+//! - [`kube`]: the API server (kube-rs watchers; Events on invalid
+//!   policies);
+//! - [`node`]: the node's own addresses (always allowed to reach its pods).
+pub mod kube;
+pub mod manifests;
+pub mod node;
+
+use crate::cluster::{Change, Problem};
+
+/// Which source an update comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SourceId {
+    Manifests,
+    Kube,
+    Node,
+}
+
+/// What a source publishes.
+#[derive(Clone, Debug)]
+pub struct SourceUpdate {
+    pub source: SourceId,
+    /// The changes since this source's previous update; the first update
+    /// holds every object the source knows.
+    pub changes: Vec<Change>,
+    /// What the source could not read; replaces its earlier list.
+    pub problems: Vec<Problem>,
+}

@@ -1,0 +1,72 @@
+//! One datapath and the one compiler that feeds it: changes in, an
+//! enforcing datapath out. `apply` uses it once; the worker keeps it.
+use std::time::Instant;
+
+use tracing::debug;
+
+use crate::{
+    cluster::Change,
+    datapath::{self, Datapath, Desired, OpenOptions, SyncReport},
+    identity::IdentityAllocator,
+    metrics::MetricsSource,
+    policy::{CompileOptions, Compiler},
+};
+
+pub struct Enforcer {
+    datapath: Box<dyn Datapath>,
+    ids: IdentityAllocator,
+    compiler: Compiler,
+}
+
+impl Enforcer {
+    /// Opens the datapath and adopts the identity numbers it already uses,
+    /// so unchanged input compiles to unchanged content.
+    pub fn open(opts: &OpenOptions) -> Result<Self, datapath::Error> {
+        let datapath = datapath::open(opts)?;
+        let ids = datapath.adopt_identities()?;
+        Ok(Self {
+            datapath,
+            ids,
+            compiler: Compiler::new(CompileOptions::default()),
+        })
+    }
+
+    pub fn datapath(&mut self) -> &mut dyn Datapath {
+        self.datapath.as_mut()
+    }
+
+    /// What the datapath reports at scrape time.
+    pub fn metrics(&self) -> Option<MetricsSource> {
+        self.datapath.metrics()
+    }
+
+    pub fn compiler(&self) -> &Compiler {
+        &self.compiler
+    }
+
+    /// Compiles `changes` (in full the first time) and makes the datapath
+    /// enforce the result. The report's problems start with the
+    /// compiler's (invalid policies, pods without an address).
+    pub fn enforce(&mut self, changes: Vec<Change>) -> Result<SyncReport, datapath::Error> {
+        let t = Instant::now();
+        let ops = self.compiler.apply(changes, &mut self.ids);
+        let compile_us = t.elapsed().as_micros() as u64;
+        let rules = self.compiler.rules();
+        let desired = Desired {
+            maps: self.compiler.maps(),
+            local_pods: self.compiler.local_pods(),
+            rules: &rules,
+        };
+        let mut report = self.datapath.sync(&desired, &ops)?;
+        let mut problems = self.compiler.problems();
+        problems.append(&mut report.problems);
+        report.problems = problems;
+        debug!(
+            compile_us,
+            total_us = t.elapsed().as_micros() as u64,
+            ops = ops.len(),
+            "enforced"
+        );
+        Ok(report)
+    }
+}

@@ -1,0 +1,227 @@
+//! The sync worker, shaped like a kube-rs controller: triggers are
+//! coalesced (debounced) into one [`reconcile`] per burst; a failure goes
+//! through [`error_policy`], which decides when to try again; every
+//! outcome is recorded in one place ([`record`]). One thread owns the
+//! enforcer (compiler and datapath).
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::{
+        Arc,
+        mpsc::{Receiver, RecvTimeoutError},
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use tokio::sync::mpsc::UnboundedSender;
+use tracing::{error, info, warn};
+
+use super::{Config, Enforcer};
+use crate::{
+    cluster::{Change, Problem},
+    datapath::{self, SyncReport},
+    metrics::Metrics,
+    source::{SourceId, SourceUpdate},
+};
+
+/// What wakes the worker.
+pub enum Trigger {
+    Update(SourceUpdate),
+    /// A pod interface appeared or changed.
+    Links,
+    /// Periodic: read the installed state back and sync.
+    Resync,
+    Stop,
+}
+
+/// What every reconcile shares.
+pub struct Context {
+    pub config: Config,
+    pub metrics: Arc<Metrics>,
+    /// Where each sync's problems go (cluster mode: Events on policies).
+    pub events: Option<UnboundedSender<Vec<Problem>>>,
+    /// The sources whose first update the first sync waits for.
+    pub sources: BTreeSet<SourceId>,
+}
+
+/// What the worker holds between reconciles.
+#[derive(Default)]
+struct State {
+    enforcer: Option<Enforcer>,
+    /// Changes not yet handed to the compiler, in arrival order.
+    changes: Vec<Change>,
+    /// Each source's current problems.
+    source_problems: BTreeMap<SourceId, Vec<Problem>>,
+    /// Sources heard from at least once.
+    heard: BTreeSet<SourceId>,
+    links: bool,
+    resync: bool,
+    /// Problems last reported (they are logged and published on change).
+    reported: Vec<Problem>,
+    observers_started: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot open the datapath: {0}")]
+    Open(#[source] datapath::Error),
+    #[error("sync failed: {0}")]
+    Sync(#[source] datapath::Error),
+}
+
+impl Error {
+    fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Open(e) | Error::Sync(e) => e.metric_label(),
+        }
+    }
+}
+
+pub fn spawn(ctx: Context, rx: Receiver<Trigger>) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("sync".into())
+        .spawn(move || run(&ctx, &rx))
+}
+
+fn run(ctx: &Context, rx: &Receiver<Trigger>) {
+    let mut state = State::default();
+    let mut retry_at: Option<Instant> = None;
+    loop {
+        let Some(started) = collect(ctx, rx, &mut state, retry_at) else {
+            return;
+        };
+        if !ctx.sources.is_subset(&state.heard) {
+            continue; // The first sync waits for every source's first word.
+        }
+        let result = reconcile(ctx, &mut state);
+        retry_at = match &result {
+            Ok(_) => None,
+            Err(e) => Some(Instant::now() + error_policy(e, &mut state)),
+        };
+        record(ctx, &mut state, &result, started.elapsed());
+    }
+}
+
+/// Waits for a trigger (or the pending retry), then lets the burst settle:
+/// until `debounce` passes quietly, at most `max_delay`. None: stop.
+fn collect(
+    ctx: &Context,
+    rx: &Receiver<Trigger>,
+    state: &mut State,
+    retry_at: Option<Instant>,
+) -> Option<Instant> {
+    let first = match retry_at {
+        Some(at) => match rx.recv_timeout(at.saturating_duration_since(Instant::now())) {
+            Ok(t) => Some(t),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => return None,
+        },
+        None => Some(rx.recv().ok()?),
+    };
+    let started = Instant::now();
+    let mut next = first;
+    loop {
+        match next.take() {
+            Some(Trigger::Update(update)) => {
+                state.heard.insert(update.source);
+                state.changes.extend(update.changes);
+                state.source_problems.insert(update.source, update.problems);
+            }
+            Some(Trigger::Links) => state.links = true,
+            Some(Trigger::Resync) => state.resync = true,
+            Some(Trigger::Stop) => return None,
+            None => {}
+        }
+        if started.elapsed() >= ctx.config.max_delay {
+            return Some(started);
+        }
+        match rx.recv_timeout(ctx.config.debounce) {
+            Ok(t) => next = Some(t),
+            Err(RecvTimeoutError::Timeout) => return Some(started),
+            Err(RecvTimeoutError::Disconnected) => return None,
+        }
+    }
+}
+
+/// Opens the datapath if need be and enforces every pending change.
+fn reconcile(ctx: &Context, state: &mut State) -> Result<SyncReport, Error> {
+    if state.enforcer.is_none() {
+        // Changes wait (uncompiled) until the datapath opens, so the
+        // compiler starts from the identity numbers it already uses.
+        let enforcer = Enforcer::open(&ctx.config.datapath).map_err(Error::Open)?;
+        ctx.metrics.set_datapath(enforcer.metrics());
+        state.enforcer = Some(enforcer);
+    }
+    let Some(enforcer) = state.enforcer.as_mut() else {
+        unreachable!("opened above");
+    };
+    if std::mem::take(&mut state.resync) {
+        enforcer.datapath().forget_cache();
+        state.links = false;
+    } else if std::mem::take(&mut state.links) {
+        enforcer.datapath().links_changed();
+    }
+    // The changes are the compiler's from here, whatever the datapath does.
+    let changes = std::mem::take(&mut state.changes);
+    let report = enforcer.enforce(changes).map_err(Error::Sync)?;
+    if !state.observers_started {
+        state.observers_started = enforcer.datapath().start_observers();
+    }
+    Ok(report)
+}
+
+/// When to try again after `error`, and what the retry must redo.
+fn error_policy(error: &Error, state: &mut State) -> Duration {
+    match error {
+        // Nothing opened: the pending changes are still pending.
+        Error::Open(_) => Duration::from_secs(5),
+        // The maps hold an unknown prefix of the writes: read everything
+        // back on the retry.
+        Error::Sync(_) => {
+            state.resync = true;
+            Duration::from_secs(2)
+        }
+    }
+}
+
+/// Logs, metrics and Events for one reconcile, in one place.
+fn record(ctx: &Context, state: &mut State, result: &Result<SyncReport, Error>, took: Duration) {
+    match result {
+        Ok(report) => {
+            let mut problems: Vec<Problem> =
+                state.source_problems.values().flatten().cloned().collect();
+            problems.extend(report.problems.iter().cloned());
+            ctx.metrics
+                .sync_done(took, report.writes, report.endpoints, problems.len());
+            ctx.metrics.set_ready();
+            if report.writes > 0 || !report.attached.is_empty() || !report.detached.is_empty() {
+                info!(
+                    writes = report.writes,
+                    endpoints = report.endpoints,
+                    attached = ?report.attached,
+                    detached = ?report.detached,
+                    took_ms = took.as_millis() as u64,
+                    "synced"
+                );
+            }
+            if problems != state.reported {
+                for p in &problems {
+                    warn!(problem = %p, "not enforced as written");
+                }
+                if let Some(tx) = &ctx.events {
+                    let _ = tx.send(problems.clone());
+                }
+                state.reported = problems;
+            }
+        }
+        Err(e) => {
+            match e {
+                Error::Open(_) => error!(error = %e, "retrying in 5s"),
+                Error::Sync(_) => {
+                    error!(error = %e, "the previous state stays enforced; retrying in 2s")
+                }
+            }
+            ctx.metrics.sync_failed(took, e.metric_label());
+        }
+    }
+}
