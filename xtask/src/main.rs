@@ -73,9 +73,30 @@ fn run(cmd: &mut Command) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Variables `cargo run` sets for the program it runs (this xtask), which
+/// a cargo we spawn must not inherit: build scripts track some of them
+/// (ring's tracks `CARGO_MANIFEST_DIR`), so inheriting them made every
+/// `cargo xtask build` and plain `cargo build` rebuild ring and all above
+/// it from scratch, each undoing the other's cache.
+fn set_by_cargo_run(name: &str) -> bool {
+    const PREFIXES: [&str; 5] = [
+        "CARGO_PKG_",
+        "CARGO_MANIFEST_",
+        "CARGO_CRATE_",
+        "CARGO_BIN_",
+        "CARGO_PRIMARY_PACKAGE",
+    ];
+    PREFIXES.iter().any(|p| name.starts_with(p))
+}
+
 fn cargo() -> Command {
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     c.current_dir(root());
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(set_by_cargo_run) {
+            c.env_remove(&name);
+        }
+    }
     c
 }
 

@@ -3,8 +3,7 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use policy_agent::{
-    cluster::{ClusterState, Problem, changes_between},
-    netlink, source,
+    cluster::{ClusterState, changes_between},
     worker::Enforcer,
 };
 
@@ -22,10 +21,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let node = &args.node.node;
-    let mut loaded = source::manifests::load_dir(&args.manifests.manifests);
-    let node_ips = netlink::local_addresses().context("reading this node's addresses")?;
-    let state = loaded.cluster_state(node, node_ips);
-    let mut problems: Vec<Problem> = loaded.errors.iter().map(|e| e.problem()).collect();
+    let (state, mut problems) = args.manifests.load_for(&args.node)?;
 
     let mut enforcer =
         Enforcer::open(&args.enforce.open_options()).context("opening the datapath")?;

@@ -1,14 +1,16 @@
 //! Options and helpers shared by subcommands.
 use std::path::PathBuf;
 
+use anyhow::Context as _;
 use clap::ValueEnum;
 use policy_agent::{
-    cluster::Problem,
+    cluster::{ClusterState, Problem},
     datapath::{
         Choice, OpenOptions,
         bpf::{DEFAULT_PIN_ROOT, LoadOptions, PinLayout},
         iptables::Backend,
     },
+    netlink, source,
 };
 
 pub fn init_tracing() {
@@ -100,6 +102,18 @@ pub struct ManifestsArg {
     /// Directory of *.yaml / *.yml manifests (Namespaces, Pods, NetworkPolicies).
     #[arg(long)]
     pub manifests: PathBuf,
+}
+
+impl ManifestsArg {
+    /// The manifests as the cluster state of `node`, whose own addresses
+    /// are this network namespace's; with what could not be read.
+    pub fn load_for(&self, node: &NodeArg) -> anyhow::Result<(ClusterState, Vec<Problem>)> {
+        let mut loaded = source::manifests::load_dir(&self.manifests);
+        let node_ips = netlink::local_addresses().context("reading this node's addresses")?;
+        let state = loaded.cluster_state(&node.node, node_ips);
+        let problems = loaded.errors.iter().map(|e| e.problem()).collect();
+        Ok((state, problems))
+    }
 }
 
 /// Which datapath to enforce with, and where its pins live.

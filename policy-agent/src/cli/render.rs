@@ -2,16 +2,14 @@
 //! datapath would install, for review.
 use std::process::ExitCode;
 
-use anyhow::{Context as _, bail};
+use anyhow::bail;
 use policy_agent::{
     datapath::{
         Desired,
         iptables::{Backend, IptablesDriver},
     },
     identity::IdentityAllocator,
-    netlink,
     policy::{CompileOptions, Compiler},
-    source,
 };
 
 use super::common::{DatapathChoice, ManifestsArg, NodeArg, print_problems};
@@ -32,11 +30,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             "render prints the iptables datapath's rules; for BPF, see `policy-agent dump` and `explain`"
         );
     }
-    let mut loaded = source::manifests::load_dir(&args.manifests.manifests);
-    let node_ips = netlink::local_addresses().context("reading this node's addresses")?;
-    let state = loaded.cluster_state(&args.node.node, node_ips);
-    for e in &loaded.errors {
-        eprintln!("warning: {e}");
+    let (state, unreadable) = args.manifests.load_for(&args.node)?;
+    for p in &unreadable {
+        eprintln!("warning: {p}");
     }
     let compiler = Compiler::build(
         &state,

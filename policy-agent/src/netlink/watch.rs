@@ -54,45 +54,36 @@ fn pod_route(route: &RouteMessage) -> Option<u32> {
 /// Subscribes (in the calling thread's namespace) and forwards events from
 /// a background thread until the receiver goes away.
 pub fn watch_links(tx: Sender<LinkEvent>) -> Result<std::thread::JoinHandle<()>, Error> {
-    let mut socket = Socket::new(NETLINK_ROUTE).map_err(Error::Socket)?;
-    socket
-        .bind(&SocketAddr::new(
-            0,
-            RTMGRP_LINK | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE,
-        ))
-        .map_err(Error::Socket)?;
-    std::thread::Builder::new()
-        .name("netlink-links".into())
-        .spawn(move || {
-            let mut rx = vec![0u8; 1 << 16];
-            loop {
-                let Ok(size) = socket.recv(&mut &mut rx[..], 0) else {
-                    // ENOBUFS after a burst: keep going; the agent resyncs.
-                    continue;
-                };
-                for msg in messages(&rx[..size]) {
-                    let Ok(msg) = msg else { break };
-                    let event = match msg.payload {
-                        NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l)) => {
-                            Some(LinkEvent::Changed(link_from(&l)))
-                        }
-                        NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(l)) => {
-                            Some(LinkEvent::Removed(link_from(&l)))
-                        }
-                        NetlinkPayload::InnerMessage(
-                            RouteNetlinkMessage::NewRoute(r) | RouteNetlinkMessage::DelRoute(r),
-                        ) => pod_route(&r).map(|oif| LinkEvent::PodRoute { oif }),
-                        _ => None,
-                    };
-                    if let Some(e) = event
-                        && tx.send(e).is_err()
-                    {
-                        return;
+    let socket = subscribe(RTMGRP_LINK | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE)?;
+    spawn("netlink-links", move || {
+        let mut rx = vec![0u8; 1 << 16];
+        loop {
+            let Ok(size) = socket.recv(&mut &mut rx[..], 0) else {
+                // ENOBUFS after a burst: keep going; the agent resyncs.
+                continue;
+            };
+            for msg in messages(&rx[..size]) {
+                let Ok(msg) = msg else { break };
+                let event = match msg.payload {
+                    NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l)) => {
+                        Some(LinkEvent::Changed(link_from(&l)))
                     }
+                    NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(l)) => {
+                        Some(LinkEvent::Removed(link_from(&l)))
+                    }
+                    NetlinkPayload::InnerMessage(
+                        RouteNetlinkMessage::NewRoute(r) | RouteNetlinkMessage::DelRoute(r),
+                    ) => pod_route(&r).map(|oif| LinkEvent::PodRoute { oif }),
+                    _ => None,
+                };
+                if let Some(e) = event
+                    && tx.send(e).is_err()
+                {
+                    return;
                 }
             }
-        })
-        .map_err(Error::Socket)
+        }
+    })
 }
 
 /// Subscribes (in the calling thread's namespace) to address changes and
@@ -101,21 +92,35 @@ pub fn watch_links(tx: Sender<LinkEvent>) -> Result<std::thread::JoinHandle<()>,
 pub fn watch_addresses(
     tx: tokio::sync::mpsc::UnboundedSender<()>,
 ) -> Result<std::thread::JoinHandle<()>, Error> {
+    let socket = subscribe(RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR)?;
+    spawn("netlink-addrs", move || {
+        let mut rx = vec![0u8; 1 << 16];
+        loop {
+            // ENOBUFS after a burst is a change too: read them again.
+            let _ = socket.recv(&mut &mut rx[..], 0);
+            if tx.send(()).is_err() {
+                return;
+            }
+        }
+    })
+}
+
+/// A route-netlink socket in the calling thread's namespace, subscribed to
+/// the multicast `groups`.
+fn subscribe(groups: u32) -> Result<Socket, Error> {
     let mut socket = Socket::new(NETLINK_ROUTE).map_err(Error::Socket)?;
     socket
-        .bind(&SocketAddr::new(0, RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR))
+        .bind(&SocketAddr::new(0, groups))
         .map_err(Error::Socket)?;
+    Ok(socket)
+}
+
+fn spawn(
+    name: &str,
+    f: impl FnOnce() + Send + 'static,
+) -> Result<std::thread::JoinHandle<()>, Error> {
     std::thread::Builder::new()
-        .name("netlink-addrs".into())
-        .spawn(move || {
-            let mut rx = vec![0u8; 1 << 16];
-            loop {
-                // ENOBUFS after a burst is a change too: read them again.
-                let _ = socket.recv(&mut &mut rx[..], 0);
-                if tx.send(()).is_err() {
-                    return;
-                }
-            }
-        })
+        .name(name.into())
+        .spawn(f)
         .map_err(Error::Socket)
 }
