@@ -13,7 +13,7 @@ use std::{
 
 use ipnet::IpNet;
 use policy_agent::{
-    datapath::bpf::{BpfDatapath, LoadOptions, PinLayout, reset},
+    datapath::bpf::{AttachMode, BpfDatapath, LoadOptions, PinLayout, probe, reset},
     mapstate::{MapState, diff},
     sim::{
         NODE_V4, NODE_V6, NetNs, Outcome, Probe, Servers, SimNode, SimPod, Transport,
@@ -127,9 +127,20 @@ fn desired(node: &SimNode) -> (MapState<u32>, Vec<(u32, String)>) {
     (state, ifaces)
 }
 
+/// Whether the running kernel has TCX (Linux 6.6), read independently of
+/// the agent's own probe.
+fn kernel_has_tcx() -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let mut parts = release.trim().split(['.', '-']);
+    let major: u32 = parts.next().unwrap().parse().unwrap();
+    let minor: u32 = parts.next().unwrap().parse().unwrap();
+    (major, minor) >= (6, 6)
+}
+
 /// Loads, fills and attaches from a thread inside the node namespace, then
-/// drops every handle: what is left is what the pins hold.
-fn enforce(node: &SimNode, layout: &PinLayout, force_netlink: bool) {
+/// drops every handle: what is left is what the pins hold. Returns how it
+/// attached.
+fn enforce(node: &SimNode, layout: &PinLayout, force_netlink: bool) -> AttachMode {
     let (state, ifaces) = desired(node);
     let layout = layout.clone();
     node.node
@@ -147,11 +158,12 @@ fn enforce(node: &SimNode, layout: &PinLayout, force_netlink: bool) {
             for (ifindex, name) in ifaces {
                 dp.attach(ifindex, &name).unwrap();
             }
+            dp.mode
         })
         .unwrap()
         .join()
         .unwrap()
-        .unwrap();
+        .unwrap()
 }
 
 type Results = BTreeMap<(String, SocketAddr, Transport), Outcome>;
@@ -286,7 +298,15 @@ fn scenario(prefix: &'static str, force_netlink: bool) {
     let _servers = Servers::start(&node).unwrap();
 
     assert_all_open(&probe_everything(&node));
-    enforce(&node, &layout, force_netlink);
+    let mode = enforce(&node, &layout, force_netlink);
+    // TCX where the kernel has it (6.6), netlink filters below or when forced.
+    let expected = if kernel_has_tcx() && !force_netlink {
+        AttachMode::Tcx
+    } else {
+        AttachMode::Netlink
+    };
+    assert_eq!(mode, expected, "attach path on this kernel");
+    eprintln!("attached with {mode:?}");
     // The loader is gone (every fd dropped): the pins keep enforcing.
     assert_policy_enforced(&probe_everything(&node));
 
@@ -330,6 +350,20 @@ fn scenario(prefix: &'static str, force_netlink: bool) {
     }
 }
 
+#[test]
+fn the_kernel_offers_what_the_classifier_needs() {
+    let kernel = probe::probe();
+    assert_eq!(kernel.missing_line(), None, "{kernel:#?}");
+    assert_eq!(kernel.tcx(), kernel_has_tcx(), "{kernel:#?}");
+    assert!(kernel.has("LPM trie maps") && kernel.has("BPF ring buffers"));
+    eprintln!(
+        "kernel {}: fallbacks {:?}",
+        kernel.release,
+        kernel.fallbacks()
+    );
+}
+
+/// TCX links where the kernel has them (netlink filters below 6.6).
 #[test]
 fn tcx_attachments_enforce_and_outlive_the_loader() {
     scenario("e2etcx", false);

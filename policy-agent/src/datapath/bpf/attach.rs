@@ -7,13 +7,10 @@
 //! created the qdisc so `reset` removes only what it added.
 use std::{error::Error as StdError, ffi::CStr};
 
-use aya::{
-    programs::{
-        LinkOrder, SchedClassifier,
-        links::{FdLink, PinnedLink},
-        tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
-    },
-    util::KernelVersion,
+use aya::programs::{
+    LinkOrder, SchedClassifier,
+    links::{FdLink, PinnedLink},
+    tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
 };
 use policy_common::endpoint::{ATTACH_CREATED_CLSACT, ATTACH_NETLINK, ATTACH_TCX};
 use tracing::debug;
@@ -38,10 +35,7 @@ pub enum AttachMode {
 impl AttachMode {
     /// TCX where the kernel has it (>= 6.6), unless netlink is forced.
     pub fn detect(force_netlink: bool) -> Self {
-        let tcx = KernelVersion::current()
-            .map(|v| v >= KernelVersion::new(6, 6, 0))
-            .unwrap_or(false);
-        if tcx && !force_netlink {
+        if super::probe::kernel().tcx() && !force_netlink {
             Self::Tcx
         } else {
             Self::Netlink

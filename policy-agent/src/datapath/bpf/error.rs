@@ -7,6 +7,18 @@ pub enum Error {
     NoBpffs(PathBuf),
     #[error("this agent was built without the eBPF object (AYA_BUILD_SKIP); rebuild without it")]
     NoObject,
+    #[error("the BPF datapath cannot run here: {0}")]
+    Unsupported(String),
+    #[error(
+        "the verifier rejected program {program}: {summary} (full log: {}, {lines} lines)",
+        log.display()
+    )]
+    Verifier {
+        program: &'static str,
+        summary: String,
+        log: PathBuf,
+        lines: usize,
+    },
     #[error("creating pin directory {path}: {source}")]
     PinDir {
         path: PathBuf,
@@ -91,16 +103,24 @@ impl Error {
     }
 
     pub(crate) fn program(name: &'static str) -> impl FnOnce(aya::programs::ProgramError) -> Self {
-        move |e| Self::Program {
-            name,
-            source: Box::new(e),
+        move |e| match e {
+            aya::programs::ProgramError::LoadError { verifier_log, .. } => {
+                super::verifier::rejected(name, &verifier_log.to_string())
+            }
+            e => Self::Program {
+                name,
+                source: Box::new(e),
+            },
         }
     }
 
     /// A short label for metrics.
     pub fn metric_label(&self) -> &'static str {
         match self {
-            Self::NoBpffs(_) | Self::NoObject | Self::PinDir { .. } => "setup",
+            Self::NoBpffs(_) | Self::NoObject | Self::PinDir { .. } | Self::Unsupported(_) => {
+                "setup"
+            }
+            Self::Verifier { .. } => "verifier",
             Self::Load { .. } | Self::MissingProgram(_) | Self::MissingMap(_) => "load",
             Self::LayoutMismatch { .. } => "layout",
             Self::Program { .. } => "program",

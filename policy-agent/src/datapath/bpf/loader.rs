@@ -97,6 +97,13 @@ impl BpfDatapath {
         if OBJECT.is_empty() {
             return Err(Error::NoObject);
         }
+        let kernel = super::probe::kernel();
+        if let Some(line) = kernel.missing_line() {
+            return Err(Error::Unsupported(line));
+        }
+        for fallback in kernel.fallbacks() {
+            info!(kernel = %kernel.release, "{fallback}");
+        }
         layout.create()?;
         let paths: Vec<(&'static str, std::path::PathBuf)> =
             names::ALL.iter().map(|n| (*n, layout.map(n))).collect();

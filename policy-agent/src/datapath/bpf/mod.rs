@@ -11,8 +11,10 @@ pub mod names;
 mod object;
 mod observe;
 mod pins;
+pub mod probe;
 mod reset;
 mod sys;
+mod verifier;
 
 pub use self::{
     attach::{AttachMode, Attachment, NETLINK_HANDLE, NETLINK_PRIORITY, if_name},
