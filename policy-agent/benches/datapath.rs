@@ -45,7 +45,8 @@ fn state(policies: usize) -> MapState<u32> {
             flags: ENDPOINT_INGRESS_ISOLATED | ENDPOINT_EGRESS_ISOLATED,
             revision: 1,
             ..Default::default()
-        },
+        }
+        .with_addresses(&[IpAddr::V4(Ipv4Addr::new(10, 0, 0, 200))]),
     );
     for i in 0..IPCACHE_ENTRIES {
         let ip = IpAddr::V4(Ipv4Addr::from(0x0a00_0000u32 + i + 1));

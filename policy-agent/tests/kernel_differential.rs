@@ -126,26 +126,29 @@ fn random_state(h: &mut Harness, rng: &mut StdRng) {
     h.sync();
 }
 
-fn random_packet(rng: &mut StdRng, hook: Hook) -> Packet {
-    let v6 = rng.random_bool(0.3);
+/// An address for either end: mostly the pod (on the side it is on) and
+/// its peers, but any of them anywhere: a pod chooses every byte it sends,
+/// and the far side may claim any source.
+fn random_addr(rng: &mut StdRng, v6: bool, pod_side: bool) -> IpAddr {
     let pod = if v6 { pod_v6() } else { pod_v4() };
     let pool = if v6 { peers_v6() } else { peers_v4() };
-    let mut peer = *pool.choose(rng).unwrap();
-    if rng.random_bool(0.02) {
-        peer = pod;
-    }
-    let (src, dst) = if hook == Hook::Ingress {
-        (pod, peer)
+    if rng.random_bool(if pod_side { 0.85 } else { 0.05 }) {
+        pod
+    } else if v6 && rng.random_bool(0.05) {
+        "fe80::1".parse().unwrap()
     } else {
-        (peer, pod)
-    };
+        *pool.choose(rng).unwrap()
+    }
+}
+
+fn random_l4(rng: &mut StdRng) -> L4 {
     let sport = if rng.random_bool(0.5) {
         *PORTS.choose(rng).unwrap()
     } else {
         rng.random_range(30000..30010)
     };
     let dport = *PORTS.choose(rng).unwrap();
-    let l4 = match rng.random_range(0..10) {
+    match rng.random_range(0..10) {
         0..=4 => L4::Tcp {
             sport,
             dport,
@@ -159,20 +162,94 @@ fn random_packet(rng: &mut StdRng, hook: Hook) -> Packet {
             id: rng.random_range(1..4),
             reply: rng.random_bool(0.5),
         },
+    }
+}
+
+fn random_packet(rng: &mut StdRng, hook: Hook, sent: &[(Packet, Hook)]) -> Packet {
+    let v6 = rng.random_bool(0.3);
+    // Host-veth ingress carries what the pod sends: the pod is the source.
+    let pod_sends = hook == Hook::Ingress;
+    let mut src = random_addr(rng, v6, pod_sends);
+    let mut dst = random_addr(rng, v6, !pod_sends);
+    let l4 = match rng.random_range(0..20) {
+        // An ICMP error quoting an earlier packet (of this family), maybe
+        // reversed, or an arbitrary tuple.
+        0..=2 => {
+            let earlier: Vec<&Packet> = sent
+                .iter()
+                .map(|(p, _)| p)
+                .filter(|p| p.src.is_ipv6() == v6 && !matches!(p.l4, L4::Unreachable { .. }))
+                .collect();
+            let quoted = match earlier.choose(rng) {
+                Some(p) if rng.random_bool(0.8) => {
+                    let p = (*p).clone();
+                    if rng.random_bool(0.5) {
+                        reply(&p, Hook::Ingress).0
+                    } else {
+                        p
+                    }
+                }
+                _ => {
+                    let (a, b) = (rng.random_bool(0.5), rng.random_bool(0.5));
+                    let (qs, qd) = (random_addr(rng, v6, a), random_addr(rng, v6, b));
+                    Packet::new(qs, qd, random_l4(rng))
+                }
+            };
+            // Mostly sent back to the quoted packet's source.
+            if rng.random_bool(0.7) {
+                dst = quoted.src;
+                if pod_sends && rng.random_bool(0.8) {
+                    src = pod_v6_or_v4(v6);
+                }
+            }
+            L4::Unreachable {
+                quoted: Box::new(quoted),
+            }
+        }
+        // Neighbour discovery and MLD, from various sources and hop limits.
+        3 if v6 => L4::Icmp {
+            kind: *[130u8, 131, 133, 134, 135, 136, 137, 143]
+                .choose(rng)
+                .unwrap(),
+        },
+        _ => random_l4(rng),
     };
-    Packet::new(src, dst, l4)
+    let mut p = Packet::new(src, dst, l4);
+    if matches!(p.l4, L4::Icmp { .. }) {
+        p.hop_limit = *[1u8, 64, 255].choose(rng).unwrap();
+    }
+    p
+}
+
+fn pod_v6_or_v4(v6: bool) -> IpAddr {
+    if v6 { pod_v6() } else { pod_v4() }
 }
 
 fn to_model(p: &Packet, hook: Hook) -> model::Packet {
-    let (sport, dport, tcp_flags, icmp_type) = match p.l4 {
-        L4::Tcp {
-            sport,
-            dport,
-            flags,
-        } => (sport, dport, flags, 0),
-        L4::Udp { sport, dport } | L4::Sctp { sport, dport } => (sport, dport, 0, 0),
-        L4::Echo { id, .. } => (id, id, 0, p.icmp_type()),
-        _ => unreachable!("not generated"),
+    let ports = |l4: &L4| match l4 {
+        L4::Tcp { sport, dport, .. } | L4::Udp { sport, dport } | L4::Sctp { sport, dport } => {
+            (*sport, *dport)
+        }
+        L4::Echo { id, .. } => (*id, *id),
+        L4::Unreachable { .. } | L4::Icmp { .. } => (0, 0),
+    };
+    let (sport, dport) = ports(&p.l4);
+    let tcp_flags = match p.l4 {
+        L4::Tcp { flags, .. } => flags,
+        _ => 0,
+    };
+    let quoted = match &p.l4 {
+        L4::Unreachable { quoted } => {
+            let (sport, dport) = ports(&quoted.l4);
+            Some(model::Quoted {
+                src: quoted.src,
+                dst: quoted.dst,
+                protocol: quoted.protocol(),
+                sport,
+                dport,
+            })
+        }
+        _ => None,
     };
     model::Packet {
         ifindex: TEST_IFINDEX,
@@ -183,7 +260,9 @@ fn to_model(p: &Packet, hook: Hook) -> model::Packet {
         sport,
         dport,
         tcp_flags,
-        icmp_type,
+        icmp_type: p.icmp_type(),
+        hop_limit: p.hop_limit,
+        quoted,
     }
 }
 
@@ -217,7 +296,10 @@ fn reply(p: &Packet, hook: Hook) -> (Packet, Hook) {
     (Packet::new(p.dst, p.src, l4), other)
 }
 
-fn run_seed(seed: u64) -> usize {
+/// Verdict reasons seen, over all seeds.
+type Seen = std::collections::BTreeMap<policy_common::verdict::Reason, usize>;
+
+fn run_seed(seed: u64, seen: &mut Seen) -> usize {
     let mut rng = StdRng::seed_from_u64(seed);
     // Odd seeds keep the endpoint in the overflow hash, even ones in its
     // array slot: both lookups must give the model's verdicts.
@@ -260,7 +342,7 @@ fn run_seed(seed: u64) -> usize {
                 } else {
                     Hook::Egress
                 };
-                (random_packet(&mut rng, hook), hook)
+                (random_packet(&mut rng, hook, &sent), hook)
             }
         };
         let want = model.classify(&to_model(&pkt, hook));
@@ -270,6 +352,7 @@ fn run_seed(seed: u64) -> usize {
             "seed {seed}, packet {i}: {pkt:?} at {hook:?}\nmodel: {want:?}\nmaps: {:#?}",
             h.state
         );
+        *seen.entry(got).or_default() += 1;
         sent.push((pkt, hook));
         checked += 1;
     }
@@ -282,9 +365,32 @@ fn kernel_verdicts_equal_the_model() {
         Ok(s) => vec![s.parse().expect("DIFF_SEED must be a number")],
         Err(_) => (1..=ROUNDS).collect(),
     };
-    let total: usize = seeds.iter().map(|s| run_seed(*s)).sum();
+    let mut seen = Seen::new();
+    let total: usize = seeds.iter().map(|s| run_seed(*s, &mut seen)).sum();
     assert!(
         total >= 3000 || seeds.len() == 1,
         "only {total} packets checked"
     );
+    // The generator must keep reaching every branch the model states.
+    if seeds.len() > 1 {
+        use policy_common::verdict::Reason::*;
+        for reason in [
+            AllowPolicy,
+            AllowEstablished,
+            AllowReply,
+            AllowRelated,
+            AllowNode,
+            AllowNotIsolated,
+            AllowNeighborDiscovery,
+            DropPolicy,
+            DropPolicyChanged,
+            DropSpoofed,
+        ] {
+            assert!(
+                seen.get(&reason).copied().unwrap_or(0) >= 3,
+                "{reason:?} reached {} times in {total} packets: {seen:?}",
+                seen.get(&reason).copied().unwrap_or(0)
+            );
+        }
+    }
 }

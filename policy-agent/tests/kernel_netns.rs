@@ -95,7 +95,8 @@ fn desired(node: &SimNode) -> (MapState<u32>, Vec<(u32, String)>) {
                 flags,
                 revision: 1,
                 ..Default::default()
-            },
+            }
+            .with_addresses(&p.pod.ips),
         );
         for addr in &p.pod.ips {
             let len = if addr.is_ipv4() { 32 } else { 128 };
@@ -363,6 +364,96 @@ fn the_kernel_offers_what_the_classifier_needs() {
     );
 }
 
+/// Under TCX a program earlier in the chain that returns `TC_ACT_OK` ends
+/// it: ours attaches first, so a foreign program that accepts everything
+/// cannot pass a packet unjudged; one that jumps ahead later is reported.
+#[test]
+fn the_classifier_runs_before_foreign_tcx_programs() {
+    if !kernel_has_tcx() {
+        eprintln!("no TCX on this kernel: netlink filters, nothing to order");
+        return;
+    }
+    let prefix = "e2efrn";
+    let layout = PinLayout::new(format!("/sys/fs/bpf/policy-agent-test-{prefix}"));
+    let _cleanup = Cleanup {
+        prefix,
+        layout: layout.clone(),
+    };
+    cleanup_prefix(prefix);
+    let node = SimNode::create(prefix, &pods()).unwrap();
+    let _servers = Servers::start(&node).unwrap();
+    let ifaces: Vec<String> = node.pods.iter().map(|p| p.host_if.clone()).collect();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let (step_tx, step_rx) = std::sync::mpsc::channel::<bool>();
+    // The foreign program lives (attached) as long as this thread waits.
+    let foreign = node
+        .node
+        .spawn(move || {
+            use aya::programs::{LinkOrder, TcAttachType, tc::TcAttachOptions};
+            let mut dp = policy_agent::datapath::bpf::Unpinned::load().unwrap();
+            let prog = dp.extra_program("foreign_pass").unwrap();
+            for i in &ifaces {
+                for t in [TcAttachType::Ingress, TcAttachType::Egress] {
+                    prog.attach_with_options(i, t, TcAttachOptions::TcxOrder(LinkOrder::default()))
+                        .unwrap();
+                }
+            }
+            ready_tx.send(()).unwrap();
+            // Told to jump ahead of ours: another program, attached first.
+            if step_rx.recv() == Ok(true) {
+                let prog = dp.extra_program("floor_empty").unwrap();
+                for i in &ifaces {
+                    prog.attach_with_options(
+                        i,
+                        TcAttachType::Ingress,
+                        TcAttachOptions::TcxOrder(LinkOrder::first()),
+                    )
+                    .unwrap();
+                }
+                ready_tx.send(()).unwrap();
+                let _ = step_rx.recv();
+            }
+        })
+        .unwrap();
+    ready_rx.recv().unwrap();
+    assert_eq!(enforce(&node, &layout, false), AttachMode::Tcx);
+    assert_policy_enforced(&probe_everything(&node));
+    let reported = |node: &SimNode| -> usize {
+        let layout = layout.clone();
+        let ifindexes: Vec<u32> = node
+            .pods
+            .iter()
+            .map(|p| p.host_if.clone())
+            .map(|name| {
+                let out = node.node.ip(&["-o", "link", "show", &name]).unwrap();
+                out.split(':').next().unwrap().trim().parse().unwrap()
+            })
+            .collect();
+        node.node
+            .spawn(move || {
+                let mut dp = BpfDatapath::open(&layout, &LoadOptions::default()).unwrap();
+                ifindexes
+                    .iter()
+                    .map(|i| dp.foreign_ahead(*i).len())
+                    .sum::<usize>()
+            })
+            .unwrap()
+            .join()
+            .unwrap()
+            .unwrap()
+    };
+    assert_eq!(reported(&node), 0, "ours runs first");
+    step_tx.send(true).unwrap();
+    ready_rx.recv().unwrap();
+    assert_eq!(
+        reported(&node),
+        node.pods.len(),
+        "a program that jumped ahead is reported on every interface"
+    );
+    step_tx.send(false).unwrap();
+    foreign.join().unwrap().unwrap();
+}
+
 /// TCX links where the kernel has them (netlink filters below 6.6).
 #[test]
 fn tcx_attachments_enforce_and_outlive_the_loader() {
@@ -392,7 +483,8 @@ fn a_hash_endpoint_shadowed_by_the_array_is_dropped_when_a_writer_opens() {
         flags: ENDPOINT_INGRESS_ISOLATED,
         revision: 1,
         ..Default::default()
-    };
+    }
+    .with_addresses(&[ip("10.244.0.10")]);
     let small = LoadOptions {
         capacities: vec![(policy_common::maps::ENDPOINT_SLOTS, 1)],
         ..LoadOptions::default()

@@ -620,7 +620,7 @@ fn a_policy_change_cuts_established_flows_once_the_revision_moves() {
 }
 
 #[test]
-fn node_self_unisolated_nd_and_unknown_interfaces_pass() {
+fn node_self_unisolated_nd_and_unknown_interfaces_pass_but_a_forged_self_or_routed_nd_does_not() {
     let mut h = cluster(BOTH);
     h.sync();
     assert_eq!(
@@ -634,14 +634,28 @@ fn node_self_unisolated_nd_and_unknown_interfaces_pass() {
         ),
         (Verdict::Pass, Reason::AllowNode)
     );
+    // The pod to itself, as it sent it (its own source checked): self.
+    let to_self = Packet::tcp(ip("10.0.0.10"), 1000, ip("10.0.0.10"), 80, TCP_SYN).frame();
     assert_eq!(
-        h.run_reason(Hook::Egress, &to_pod("10.0.0.10", 1000, 80)),
+        h.run_reason(Hook::Ingress, &to_self),
         (Verdict::Pass, Reason::AllowSelf)
     );
-    let ns = Packet::new(ip("fe80::1"), ip("fd00::10"), L4::Icmp { kind: 135 }).frame();
+    // The same header arriving for the pod may come from anyone: judged.
     assert_eq!(
-        h.run_reason(Hook::Egress, &ns),
+        h.run_reason(Hook::Egress, &to_self),
+        (Verdict::Drop, Reason::DropPolicy)
+    );
+    // Neighbour discovery passes only with hop limit 255 (never routed).
+    let mut ns = Packet::new(ip("fe80::1"), ip("fd00::10"), L4::Icmp { kind: 135 });
+    ns.hop_limit = 255;
+    assert_eq!(
+        h.run_reason(Hook::Egress, &ns.frame()),
         (Verdict::Pass, Reason::AllowNeighborDiscovery)
+    );
+    ns.hop_limit = 64;
+    assert_eq!(
+        h.run_reason(Hook::Egress, &ns.frame()),
+        (Verdict::Drop, Reason::DropPolicy)
     );
     // Egress isolation only: ingress stays open.
     h.endpoint(POD, ENDPOINT_EGRESS_ISOLATED, 2);

@@ -2,13 +2,19 @@
 //! established flow skip the policy lookups.
 use crate::assert_size;
 
-/// Key of `CONNTRACK`: the flow as first seen at one host-side interface.
+/// Key of `CONNTRACK`: a flow as its opening packet travelled at one
+/// host-side interface, in one direction.
 ///
 /// The ifindex is part of the key because one pod-to-pod flow on a node
 /// crosses two interfaces, each judged by its own pod's policy; an entry
-/// made at one must never admit traffic at the other. IPv4 addresses use
-/// the first 4 bytes, the rest zero. Ports are host order; ICMP echo uses
-/// the identifier as both ports so a reply's reversed key matches.
+/// made at one must never admit traffic at the other. The direction is
+/// part of it because an entry opened by what the pod sent continues only
+/// with what the pod sends (and is answered only by what it receives), and
+/// the other way round: a hit must be the same hook with the same tuple
+/// (forward) or the other hook with the reversed tuple (reply). IPv4
+/// addresses use the first 4 bytes, the rest zero. Ports are host order;
+/// ICMP echo uses the identifier as both ports so a reply's reversed key
+/// matches.
 #[repr(C)]
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -21,14 +27,17 @@ pub struct CtKey {
     pub protocol: u8,
     /// [`crate::family`].
     pub family: u8,
-    pub _pad: u16,
+    /// [`crate::direction`] of the flow's opening packet.
+    pub direction: u8,
+    pub _pad: u8,
 }
 assert_size!(CtKey, 44);
 
 impl CtKey {
-    /// The key a reply to this flow would carry.
+    /// The key of the flow a reply to this one belongs to: the tuple
+    /// reversed, opened in the other direction.
     #[inline(always)]
-    pub const fn reversed(&self) -> Self {
+    pub const fn reply(&self) -> Self {
         Self {
             ifindex: self.ifindex,
             src: self.dst,
@@ -37,6 +46,7 @@ impl CtKey {
             dport: self.sport,
             protocol: self.protocol,
             family: self.family,
+            direction: crate::direction::opposite(self.direction),
             _pad: 0,
         }
     }
@@ -47,11 +57,14 @@ pub const CT_LOOKUP_FORWARD: u8 = 1 << 0;
 /// [`ct_lookups`]: the packet may answer a flow opened from the other side.
 pub const CT_LOOKUP_REPLY: u8 = 1 << 1;
 
-/// Which conntrack lookups a packet may hit. ICMP echo is tracked by its
-/// identifier alone, so its type decides the role: a request only
-/// continues its own flow and a reply only answers a request. Otherwise a
-/// request from the far side that happens to use the same identifier would
-/// pass as a reply without being judged.
+/// Which conntrack lookups a packet may hit (and whether it may open an
+/// entry: any lookup at all). ICMP echo is tracked by its identifier
+/// alone, so its type decides the role: a request only continues its own
+/// flow and a reply only answers a request. Otherwise a request from the
+/// far side that happens to use the same identifier would pass as a reply
+/// without being judged. Other ICMP is never tracked: errors are judged as
+/// related to the flow they quote, and any other message is judged on its
+/// own (an entry keyed 0/0 would let the peer send every kind back).
 #[inline(always)]
 pub const fn ct_lookups(protocol: u8, icmp_type: u8) -> u8 {
     const ICMP_ECHO_REPLY: u8 = 0;
@@ -65,6 +78,7 @@ pub const fn ct_lookups(protocol: u8, icmp_type: u8) -> u8 {
         (crate::proto::ICMP, ICMP_ECHO_REPLY) | (crate::proto::ICMPV6, ICMPV6_ECHO_REPLY) => {
             CT_LOOKUP_REPLY
         }
+        (crate::proto::ICMP | crate::proto::ICMPV6, _) => 0,
         _ => CT_LOOKUP_FORWARD | CT_LOOKUP_REPLY,
     }
 }
@@ -95,7 +109,8 @@ pub struct CtEntry {
     pub last_seen_ns: u64,
     /// The endpoint revision the flow was last judged under.
     pub revision: u32,
-    /// [`crate::direction`] of the packet that opened the flow.
+    /// [`crate::direction`] of the packet that opened the flow (as in the
+    /// key; kept here for `dump`).
     pub direction: u8,
     /// `CT_FLAG_*`.
     pub flags: u8,

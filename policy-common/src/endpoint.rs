@@ -6,6 +6,11 @@ pub const ENDPOINT_INGRESS_ISOLATED: u32 = 1 << 0;
 /// The pod is isolated for egress: it may reach only allowed peers.
 pub const ENDPOINT_EGRESS_ISOLATED: u32 = 1 << 1;
 
+/// [`EndpointInfo::ipv4`] holds the pod's IPv4 address.
+pub const ENDPOINT_HAS_V4: u32 = 1 << 2;
+/// [`EndpointInfo::ipv6`] holds the pod's IPv6 address.
+pub const ENDPOINT_HAS_V6: u32 = 1 << 3;
+
 /// Marks a used slot of the `ENDPOINT_SLOTS` array (an unused slot is all
 /// zero). Only the BPF map writer sets it; compiled state never carries it.
 pub const ENDPOINT_SLOT_USED: u32 = 1 << 31;
@@ -47,8 +52,14 @@ pub struct EndpointInfo {
     /// [`lookups`] bits for traffic the pod sends.
     pub egress_lookups: u32,
     pub _reserved: u32,
+    /// The pod's IPv6 address (with [`ENDPOINT_HAS_V6`]): what it may send
+    /// from, and receive tracked flows at.
+    pub ipv6: [u8; 16],
+    /// The pod's IPv4 address (with [`ENDPOINT_HAS_V4`]).
+    pub ipv4: [u8; 4],
+    pub _pad: u32,
 }
-assert_size!(EndpointInfo, 24);
+assert_size!(EndpointInfo, 48);
 
 impl EndpointInfo {
     /// Whether the pod is isolated in `direction`.
@@ -60,6 +71,28 @@ impl EndpointInfo {
             ENDPOINT_EGRESS_ISOLATED
         };
         self.flags & bit != 0
+    }
+
+    /// Whether `addr` (a 16-byte field, IPv4 in its first 4 bytes) of
+    /// family `fam` is the pod's own address.
+    #[inline(always)]
+    pub fn owns(&self, fam: u8, addr: &[u8; 16]) -> bool {
+        if fam == crate::family::IPV4 {
+            self.flags & ENDPOINT_HAS_V4 != 0
+                && addr[0] == self.ipv4[0]
+                && addr[1] == self.ipv4[1]
+                && addr[2] == self.ipv4[2]
+                && addr[3] == self.ipv4[3]
+        } else {
+            self.flags & ENDPOINT_HAS_V6 != 0 && crate::addr_eq(addr, &self.ipv6)
+        }
+    }
+
+    /// Whether connections of this endpoint are tracked: only where an
+    /// entry decides something (the pod is isolated in some direction).
+    #[inline(always)]
+    pub const fn tracks(&self) -> bool {
+        self.flags & (ENDPOINT_INGRESS_ISOLATED | ENDPOINT_EGRESS_ISOLATED) != 0
     }
 
     /// The lookup bits for `direction`.
@@ -101,6 +134,29 @@ pub struct EndpointMeta {
     pub name: [u8; ENDPOINT_NAME_LEN],
 }
 assert_size!(EndpointMeta, 128);
+
+#[cfg(feature = "user")]
+impl EndpointInfo {
+    /// Records the pod's addresses (the first of each family: Kubernetes
+    /// gives a pod at most one): the classifier lets it send only from
+    /// these, and opens flows only for what it receives at them.
+    pub fn with_addresses(mut self, ips: &[std::net::IpAddr]) -> Self {
+        for ip in ips {
+            match ip {
+                std::net::IpAddr::V4(v4) if self.flags & ENDPOINT_HAS_V4 == 0 => {
+                    self.ipv4 = v4.octets();
+                    self.flags |= ENDPOINT_HAS_V4;
+                }
+                std::net::IpAddr::V6(v6) if self.flags & ENDPOINT_HAS_V6 == 0 => {
+                    self.ipv6 = v6.octets();
+                    self.flags |= ENDPOINT_HAS_V6;
+                }
+                _ => {}
+            }
+        }
+        self
+    }
+}
 
 #[cfg(feature = "user")]
 crate::user_pod!(EndpointInfo, EndpointMeta);

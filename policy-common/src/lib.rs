@@ -25,7 +25,7 @@ pub mod model;
 
 /// The map layout version. Pins live under `<pin root>/v{LAYOUT_VERSION}`, so
 /// an agent never opens a map written with another layout.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 
 /// Direction of a packet relative to the local pod.
 ///
@@ -36,6 +36,16 @@ pub mod direction {
     pub const INGRESS: u8 = 0;
     /// Traffic sent by the pod: judged by the pod's egress rules.
     pub const EGRESS: u8 = 1;
+
+    /// The other direction.
+    #[inline(always)]
+    pub const fn opposite(direction: u8) -> u8 {
+        if direction == INGRESS {
+            EGRESS
+        } else {
+            INGRESS
+        }
+    }
 
     /// "ingress" / "egress": the NetworkPolicy field and the name in logs.
     pub const fn name(direction: u8) -> &'static str {
@@ -72,10 +82,37 @@ pub mod proto {
     }
 }
 
+/// ICMPv6 link control that passes without policy, as RFC 4861 and 3810
+/// have nodes send it: neighbour discovery (133-137) only with hop limit
+/// 255 (so it cannot have been routed), MLD (130-132, 143) only from a
+/// link-local or the unspecified source with hop limit 1. Anything else
+/// of these types is judged as ordinary ICMPv6.
+#[inline(always)]
+pub fn icmpv6_link_control(icmp_type: u8, src: &[u8; 16], hop_limit: u8) -> bool {
+    let link_local = src[0] == 0xfe && src[1] & 0xc0 == 0x80;
+    let unspecified = addr_eq(src, &[0; 16]);
+    match icmp_type {
+        133..=137 => hop_limit == 255,
+        130..=132 | 143 => hop_limit == 1 && (link_local || unspecified),
+        _ => false,
+    }
+}
+
 /// Address family tags used in conntrack keys and events.
 pub mod family {
     pub const IPV4: u8 = 4;
     pub const IPV6: u8 = 6;
+}
+
+/// Compares two 16-byte address fields in two words (a byte-array `==`
+/// could lower to a memcmp call, which BPF lacks).
+#[inline(always)]
+pub fn addr_eq(a: &[u8; 16], b: &[u8; 16]) -> bool {
+    let a0 = u64::from_ne_bytes([a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]);
+    let a1 = u64::from_ne_bytes([a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]);
+    let b0 = u64::from_ne_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+    let b1 = u64::from_ne_bytes([b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]]);
+    a0 == b0 && a1 == b1
 }
 
 /// Implements `aya::Pod` for shared types when building userspace.

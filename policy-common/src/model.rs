@@ -1,20 +1,28 @@
 //! A pure-Rust statement of the classifier's decision procedure.
 //!
-//! It follows `policy-ebpf` step by step, over ordinary collections, so
-//! tests can check the kernel against it packet by packet, and the agent can
-//! explain a verdict from the exact map content it wrote. Timeouts are not
-//! modelled (tests run far inside them).
+//! It states the rules in its own terms (flows named by the hook and
+//! tuple that opened them, not the kernel's keys), over ordinary
+//! collections, so tests can check the kernel against it packet by packet,
+//! and the agent can explain a verdict from the exact map content it
+//! wrote. Timeouts, fragments and malformed headers are not modelled (the
+//! packet tests cover them).
 //!
 //! Order of a verdict, for a packet at endpoint E in direction D:
 //! 1. no endpoint for the ifindex → pass;
-//! 2. not IP → pass; malformed → drop; ICMPv6 ND → pass;
-//! 3. source == destination → pass (a pod talking to itself);
-//! 4. non-first fragment → pass iff its first fragment passed here;
-//! 5. conntrack, forward key → established (re-judged if E's revision moved);
-//! 6. conntrack, reversed key → reply (re-judged likewise, in the flow's
-//!    original direction);
-//! 7. ICMP error whose quoted header is a tracked flow → related;
-//! 8. judge as a new flow (see [`Maps::judge`]); if allowed, track it.
+//! 2. ICMPv6 neighbour discovery with hop limit 255, MLD from a link-local
+//!    (or unspecified) source with hop limit 1 → pass;
+//! 3. sent by the pod (egress) from an address that is not its own → drop
+//!    (spoofed); from its own address to itself → pass;
+//! 4. E isolated in no direction: judge (nothing is tracked);
+//! 5. an ICMP error travelling back to the sender of the packet it quotes,
+//!    which belongs to a flow tracked at E and still allowed → related;
+//! 6. a flow opened at E in D with this tuple → established; a flow opened
+//!    at E in the other direction with the reversed tuple → reply (both
+//!    re-judged as the opener if E's revision moved; an echo request only
+//!    continues, an echo reply only answers; other ICMP is never tracked; a
+//!    SYN does not ride a closing flow);
+//! 7. judge as a new flow (see [`Maps::judge`]); if allowed, and the pod
+//!    sent it or receives it at its own address, track it.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -22,10 +30,6 @@ use std::{
 };
 
 use crate::{
-    conntrack::{
-        CT_FLAG_CLOSING, CT_FLAG_SYN_ONLY, CT_LOOKUP_FORWARD, CT_LOOKUP_REPLY, CtEntry, CtKey,
-        ct_lookups,
-    },
     direction,
     endpoint::{EndpointInfo, lookups},
     family, identity,
@@ -175,6 +179,17 @@ impl Maps {
     }
 }
 
+/// The header an ICMP error quotes: the offending packet as it travelled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Quoted {
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub protocol: u8,
+    /// TCP/UDP/SCTP ports; for a quoted ICMP echo the identifier in both.
+    pub sport: u16,
+    pub dport: u16,
+}
+
 /// A parsed packet, as the classifier sees it after its header walk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Packet {
@@ -191,6 +206,11 @@ pub struct Packet {
     pub tcp_flags: u8,
     /// ICMP/ICMPv6 type (0 for other protocols).
     pub icmp_type: u8,
+    /// IPv4 TTL / IPv6 hop limit.
+    pub hop_limit: u8,
+    /// For ICMP errors (destination unreachable, time exceeded, parameter
+    /// problem; ICMPv6 1-4): the quoted header, when readable.
+    pub quoted: Option<Quoted>,
 }
 
 pub const TCP_FIN: u8 = 0x01;
@@ -210,22 +230,6 @@ fn addr_bytes(a: IpAddr) -> ([u8; 16], u8) {
 }
 
 impl Packet {
-    /// The conntrack key of this packet as it travels.
-    pub fn ct_key(&self) -> CtKey {
-        let (src, fam) = addr_bytes(self.src);
-        let (dst, _) = addr_bytes(self.dst);
-        CtKey {
-            ifindex: self.ifindex,
-            src,
-            dst,
-            sport: self.sport,
-            dport: self.dport,
-            protocol: self.protocol,
-            family: fam,
-            _pad: 0,
-        }
-    }
-
     /// The address on the far side from the pod.
     pub fn peer(&self) -> IpAddr {
         if self.direction == direction::EGRESS {
@@ -241,109 +245,237 @@ impl Packet {
     }
 }
 
-/// The maps plus the conntrack table, for stateful replay.
+/// A tracked flow, named as its first packet travelled: at which
+/// interface, in which direction, with which tuple.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Flow {
+    pub ifindex: u32,
+    /// The direction of the packet that opened it.
+    pub opened: u8,
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub protocol: u8,
+    pub sport: u16,
+    pub dport: u16,
+}
+
+impl Flow {
+    /// The flow `pkt` would open.
+    fn of(pkt: &Packet) -> Self {
+        Self {
+            ifindex: pkt.ifindex,
+            opened: pkt.direction,
+            src: pkt.src,
+            dst: pkt.dst,
+            protocol: pkt.protocol,
+            sport: pkt.sport,
+            dport: pkt.dport,
+        }
+    }
+
+    /// The flow a reply to this one belongs to: opened the other way,
+    /// with the tuple reversed.
+    fn answered(&self) -> Self {
+        Self {
+            opened: direction::opposite(self.opened),
+            src: self.dst,
+            dst: self.src,
+            sport: self.dport,
+            dport: self.sport,
+            ..*self
+        }
+    }
+
+    /// The far side, as the opener saw it.
+    fn peer(&self) -> IpAddr {
+        if self.opened == direction::EGRESS {
+            self.dst
+        } else {
+            self.src
+        }
+    }
+}
+
+/// What the model remembers of a flow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlowState {
+    /// The endpoint revision it was last judged under.
+    pub revision: u32,
+    /// A FIN or RST was seen.
+    pub closing: bool,
+}
+
+/// The maps plus the tracked flows, for stateful replay.
 #[derive(Clone, Debug, Default)]
 pub struct Datapath {
     pub maps: Maps,
-    pub conntrack: HashMap<CtKey, CtEntry>,
+    pub flows: HashMap<Flow, FlowState>,
+}
+
+/// Whether the pod with endpoint `ep` holds `addr`.
+fn pod_holds(ep: &EndpointInfo, addr: IpAddr) -> bool {
+    let (bytes, fam) = addr_bytes(addr);
+    ep.owns(fam, &bytes)
+}
+
+/// How an ICMP echo may meet conntrack: a request only continues the flow
+/// it opened, a reply only answers a request (the identifier alone would
+/// let a far-side request pose as a reply). None: not an echo.
+fn echo_role(pkt: &Packet) -> Option<bool> {
+    match (pkt.protocol, pkt.icmp_type) {
+        (proto::ICMP, 8) | (proto::ICMPV6, 128) => Some(true),
+        (proto::ICMP, 0) | (proto::ICMPV6, 129) => Some(false),
+        _ => None,
+    }
 }
 
 impl Datapath {
     pub fn new(maps: Maps) -> Self {
         Self {
             maps,
-            conntrack: HashMap::new(),
+            flows: HashMap::new(),
         }
     }
 
-    /// The verdict for one well-formed IP packet, updating conntrack as the
-    /// kernel does.
+    /// The verdict for one well-formed, unfragmented IP packet, updating
+    /// the tracked flows as the kernel does.
     pub fn classify(&mut self, pkt: &Packet) -> Judgement {
-        let passthrough = |reason| Judgement {
+        let verdict = |reason| Judgement {
             reason,
             matched: None,
             peer: IpcacheEntry::UNKNOWN,
         };
         let Some(ep) = self.maps.endpoints.get(&pkt.ifindex).copied() else {
-            return passthrough(Reason::PassNoEndpoint);
+            return verdict(Reason::PassNoEndpoint);
         };
-        if pkt.src == pkt.dst {
-            return passthrough(Reason::AllowSelf);
+        // Neighbour discovery and MLD as RFC 4861/3810 send them pass.
+        if pkt.protocol == proto::ICMPV6 {
+            let (src, _) = addr_bytes(pkt.src);
+            let link_local = pkt.src.is_ipv6() && src[0] == 0xfe && (src[1] & 0xc0) == 0x80;
+            let unspecified = pkt.src.is_unspecified();
+            let ok = match pkt.icmp_type {
+                133..=137 => pkt.hop_limit == 255,
+                130..=132 | 143 => pkt.hop_limit == 1 && (link_local || unspecified),
+                _ => false,
+            };
+            if ok {
+                return verdict(Reason::AllowNeighborDiscovery);
+            }
         }
-        let key = pkt.ct_key();
+        // What a pod sends must come from its own address.
+        if pkt.direction == direction::EGRESS {
+            if !pod_holds(&ep, pkt.src) {
+                return verdict(Reason::DropSpoofed);
+            }
+            if pkt.src == pkt.dst {
+                return verdict(Reason::AllowSelf);
+            }
+        }
+        let port = pkt.policy_port();
+        // A pod isolated in no direction needs no tracking.
+        if !ep.tracks() {
+            return self
+                .maps
+                .judge(&ep, pkt.direction, pkt.peer(), pkt.protocol, port);
+        }
+        if let Some(q) = pkt.quoted
+            && let Some(reason) = self.related(&ep, pkt, &q)
+        {
+            return verdict(reason);
+        }
+        let trackable = match pkt.protocol {
+            proto::ICMP | proto::ICMPV6 => echo_role(pkt).is_some(),
+            _ => true,
+        };
+        let opening_syn =
+            pkt.protocol == proto::TCP && pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
         let closing = pkt.protocol == proto::TCP && pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0;
-
-        let lookups = ct_lookups(pkt.protocol, pkt.icmp_type);
-        if lookups & CT_LOOKUP_FORWARD != 0
-            && let Some(entry) = self.conntrack.get(&key).copied()
-        {
-            return self.rejudge(
-                &ep,
-                key,
-                entry,
-                pkt,
-                pkt.direction,
-                pkt.policy_port(),
-                closing,
-                Reason::AllowEstablished,
-            );
+        // A new SYN on a closing flow's tuple opens a new connection.
+        let usable = |st: &FlowState| !(opening_syn && st.closing);
+        if trackable {
+            let own = Flow::of(pkt);
+            if echo_role(pkt) != Some(false)
+                && let Some(st) = self.flows.get(&own).copied().filter(usable)
+            {
+                return self.rejudge(&ep, own, st, pkt.dport, closing, Reason::AllowEstablished);
+            }
+            let answered = own.answered();
+            if echo_role(pkt) != Some(true)
+                && let Some(st) = self.flows.get(&answered).copied().filter(usable)
+            {
+                return self.rejudge(&ep, answered, st, pkt.sport, closing, Reason::AllowReply);
+            }
         }
-        let reversed = key.reversed();
-        if lookups & CT_LOOKUP_REPLY != 0
-            && let Some(entry) = self.conntrack.get(&reversed).copied()
-        {
-            // Judge again as the flow's opener: the other direction, the
-            // same peer, the original destination port.
-            let orig_port = proto::policy_port(pkt.protocol, pkt.sport);
-            return self.rejudge(
-                &ep,
-                reversed,
-                entry,
-                pkt,
-                entry.direction,
-                orig_port,
-                closing,
-                Reason::AllowReply,
-            );
-        }
-
-        let judged = self.maps.judge(
-            &ep,
-            pkt.direction,
-            pkt.peer(),
-            pkt.protocol,
-            pkt.policy_port(),
+        let judged = self
+            .maps
+            .judge(&ep, pkt.direction, pkt.peer(), pkt.protocol, port);
+        let allowed = matches!(
+            judged.reason,
+            Reason::AllowPolicy | Reason::AllowNotIsolated
         );
-        if judged.reason == Reason::AllowPolicy || judged.reason == Reason::AllowNotIsolated {
-            let mut flags = 0;
-            if pkt.protocol == proto::TCP && pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN {
-                flags |= CT_FLAG_SYN_ONLY;
-            }
-            if closing {
-                flags |= CT_FLAG_CLOSING;
-            }
-            self.conntrack.insert(
-                key,
-                CtEntry {
-                    last_seen_ns: 0,
+        // Only what the pod sent, or received at its own address, opens a flow.
+        let opens = pkt.direction == direction::EGRESS || pod_holds(&ep, pkt.dst);
+        if allowed && trackable && opens {
+            self.flows.insert(
+                Flow::of(pkt),
+                FlowState {
                     revision: ep.revision,
-                    direction: pkt.direction,
-                    flags,
-                    _pad: 0,
+                    closing,
                 },
             );
         }
         judged
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// An ICMP error is related when it goes back to the quoted packet's
+    /// sender and the quoted packet belongs to a flow tracked at this
+    /// interface that is still allowed. None: judge it as plain ICMP.
+    fn related(&mut self, ep: &EndpointInfo, pkt: &Packet, q: &Quoted) -> Option<Reason> {
+        if pkt.dst != q.src {
+            return None;
+        }
+        // The quoted packet travelled against the error.
+        let quoted = Flow {
+            ifindex: pkt.ifindex,
+            opened: direction::opposite(pkt.direction),
+            src: q.src,
+            dst: q.dst,
+            protocol: q.protocol,
+            sport: q.sport,
+            dport: q.dport,
+        };
+        let flow = [quoted, quoted.answered()]
+            .into_iter()
+            .find(|f| self.flows.contains_key(f))?;
+        let st = self.flows.get(&flow).copied()?;
+        if st.revision != ep.revision {
+            let port = proto::policy_port(flow.protocol, flow.dport);
+            let judged = self
+                .maps
+                .judge(ep, flow.opened, flow.peer(), flow.protocol, port);
+            if judged.reason.is_drop() {
+                self.flows.remove(&flow);
+                return Some(Reason::DropPolicyChanged);
+            }
+            self.flows.insert(
+                flow,
+                FlowState {
+                    revision: ep.revision,
+                    ..st
+                },
+            );
+        }
+        Some(Reason::AllowRelated)
+    }
+
+    /// A packet of a tracked flow: judged again (as the flow's opener:
+    /// its direction, its peer, `port` its destination port) when the
+    /// endpoint's revision moved since; denied → the flow is forgotten.
     fn rejudge(
         &mut self,
         ep: &EndpointInfo,
-        key: CtKey,
-        mut entry: CtEntry,
-        pkt: &Packet,
-        dir: u8,
+        flow: Flow,
+        mut st: FlowState,
         port: u16,
         closing: bool,
         hit: Reason,
@@ -353,24 +485,22 @@ impl Datapath {
             matched: None,
             peer: IpcacheEntry::UNKNOWN,
         };
-        if entry.revision != ep.revision {
-            let judged = self.maps.judge(ep, dir, pkt.peer(), pkt.protocol, port);
+        if st.revision != ep.revision {
+            let port = proto::policy_port(flow.protocol, port);
+            let judged = self
+                .maps
+                .judge(ep, flow.opened, flow.peer(), flow.protocol, port);
             out.peer = judged.peer;
             out.matched = judged.matched;
             if judged.reason.is_drop() {
-                self.conntrack.remove(&key);
+                self.flows.remove(&flow);
                 out.reason = Reason::DropPolicyChanged;
                 return out;
             }
-            entry.revision = ep.revision;
+            st.revision = ep.revision;
         }
-        if closing {
-            entry.flags |= CT_FLAG_CLOSING;
-        }
-        if pkt.protocol == proto::TCP && pkt.tcp_flags & TCP_ACK != 0 {
-            entry.flags &= !CT_FLAG_SYN_ONLY;
-        }
-        self.conntrack.insert(key, entry);
+        st.closing |= closing;
+        self.flows.insert(flow, st);
         out
     }
 }
@@ -380,16 +510,16 @@ mod tests {
     use std::net::Ipv4Addr;
 
     use super::*;
-    use crate::endpoint::ENDPOINT_INGRESS_ISOLATED;
+    use crate::endpoint::{ENDPOINT_HAS_V4, ENDPOINT_INGRESS_ISOLATED};
 
     fn ep(identity: u32, ingress_lookups: u32) -> EndpointInfo {
         EndpointInfo {
             identity,
-            flags: ENDPOINT_INGRESS_ISOLATED,
+            flags: ENDPOINT_INGRESS_ISOLATED | ENDPOINT_HAS_V4,
             revision: 1,
             ingress_lookups,
-            egress_lookups: 0,
-            _reserved: 0,
+            ipv4: [10, 0, 0, 5],
+            ..Default::default()
         }
     }
 
@@ -481,6 +611,8 @@ mod tests {
             dport: 80,
             tcp_flags: TCP_SYN,
             icmp_type: 0,
+            hop_limit: 64,
+            quoted: None,
         };
         let reply = Packet {
             ifindex: 7,
@@ -492,6 +624,8 @@ mod tests {
             dport: 40000,
             tcp_flags: TCP_SYN | TCP_ACK,
             icmp_type: 0,
+            hop_limit: 64,
+            quoted: None,
         };
         assert_eq!(dp.classify(&syn).reason, Reason::AllowPolicy);
         assert_eq!(dp.classify(&reply).reason, Reason::AllowReply);
@@ -501,5 +635,45 @@ mod tests {
         dp.maps.endpoints.insert(7, e);
         assert_eq!(dp.classify(&reply).reason, Reason::DropPolicyChanged);
         assert_eq!(dp.classify(&syn).reason, Reason::DropPolicy);
+    }
+
+    #[test]
+    fn a_forged_source_opens_nothing() {
+        let mut e = ep(300, 0);
+        e.flags |= crate::endpoint::ENDPOINT_EGRESS_ISOLATED;
+        e.egress_lookups = lookups::ANY_PROTOCOL | lookups::ANY_PEER;
+        let mut m = Maps::default();
+        m.policy.insert(
+            PolicyKey::new(300, direction::EGRESS, identity::ANY, proto::ANY, 0, 0),
+            PolicyEntry::default(),
+        );
+        m.endpoints.insert(7, e);
+        let mut dp = Datapath::new(m);
+        let pod = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 5));
+        let x = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 9));
+        let pkt = |direction, src, dst| Packet {
+            ifindex: 7,
+            direction,
+            src,
+            dst,
+            protocol: proto::UDP,
+            sport: 5000,
+            dport: 53,
+            tcp_flags: 0,
+            icmp_type: 0,
+            hop_limit: 64,
+            quoted: None,
+        };
+        // Sent by the pod with X's source, to itself: spoofed, no flow.
+        assert_eq!(
+            dp.classify(&pkt(direction::EGRESS, x, pod)).reason,
+            Reason::DropSpoofed
+        );
+        assert!(dp.flows.is_empty());
+        // So X -> pod is judged as new ingress (isolated, no rule): dropped.
+        assert_eq!(
+            dp.classify(&pkt(direction::INGRESS, x, pod)).reason,
+            Reason::DropPolicy
+        );
     }
 }

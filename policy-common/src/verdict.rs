@@ -34,12 +34,22 @@ pub enum Reason {
     DropMalformed = 34,
     /// A non-first fragment whose first fragment was not seen passing.
     DropFragmentUnknown = 35,
+    /// Sent by the pod with a source address that is not the pod's.
+    DropSpoofed = 36,
     /// Not a verdict: a drop event lost because the ring buffer was full.
     EventLost = 48,
+    /// Not a verdict: a conntrack entry could not be created.
+    CtCreateFailed = 49,
+    /// Not a verdict: a TCP segment without SYN found no conntrack entry at
+    /// an endpoint that tracks flows (an evicted entry, or a flow opened
+    /// before its pod was isolated): conntrack pressure.
+    CtMidstreamMiss = 50,
 }
 
 /// Reasons at or above this value drop the packet.
 pub const FIRST_DROP: u8 = 32;
+/// Values at or above this one are events, not verdicts.
+pub const FIRST_EVENT: u8 = 48;
 /// Number of reason slots (each with two directions).
 pub const REASON_SLOTS: u32 = 64;
 /// Size of the `COUNTERS` array.
@@ -52,7 +62,7 @@ pub const fn counter_index(reason: Reason, direction: u8) -> u32 {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 16] = [
+    pub const ALL: [Reason; 19] = [
         Reason::AllowPolicy,
         Reason::AllowEstablished,
         Reason::AllowReply,
@@ -68,13 +78,23 @@ impl Reason {
         Reason::DropPolicyChanged,
         Reason::DropMalformed,
         Reason::DropFragmentUnknown,
+        Reason::DropSpoofed,
         Reason::EventLost,
+        Reason::CtCreateFailed,
+        Reason::CtMidstreamMiss,
     ];
 
     /// Whether packets with this reason are dropped.
     #[inline(always)]
     pub const fn is_drop(self) -> bool {
-        (self as u8) >= FIRST_DROP && !matches!(self, Reason::EventLost)
+        (self as u8) >= FIRST_DROP && self.is_verdict()
+    }
+
+    /// Whether this is a verdict (every packet counts exactly one) rather
+    /// than an event counted beside it.
+    #[inline(always)]
+    pub const fn is_verdict(self) -> bool {
+        (self as u8) < FIRST_EVENT
     }
 
     /// Decodes a reason byte (from an event or a counter index).
@@ -95,7 +115,10 @@ impl Reason {
             33 => Reason::DropPolicyChanged,
             34 => Reason::DropMalformed,
             35 => Reason::DropFragmentUnknown,
+            36 => Reason::DropSpoofed,
             48 => Reason::EventLost,
+            49 => Reason::CtCreateFailed,
+            50 => Reason::CtMidstreamMiss,
             _ => return None,
         })
     }
@@ -118,7 +141,10 @@ impl Reason {
             Reason::DropPolicyChanged => "drop_policy_changed",
             Reason::DropMalformed => "drop_malformed",
             Reason::DropFragmentUnknown => "drop_fragment_unknown",
+            Reason::DropSpoofed => "drop_spoofed",
             Reason::EventLost => "event_lost",
+            Reason::CtCreateFailed => "ct_create_failed",
+            Reason::CtMidstreamMiss => "ct_midstream_miss",
         }
     }
 }

@@ -10,6 +10,7 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 use policy_common::{
+    addr_eq,
     config::{CONFIG_DEBUG_LOG, CONFIG_NO_DROP_EVENTS},
     conntrack::{
         CT_FLAG_CLOSING, CT_FLAG_SYN_ONLY, CT_LOOKUP_FORWARD, CT_LOOKUP_REPLY, CT_REFRESH_NS,
@@ -18,7 +19,7 @@ use policy_common::{
     direction,
     endpoint::{ENDPOINT_SLOT_USED, EndpointInfo, lookups},
     event::DropEvent,
-    family, identity,
+    family, icmpv6_link_control, identity,
     ipcache::IpcacheEntry,
     policy::PolicyKey,
     proto,
@@ -30,9 +31,7 @@ use crate::{
         CONFIG, CONNTRACK, COUNTERS, DROP_EVENTS, ENDPOINT_SLOTS, ENDPOINTS, FRAGMENTS, IPCACHE_V4,
         IPCACHE_V6, POLICY, SCRATCH, Scratch,
     },
-    parse::{
-        FRAG_FIRST, FRAG_LATER, IP, IpPacket, MALFORMED, is_icmpv6_link_control, parse, quoted_flow,
-    },
+    parse::{FRAG_FIRST, FRAG_LATER, IP, IpPacket, MALFORMED, parse, quoted_flow},
 };
 
 /// Allowed: hand the packet on (TCX_NEXT / next tc filter), so programs
@@ -75,17 +74,6 @@ fn endpoint(ifindex: u32) -> Option<EndpointInfo> {
     }
     // SAFETY: map value pointer, valid for this run; copied out at once.
     ENDPOINTS.get_ptr(ifindex).map(|ep| unsafe { *ep })
-}
-
-#[inline(always)]
-fn addr_eq(a: &[u8; 16], b: &[u8; 16]) -> bool {
-    // Compare in two words: a byte-array `==` could lower to a memcmp
-    // call.
-    let a0 = u64::from_ne_bytes([a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]);
-    let a1 = u64::from_ne_bytes([a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]);
-    let b0 = u64::from_ne_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
-    let b1 = u64::from_ne_bytes([b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]]);
-    a0 == b0 && a1 == b1
 }
 
 #[inline(always)]
@@ -210,8 +198,21 @@ fn live(entry: &CtEntry, protocol: u8, now: u64) -> bool {
     now.wrapping_sub(entry.last_seen_ns) <= entry.timeout_ns(protocol)
 }
 
+/// A TCP segment that opens a connection (SYN without ACK).
 #[inline(always)]
-pub(crate) fn fill_ct_key(key: &mut CtKey, ifindex: u32, pkt: &IpPacket) {
+fn syn_only(pkt: &IpPacket) -> bool {
+    pkt.protocol == proto::TCP && pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+}
+
+/// Whether a packet may ride `entry`: it is live, and it is not a closing
+/// flow whose tuple a new SYN reuses (that connection is judged afresh).
+#[inline(always)]
+fn usable(entry: &CtEntry, pkt: &IpPacket, now: u64) -> bool {
+    live(entry, pkt.protocol, now) && !(syn_only(pkt) && entry.flags & CT_FLAG_CLOSING != 0)
+}
+
+#[inline(always)]
+pub(crate) fn fill_ct_key(key: &mut CtKey, ifindex: u32, dir: u8, pkt: &IpPacket) {
     key.ifindex = ifindex;
     key.src = pkt.src;
     key.dst = pkt.dst;
@@ -219,6 +220,7 @@ pub(crate) fn fill_ct_key(key: &mut CtKey, ifindex: u32, pkt: &IpPacket) {
     key.dport = pkt.dport;
     key.protocol = pkt.protocol;
     key.family = pkt.family;
+    key.direction = dir;
     key._pad = 0;
 }
 
@@ -228,9 +230,64 @@ fn fill_frag_key(key: &mut FragKey, ifindex: u32, pkt: &IpPacket) {
     key.src = pkt.src;
     key.dst = pkt.dst;
     key.id = pkt.frag_id;
-    key.protocol = pkt.protocol;
+    key.protocol = pkt.frag_proto;
     key.family = pkt.family;
     key._pad = 0;
+}
+
+/// An ICMP error about a flow of this endpoint (its quoted header is in
+/// `s.pkt.quoted_off`): it must travel back to the quoted packet's sender,
+/// the quoted packet must belong to a flow tracked here (it went the other
+/// way: a flow opened that way, or a reply in one opened this way), and
+/// that flow must still be allowed under the endpoint's revision. None:
+/// not related, judge it as plain ICMP.
+#[inline(always)]
+fn related(
+    ctx: &TcContext,
+    s: &mut Scratch,
+    ifindex: u32,
+    ep: &EndpointInfo,
+    dir: u8,
+    now: u64,
+) -> Option<Reason> {
+    s.ct.ifindex = ifindex;
+    s.ct.family = s.pkt.family;
+    s.ct._pad = 0;
+    let v6 = s.pkt.family == family::IPV6;
+    quoted_flow(ctx, s.pkt.quoted_off as usize, v6, &mut s.ct)?;
+    if !addr_eq(&s.pkt.dst, &s.ct.src) {
+        return None;
+    }
+    s.ct.direction = direction::opposite(dir);
+    let mut found = CONNTRACK.get_ptr_mut(&s.ct);
+    if found.is_none() {
+        s.ct = s.ct.reply();
+        found = CONNTRACK.get_ptr_mut(&s.ct);
+    }
+    let entry = found?;
+    // SAFETY: a pointer to the map value, valid for this program run.
+    let entry = unsafe { &mut *entry };
+    if !live(entry, s.ct.protocol, now) {
+        return None;
+    }
+    if entry.revision != ep.revision {
+        // Judged again as the flow's opener was: its direction, its peer,
+        // its destination port.
+        let opener = s.ct.direction;
+        let peer = if opener == direction::EGRESS {
+            s.ct.dst
+        } else {
+            s.ct.src
+        };
+        let port = proto::policy_port(s.ct.protocol, s.ct.dport);
+        let (reason, _) = judge(ep, opener, s.ct.family, &peer, s.ct.protocol, port);
+        if reason.is_drop() {
+            let _ = CONNTRACK.remove(&s.ct);
+            return Some(Reason::DropPolicyChanged);
+        }
+        entry.revision = ep.revision;
+    }
+    Some(Reason::AllowRelated)
 }
 
 /// The decision for the parsed packet in `s.pkt` at endpoint `ep`.
@@ -244,11 +301,20 @@ fn decide(
 ) -> (Reason, IpcacheEntry) {
     let unknown = IpcacheEntry::UNKNOWN;
     let pkt = &s.pkt;
-    if pkt.protocol == proto::ICMPV6 && is_icmpv6_link_control(pkt.icmp_type) {
+    if pkt.protocol == proto::ICMPV6
+        && pkt.frag != FRAG_LATER
+        && icmpv6_link_control(pkt.icmp_type, &pkt.src, pkt.hop_limit)
+    {
         return (Reason::AllowNeighborDiscovery, unknown);
     }
-    if addr_eq(&pkt.src, &pkt.dst) {
-        return (Reason::AllowSelf, unknown);
+    if dir == direction::EGRESS {
+        // The pod chooses every byte it sends: only its own source is it.
+        if !ep.owns(pkt.family, &pkt.src) {
+            return (Reason::DropSpoofed, unknown);
+        }
+        if addr_eq(&pkt.src, &pkt.dst) {
+            return (Reason::AllowSelf, unknown);
+        }
     }
     if pkt.frag == FRAG_LATER {
         fill_frag_key(&mut s.frag, ifindex, pkt);
@@ -263,29 +329,34 @@ fn decide(
     } else {
         &pkt.src
     };
+    let port = proto::policy_port(pkt.protocol, pkt.dport);
+    if !ep.tracks() {
+        // Isolated in no direction: nothing to track, nothing to deny.
+        return judge(ep, dir, pkt.family, peer_addr, pkt.protocol, port);
+    }
     // SAFETY: a helper without preconditions.
     let now = unsafe { bpf_ktime_get_coarse_ns() };
 
-    if pkt.quoted_off != 0 {
-        let v6 = pkt.family == family::IPV6;
-        s.ct.ifindex = ifindex;
-        s.ct.family = pkt.family;
-        s.ct._pad = 0;
-        if quoted_flow(ctx, pkt.quoted_off as usize, v6, &mut s.ct).is_some()
-            && CONNTRACK.get_ptr(&s.ct).is_some()
-        {
-            return (Reason::AllowRelated, unknown);
-        }
+    if pkt.quoted_off != 0
+        && let Some(reason) = related(ctx, s, ifindex, ep, dir, now)
+    {
+        return (reason, unknown);
     }
+    let pkt = &s.pkt;
+    let peer_addr = if dir == direction::EGRESS {
+        &pkt.dst
+    } else {
+        &pkt.src
+    };
 
     let lookups = ct_lookups(pkt.protocol, pkt.icmp_type);
-    fill_ct_key(&mut s.ct, ifindex, pkt);
+    fill_ct_key(&mut s.ct, ifindex, dir, pkt);
     if lookups & CT_LOOKUP_FORWARD != 0
         && let Some(entry) = CONNTRACK.get_ptr_mut(&s.ct)
     {
         // SAFETY: a pointer to the map value, valid for this program run.
         let entry = unsafe { &mut *entry };
-        if live(entry, pkt.protocol, now) {
+        if usable(entry, pkt, now) {
             return on_ct_hit(
                 entry,
                 &s.ct,
@@ -298,13 +369,13 @@ fn decide(
             );
         }
     }
-    s.ct = s.ct.reversed();
+    s.ct = s.ct.reply();
     if lookups & CT_LOOKUP_REPLY != 0
         && let Some(entry) = CONNTRACK.get_ptr_mut(&s.ct)
     {
         // SAFETY: as above.
         let entry = unsafe { &mut *entry };
-        if live(entry, pkt.protocol, now) {
+        if usable(entry, pkt, now) {
             // A reply: judged again (if stale) as its opener was, with the
             // opener's destination port, which is this packet's source.
             return on_ct_hit(
@@ -319,26 +390,28 @@ fn decide(
             );
         }
     }
+    if pkt.protocol == proto::TCP && pkt.tcp_flags & TCP_SYN == 0 {
+        count(Reason::CtMidstreamMiss, dir);
+    }
 
-    let (reason, peer) = judge(
-        ep,
-        dir,
-        pkt.family,
-        peer_addr,
-        pkt.protocol,
-        proto::policy_port(pkt.protocol, pkt.dport),
-    );
-    if reason == Reason::AllowPolicy || reason == Reason::AllowNotIsolated {
+    let (reason, peer) = judge(ep, dir, pkt.family, peer_addr, pkt.protocol, port);
+    // Only a packet the pod sent (its source checked above) or one it
+    // receives at its own address opens an entry.
+    let opens = dir == direction::EGRESS || ep.owns(pkt.family, &pkt.dst);
+    if (reason == Reason::AllowPolicy || reason == Reason::AllowNotIsolated)
+        && lookups != 0
+        && opens
+    {
         let mut flags = 0;
         if pkt.protocol == proto::TCP {
-            if pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN {
+            if syn_only(pkt) {
                 flags |= CT_FLAG_SYN_ONLY;
             }
             if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
                 flags |= CT_FLAG_CLOSING;
             }
         }
-        fill_ct_key(&mut s.ct, ifindex, pkt);
+        fill_ct_key(&mut s.ct, ifindex, dir, pkt);
         let entry = CtEntry {
             last_seen_ns: now,
             revision: ep.revision,
@@ -346,7 +419,9 @@ fn decide(
             flags,
             _pad: 0,
         };
-        let _ = CONNTRACK.insert(&s.ct, &entry, BPF_ANY as u64);
+        if CONNTRACK.insert(&s.ct, &entry, BPF_ANY as u64).is_err() {
+            count(Reason::CtCreateFailed, dir);
+        }
     }
     (reason, peer)
 }

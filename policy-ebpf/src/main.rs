@@ -45,8 +45,9 @@ fn main() {
     panic!("policy-ebpf only runs as a BPF object; build it for bpfel-unknown-none");
 }
 
-/// Reference programs for the benchmarks, loaded only by them: the floors
-/// the classifier's per-packet cost is compared with.
+/// Reference programs for the benchmarks and tests, loaded only by them:
+/// the floors the classifier's per-packet cost is compared with, and a
+/// stand-in for a foreign program.
 #[cfg(target_arch = "bpf")]
 mod floors {
     use aya_ebpf::{bindings::TC_ACT_UNSPEC, macros::classifier, programs::TcContext};
@@ -64,6 +65,13 @@ mod floors {
         TC_ACT_UNSPEC
     }
 
+    /// Another product's program that accepts everything (`TC_ACT_OK`
+    /// ends a TCX chain): the tests check ours runs before it.
+    #[classifier]
+    pub fn foreign_pass(_ctx: TcContext) -> i32 {
+        aya_ebpf::bindings::TC_ACT_OK
+    }
+
     /// Parses the same headers and does one hash lookup (the 5-tuple, a
     /// hit): the least any stateful enforcer can do.
     #[classifier]
@@ -76,7 +84,7 @@ mod floors {
         if parse(&ctx, &mut s.pkt) == IP {
             // SAFETY: the context pointer is the kernel's __sk_buff for this run.
             let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-            fill_ct_key(&mut s.ct, ifindex, &s.pkt);
+            fill_ct_key(&mut s.ct, ifindex, policy_common::direction::EGRESS, &s.pkt);
             if CONNTRACK.get_ptr(&s.ct).is_some() {
                 return TC_ACT_UNSPEC;
             }

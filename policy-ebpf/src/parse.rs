@@ -9,6 +9,10 @@
 //!   business sending them on a routed veth);
 //! - a non-first fragment carries no L4 header: `frag == FRAG_LATER`, the
 //!   classifier judges it by its first fragment.
+//!
+//! Headers that are not in the skb's linear area (a pod can send them
+//! that way) are pulled in first, up to [`PULL_LEN`] bytes: a header beyond
+//! that is malformed, not a reason to pass.
 use aya_ebpf::programs::TcContext;
 use network_types::{
     eth::EthHdr,
@@ -21,8 +25,13 @@ const ETH_P_IPV6: u16 = 0x86dd;
 const ETH_P_8021Q: u16 = 0x8100;
 const ETH_P_8021AD: u16 = 0x88a8;
 
-/// IPv6 extension headers walked before giving up (and dropping).
+/// IPv6 extension headers walked; one more is dropped as malformed.
 pub const MAX_V6_EXT_HEADERS: usize = 6;
+
+/// Bytes made linear before parsing when the skb's linear area is shorter:
+/// Ethernet, IPv6 and its extension headers, the L4 header, and an ICMP
+/// error's quoted headers fit in it.
+pub const PULL_LEN: u32 = 512;
 
 const IPPROTO_HOPOPTS: u8 = 0;
 const IPPROTO_ROUTING: u8 = 43;
@@ -55,6 +64,12 @@ pub struct IpPacket {
     pub dport: u16,
     /// ICMP/ICMPv6 type (0 otherwise).
     pub icmp_type: u8,
+    /// IPv4 TTL / IPv6 hop limit.
+    pub hop_limit: u8,
+    /// The protocol fragments of this datagram are keyed by: the IPv4
+    /// protocol, or the IPv6 Fragment header's next header (the same in
+    /// every fragment, unlike the final L4 protocol of the first).
+    pub frag_proto: u8,
     /// For ICMP errors: offset of the quoted IP header (0: none).
     pub quoted_off: u16,
 }
@@ -121,15 +136,14 @@ const ICMPV6_PARAM_PROB: u8 = 4;
 const ICMPV6_ECHO_REQUEST: u8 = 128;
 const ICMPV6_ECHO_REPLY: u8 = 129;
 
-/// ICMPv6 types that are link-local control (MLD 130-132, ND 133-137, MLDv2
-/// 143): always passed, no policy governs them.
-#[inline(always)]
-pub fn is_icmpv6_link_control(t: u8) -> bool {
-    (130..=137).contains(&t) || t == 143
-}
-
 /// Parses into `pkt` (a per-CPU scratch buffer: the BPF stack is small).
 pub fn parse(ctx: &TcContext, pkt: &mut IpPacket) -> Parsed {
+    let linear = (ctx.data_end() - ctx.data()) as u32;
+    let len = ctx.len();
+    if linear < len && linear < PULL_LEN {
+        // A failed pull leaves the headers short: they parse as malformed.
+        let _ = ctx.pull_data(if len < PULL_LEN { len } else { PULL_LEN });
+    }
     let Some(eth) = read::<EthHdr>(ctx, 0) else {
         return MALFORMED;
     };
@@ -155,6 +169,8 @@ fn reset(pkt: &mut IpPacket, family: u8, src: [u8; 16], dst: [u8; 16]) {
     pkt.sport = 0;
     pkt.dport = 0;
     pkt.icmp_type = 0;
+    pkt.hop_limit = 0;
+    pkt.frag_proto = 0;
     pkt.quoted_off = 0;
 }
 
@@ -178,6 +194,8 @@ fn parse_v4(ctx: &TcContext, off: usize, pkt: &mut IpPacket) -> Parsed {
         v4_to_16(ip.dst_addr),
     );
     pkt.protocol = ip.proto;
+    pkt.frag_proto = ip.proto;
+    pkt.hop_limit = ip.ttl;
     let frags = be16(ip.frags);
     let offset = frags & 0x1fff;
     let more = frags & 0x2000 != 0;
@@ -200,10 +218,12 @@ fn parse_v6(ctx: &TcContext, off: usize, pkt: &mut IpPacket) -> Parsed {
         return MALFORMED;
     }
     reset(pkt, family::IPV6, ip.src_addr, ip.dst_addr);
+    pkt.hop_limit = ip.hop_limit;
     let mut next = ip.next_hdr;
     let mut l4 = off + Ipv6Hdr::LEN;
     let mut i = 0;
-    while i < MAX_V6_EXT_HEADERS {
+    // One slot per extension header, and one for the final header.
+    while i < MAX_V6_EXT_HEADERS + 1 {
         i += 1;
         match next {
             IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {
@@ -225,6 +245,7 @@ fn parse_v6(ctx: &TcContext, off: usize, pkt: &mut IpPacket) -> Parsed {
                     return MALFORMED;
                 };
                 next = h[0];
+                pkt.frag_proto = next;
                 l4 += 8;
                 let field = u16::from_be_bytes([h[2], h[3]]);
                 pkt.frag_id = u32::from_be_bytes([h[4], h[5], h[6], h[7]]);

@@ -53,8 +53,13 @@ pub struct Packet {
     pub fragment: Option<Fragment>,
     /// IPv4 option bytes (a multiple of 4, at most 40).
     pub ipv4_options: Vec<u8>,
-    /// IPv6: number of empty destination-options headers before L4.
+    /// IPv6: number of empty destination-options headers before L4 (and
+    /// before a Fragment header).
     pub ipv6_ext_headers: usize,
+    /// IPv6: destination-options headers after the Fragment header.
+    pub ipv6_ext_after_fragment: usize,
+    /// IPv4 TTL / IPv6 hop limit.
+    pub hop_limit: u8,
 }
 
 pub const TCP_FIN: u8 = 0x01;
@@ -70,6 +75,8 @@ impl Packet {
             fragment: None,
             ipv4_options: Vec::new(),
             ipv6_ext_headers: 0,
+            ipv6_ext_after_fragment: 0,
+            hop_limit: 64,
         }
     }
 
@@ -183,7 +190,7 @@ impl Packet {
                     frag = (f.offset & 0x1fff) | if f.more { 0x2000 } else { 0 };
                 }
                 b[6..8].copy_from_slice(&frag.to_be_bytes());
-                b[8] = 64;
+                b[8] = self.hop_limit;
                 b[9] = self.protocol();
                 b[12..16].copy_from_slice(&s.octets());
                 b[16..20].copy_from_slice(&d.octets());
@@ -196,9 +203,15 @@ impl Packet {
                 let mut chain: Vec<u8> = vec![60; self.ipv6_ext_headers];
                 if self.fragment.is_some() {
                     chain.push(44);
+                    chain.extend(std::iter::repeat_n(60, self.ipv6_ext_after_fragment));
                 }
                 let mut next_after = chain.iter().skip(1).copied().collect::<Vec<_>>();
                 next_after.push(self.protocol());
+                // A later fragment carries no headers of the fragmentable
+                // part: its Fragment header still names the first of them.
+                if self.fragment.is_some_and(|f| f.offset != 0) {
+                    chain.truncate(self.ipv6_ext_headers + 1);
+                }
                 for (i, kind) in chain.iter().enumerate() {
                     let next = next_after[i];
                     if *kind == 44 {
@@ -222,7 +235,7 @@ impl Packet {
                 let payload = (ext.len() + l4.len()) as u16;
                 b[4..6].copy_from_slice(&payload.to_be_bytes());
                 b[6] = first;
-                b[7] = 64;
+                b[7] = self.hop_limit;
                 b[8..24].copy_from_slice(&s.octets());
                 b[24..40].copy_from_slice(&d.octets());
                 b.extend_from_slice(&ext);

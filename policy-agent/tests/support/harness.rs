@@ -9,7 +9,7 @@ use policy_agent::{
 };
 use policy_common::{
     direction,
-    endpoint::EndpointInfo,
+    endpoint::{ENDPOINT_HAS_V4, ENDPOINT_HAS_V6, EndpointInfo},
     ipcache::IpcacheEntry,
     policy::{PolicyEntry, PolicyKey},
     verdict::Reason,
@@ -17,6 +17,9 @@ use policy_common::{
 
 /// The ifindex BPF_PROG_TEST_RUN gives an skb: the loopback device.
 pub const TEST_IFINDEX: u32 = 1;
+/// The test pod's addresses: 10.0.0.10 and fd00::10.
+pub const POD_V4: [u8; 4] = [10, 0, 0, 10];
+pub const POD_V6: [u8; 16] = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x10];
 
 pub struct Harness {
     pub dp: Unpinned,
@@ -50,6 +53,15 @@ impl Harness {
         }
     }
 
+    /// Like [`Self::new`], with map capacity overrides.
+    #[allow(dead_code)]
+    pub fn with_capacities(capacities: &[(&str, u32)]) -> Self {
+        Self {
+            dp: Unpinned::load_with(capacities).expect("load classifier (are you root?)"),
+            state: MapState::default(),
+        }
+    }
+
     /// Writes `self.state` (after finalize) to the maps.
     pub fn sync(&mut self) {
         let old = self.dp.maps.read_state().unwrap();
@@ -58,13 +70,16 @@ impl Harness {
         self.dp.maps.apply(&ops).unwrap();
     }
 
+    /// The test interface's endpoint: the pod at [`POD_V4`] and [`POD_V6`].
     pub fn endpoint(&mut self, identity: u32, flags: u32, revision: u32) {
         self.state.endpoints.insert(
             TEST_IFINDEX,
             EndpointInfo {
                 identity,
-                flags,
+                flags: flags | ENDPOINT_HAS_V4 | ENDPOINT_HAS_V6,
                 revision,
+                ipv4: POD_V4,
+                ipv6: POD_V6,
                 ..Default::default()
             },
         );
@@ -108,9 +123,7 @@ impl Harness {
         let dir = hook_direction(hook);
         let moved: Vec<Reason> = after
             .iter()
-            .filter(|((r, d), n)| {
-                *d == dir && before.get(&(*r, *d)) != Some(n) && *r != Reason::EventLost
-            })
+            .filter(|((r, d), n)| *d == dir && before.get(&(*r, *d)) != Some(n) && r.is_verdict())
             .map(|((r, _), _)| *r)
             .collect();
         assert_eq!(

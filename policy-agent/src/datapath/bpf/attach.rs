@@ -158,7 +158,8 @@ impl<'a> Attachment<'a> {
             .attach_with_options(
                 name,
                 tc_type(hook),
-                TcAttachOptions::TcxOrder(LinkOrder::default()),
+                // First in the chain: see `sys::tcx_attach_and_pin`.
+                TcAttachOptions::TcxOrder(LinkOrder::first()),
             )
             .map_err(self.attach_err(hook))?;
         let link = prog.take_link(id).map_err(self.attach_err(hook))?;
@@ -217,6 +218,28 @@ impl<'a> Attachment<'a> {
         std::mem::forget(prog.take_link(id).map_err(self.attach_err(hook))?);
         self.bits |= ATTACH_NETLINK;
         Ok(())
+    }
+
+    /// Programs attached through TCX that run before ours at `hook`: they
+    /// can pass packets (`TC_ACT_OK`) before the classifier judges them.
+    /// Empty under netlink attachment (filters at lower priority numbers
+    /// would be the equivalent; `tc filter show` lists them).
+    pub fn ahead_of(&self, prog: &SchedClassifier, hook: Hook) -> Vec<u32> {
+        if self.bits & ATTACH_TCX == 0 {
+            return Vec::new();
+        }
+        let (Ok(name), Ok(info)) = (if_name(self.ifindex), prog.info()) else {
+            return Vec::new();
+        };
+        let ours = info.id();
+        let Ok((_, attached)) = SchedClassifier::query_tcx(&name, tc_type(hook)) else {
+            return Vec::new();
+        };
+        attached
+            .iter()
+            .map(aya::programs::ProgramInfo::id)
+            .take_while(|id| *id != ours)
+            .collect()
     }
 
     /// Points an existing attachment at `prog` (an upgraded program).

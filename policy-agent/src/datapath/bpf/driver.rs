@@ -283,12 +283,25 @@ fn sync_ops(
     Ok(())
 }
 
-/// Makes sure a known interface still has both programs attached.
+/// Makes sure a known interface still has both programs attached, and
+/// that nobody else's program runs before them.
 fn verify_attached(dp: &mut BpfDatapath, pod: &PodRef, iface: &Interface, report: &mut SyncReport) {
     if let Err(e) = dp.attach(iface.ifindex, &pod.to_string()) {
         report
             .problems
             .push(Problem::object(ObjectKind::Pod, pod.clone(), e.to_string()));
+    }
+    for (hook, ids) in dp.foreign_ahead(iface.ifindex) {
+        warn!(pod = %pod, interface = %iface.name, hook = hook.name(), programs = ?ids, "foreign programs run before the classifier");
+        report.problems.push(Problem::object(
+            ObjectKind::Pod,
+            pod.clone(),
+            format!(
+                "programs {ids:?} run before the classifier at {} {}: they can pass packets unjudged",
+                iface.name,
+                hook.name()
+            ),
+        ));
     }
 }
 

@@ -248,6 +248,17 @@ impl BpfDatapath {
         out
     }
 
+    /// Foreign programs running before ours on `ifindex`, by hook.
+    pub fn foreign_ahead(&mut self, ifindex: u32) -> Vec<(Hook, Vec<u32>)> {
+        let known = self.maps.meta(ifindex).map(|m| m.attach).unwrap_or(0);
+        let attachment = Attachment::new(&self.layout, ifindex, known);
+        Hook::BOTH
+            .iter()
+            .map(|h| (*h, attachment.ahead_of(self.programs.get_mut(*h), *h)))
+            .filter(|(_, ids)| !ids.is_empty())
+            .collect()
+    }
+
     /// Removes the attachments of `ifindex` and its record.
     pub fn detach(&mut self, ifindex: u32) -> Result<(), Vec<Error>> {
         let (known, netns) = self

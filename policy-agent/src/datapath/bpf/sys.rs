@@ -73,11 +73,13 @@ pub(crate) fn tcx_attach_and_pin(
         Hook::Egress => BPF_TCX_EGRESS,
     };
     // BPF_LINK_CREATE: { u32 prog_fd; u32 target_ifindex; u32 attach_type;
-    // u32 flags; tcx { u32 relative_fd; u64 expected_revision } } — zero
-    // flags and relative: appended last.
+    // u32 flags; tcx { u32 relative_fd; u64 expected_revision } }.
+    // BPF_F_BEFORE without a relative program: first in the chain, so a
+    // program attached earlier cannot pass packets before ours judges them.
+    const BPF_F_BEFORE: u64 = 1 << 3;
     let mut attr = [0u64; 8];
     attr[0] = u64::from(prog_fd as u32) | (u64::from(ifindex) << 32);
-    attr[1] = u64::from(attach_type);
+    attr[1] = u64::from(attach_type) | (BPF_F_BEFORE << 32);
     let link = bpf_fd(BPF_LINK_CREATE, &mut attr)?;
     let path = c_path(pin)?;
     // BPF_OBJ_PIN: { u64 pathname; u32 bpf_fd; u32 file_flags }

@@ -85,16 +85,16 @@ impl Compiler {
             let info = EndpointInfo {
                 identity: *e,
                 flags: self.flags_of(*e),
-                revision: 0,
                 ingress_lookups: self.out.lookup_bits(*e, direction::INGRESS),
                 egress_lookups: self.out.lookup_bits(*e, direction::EGRESS),
-                _reserved: 0,
+                ..EndpointInfo::default()
             };
             let Some(ident) = self.index.idents.get(e) else {
                 continue;
             };
             for pod in &ident.endpoints {
-                self.out.set_endpoint(pod, Some(info));
+                let ips = self.local_pods.get(pod).map_or(&[][..], Vec::as_slice);
+                self.out.set_endpoint(pod, Some(info.with_addresses(ips)));
             }
         }
     }
