@@ -7,7 +7,7 @@ use policy_agent::{
     cluster::{ClusterState, Problem},
     datapath::{
         Choice, OpenOptions,
-        bpf::{DEFAULT_PIN_ROOT, LoadOptions, PinLayout},
+        bpf::{DEFAULT_PIN_ROOT, LoadOptions, PinLayout, sizing::Sizing},
         iptables::Backend,
     },
     netlink, source,
@@ -116,6 +116,21 @@ impl ManifestsArg {
     }
 }
 
+/// How large the BPF maps are made (when first created).
+#[derive(clap::Args, Clone, Debug)]
+pub struct SizingArgs {
+    /// Pods this node runs at most (the kubelet's maxPods): sizes
+    /// conntrack, policy and endpoint maps (see docs/ARCHITECTURE.md).
+    #[arg(long, default_value_t = 110)]
+    pub max_pods: u32,
+    /// Pods in the whole cluster at most: sizes the ipcache.
+    #[arg(long, default_value_t = 65536)]
+    pub cluster_pods: u32,
+    /// One map's size, NAME=ENTRIES (repeatable), over the formula.
+    #[arg(long = "map-size", value_parser = Sizing::parse_override)]
+    pub map_sizes: Vec<(&'static str, u32)>,
+}
+
 /// Which datapath to enforce with, and where its pins live.
 #[derive(clap::Args, Clone, Debug)]
 pub struct EnforceArgs {
@@ -123,6 +138,8 @@ pub struct EnforceArgs {
     pub datapath: DatapathArgs,
     #[command(flatten)]
     pub pins: PinArgs,
+    #[command(flatten)]
+    pub sizing: SizingArgs,
 }
 
 impl EnforceArgs {
@@ -132,7 +149,12 @@ impl EnforceArgs {
             layout: self.pins.layout(),
             load: LoadOptions {
                 force_netlink: self.datapath.force_netlink,
-                ..Default::default()
+                capacities: Sizing {
+                    max_pods: self.sizing.max_pods,
+                    cluster_pods: self.sizing.cluster_pods,
+                    overrides: self.sizing.map_sizes.clone(),
+                }
+                .capacities(),
             },
             iptables: self.datapath.iptables_backend.into(),
         }

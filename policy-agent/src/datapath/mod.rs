@@ -50,6 +50,12 @@ pub struct SyncReport {
     pub detached: Vec<String>,
     /// What could not be enforced as written (e.g. an interface not found).
     pub problems: Vec<Problem>,
+    /// Writes that did not land (a full map, a failed write): the state
+    /// is safe (closed where short) but not the one asked for; the worker
+    /// tries again soon, over the installed state read back.
+    pub incomplete: bool,
+    /// Entries not written, by map.
+    pub map_failures: BTreeMap<&'static str, usize>,
 }
 
 /// Errors of either datapath.

@@ -36,6 +36,9 @@ pub struct Metrics {
     last_sync_unix: AtomicU64,
     durations: Mutex<Histogram>,
     errors_by_kind: Mutex<std::collections::BTreeMap<String, u64>>,
+    /// Entries the last sync could not write, by map (0 when all landed).
+    shortfall: Mutex<std::collections::BTreeMap<String, u64>>,
+    shortfall_total: Mutex<std::collections::BTreeMap<String, u64>>,
 }
 
 impl Metrics {
@@ -51,6 +54,8 @@ impl Metrics {
             last_sync_unix: AtomicU64::new(0),
             durations: Mutex::new(Histogram::default()),
             errors_by_kind: Mutex::new(Default::default()),
+            shortfall: Mutex::new(Default::default()),
+            shortfall_total: Mutex::new(Default::default()),
         }
     }
 
@@ -81,6 +86,19 @@ impl Metrics {
             .unwrap_or(0);
         self.last_sync_unix.store(now, Ordering::Relaxed);
         self.observe(took);
+    }
+
+    /// Records what the last sync could not write, by map.
+    pub fn map_shortfall(&self, by_map: &std::collections::BTreeMap<&'static str, usize>) {
+        if let (Ok(mut now), Ok(mut total)) = (self.shortfall.lock(), self.shortfall_total.lock()) {
+            for v in now.values_mut() {
+                *v = 0;
+            }
+            for (map, n) in by_map {
+                now.insert((*map).to_owned(), *n as u64);
+                *total.entry((*map).to_owned()).or_default() += *n as u64;
+            }
+        }
     }
 
     /// Records a sync that failed (the previous state stays enforced).
@@ -181,6 +199,25 @@ impl Metrics {
                 "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}",
                 h.count, h.sum, h.count
             );
+        }
+        if let (Ok(now), Ok(total)) = (self.shortfall.lock(), self.shortfall_total.lock()) {
+            let _ = writeln!(
+                out,
+                "# HELP policy_agent_map_shortfall Entries the last sync could not write, by map (a full map fails closed).\n# TYPE policy_agent_map_shortfall gauge"
+            );
+            for (map, n) in now.iter() {
+                let _ = writeln!(out, "policy_agent_map_shortfall{{map=\"{map}\"}} {n}");
+            }
+            let _ = writeln!(
+                out,
+                "# HELP policy_agent_map_write_failures_total Entries not written, by map.\n# TYPE policy_agent_map_write_failures_total counter"
+            );
+            for (map, n) in total.iter() {
+                let _ = writeln!(
+                    out,
+                    "policy_agent_map_write_failures_total{{map=\"{map}\"}} {n}"
+                );
+            }
         }
         let source = self.datapath.lock().ok().and_then(|d| d.clone());
         if let Some(source) = source {

@@ -24,6 +24,9 @@ use crate::{
     source::{SourceId, SourceUpdate},
 };
 
+/// When to try again after a sync that could not write everything.
+const INCOMPLETE_RETRY: Duration = Duration::from_secs(10);
+
 /// What wakes the worker.
 pub enum Trigger {
     Update(SourceUpdate),
@@ -95,6 +98,9 @@ fn run(ctx: &Context, rx: &Receiver<Trigger>) {
         }
         let result = reconcile(ctx, &mut state);
         retry_at = match &result {
+            // Short of room or a failed write: safe but not what was asked;
+            // the driver reads the maps back on the retry.
+            Ok(report) if report.incomplete => Some(Instant::now() + INCOMPLETE_RETRY),
             Ok(_) => None,
             Err(e) => Some(Instant::now() + error_policy(e, &mut state)),
         };
@@ -193,6 +199,7 @@ fn record(ctx: &Context, state: &mut State, result: &Result<SyncReport, Error>, 
             problems.extend(report.problems.iter().cloned());
             ctx.metrics
                 .sync_done(took, report.writes, report.endpoints, problems.len());
+            ctx.metrics.map_shortfall(&report.map_failures);
             ctx.metrics.set_ready();
             if report.writes > 0 || !report.attached.is_empty() || !report.detached.is_empty() {
                 info!(

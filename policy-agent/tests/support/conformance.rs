@@ -243,6 +243,11 @@ impl Conformance {
 
     /// `policy-agent apply` in the node namespace.
     pub fn apply(&self) -> AgentRun {
+        self.apply_with(&[])
+    }
+
+    /// `policy-agent apply` with extra arguments.
+    pub fn apply_with(&self, extra: &[&str]) -> AgentRun {
         let dir = self.dir.to_str().unwrap().to_owned();
         let out: Output = self
             .agent(&[
@@ -254,6 +259,7 @@ impl Conformance {
                 "--datapath",
                 self.backend.flag(),
             ])
+            .args(extra)
             .output()
             .unwrap();
         AgentRun {

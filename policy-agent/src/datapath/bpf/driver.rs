@@ -12,7 +12,7 @@ use std::{
     net::IpAddr,
 };
 
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::{BpfDatapath, Error, LoadOptions, PinLayout, endpoint_meta_name, observe};
 use crate::{
@@ -153,12 +153,9 @@ fn sync_full(
     };
     let mut new = maps.rekey(|pod| interfaces.get(pod).map(|i| i.ifindex));
     assign_revisions(&old, &mut new);
-    let ops = diff(&old, &new);
-    // On failure the maps hold an unknown prefix of the writes: the next
-    // sync reads them back rather than trusting a cache.
+    let mut ops = diff(&old, &new);
     let diff_us = t.elapsed().as_micros() as u64;
-    dp.maps.apply(&ops)?;
-    report.writes = ops.len();
+    let unwritten = write(dp, &old, &mut ops, report);
     report.endpoints = new.endpoints.len();
     let write_us = t.elapsed().as_micros() as u64;
 
@@ -169,6 +166,9 @@ fn sync_full(
     let mut fresh = Vec::new();
     for (pod, iface) in &interfaces {
         let known = meta.get(&iface.ifindex).is_some_and(|m| m.attach != 0);
+        if unwritten.contains(&iface.ifindex) {
+            continue; // No endpoint entry: attaching would pass it unjudged.
+        }
         if !known {
             fresh.push((pod.clone(), iface.clone()));
         } else if verify {
@@ -187,7 +187,9 @@ fn sync_full(
         attach_us = t.elapsed().as_micros() as u64,
         "full sync"
     );
-    *last = Some(new);
+    // What did not land is written by the next full pass (over the maps
+    // as read back then).
+    *last = (!report.incomplete).then_some(new);
     Ok(())
 }
 
@@ -258,6 +260,8 @@ fn sync_ops(
             MapOp::DeleteIdentity(k) => writes.push(MapOp::DeleteIdentity(k)),
         }
     }
+    let shortfall = super::fit::fit(&state, &mut writes, &dp.capacities);
+    fresh.retain(|(_, iface)| !shortfall.endpoints.contains(&iface.ifindex));
     for w in &writes {
         state.apply_op(w);
     }
@@ -270,17 +274,95 @@ fn sync_ops(
             writes.push(MapOp::UpsertEndpoint(*ifindex, *ep));
         }
     }
-    // On failure an unknown prefix is written: `last` stays None, so the
-    // next sync reads the maps back.
-    dp.maps.apply(&writes)?;
-    report.writes = writes.len();
+    report_shortfall(&shortfall, &dp.capacities, report);
+    let failed = apply_all(dp, &writes, report);
     report.endpoints = state.endpoints.len();
+    fresh.retain(|(_, iface)| !failed.contains(&iface.ifindex));
     attach_fresh(dp, &fresh, report);
     for (ifindex, name) in &gone {
         detach(dp, *ifindex, name, report);
     }
-    *last = Some(state);
+    // Anything short: the next sync is a full pass over the maps read back.
+    *last = (!report.incomplete).then_some(state);
     Ok(())
+}
+
+/// Writes `ops` (turning `before` into the desired content) as far as the
+/// maps have room, failing closed for the rest (see `fit`). Returns the
+/// new endpoints (ifindexes) left unwritten: they must not be attached.
+fn write(
+    dp: &mut BpfDatapath,
+    before: &MapState<u32>,
+    ops: &mut Vec<MapOp<u32>>,
+    report: &mut SyncReport,
+) -> BTreeSet<u32> {
+    let shortfall = super::fit::fit(before, ops, &dp.capacities);
+    report_shortfall(&shortfall, &dp.capacities, report);
+    let mut unwritten = apply_all(dp, ops, report);
+    unwritten.extend(shortfall.endpoints);
+    unwritten
+}
+
+/// Applies every write that can be applied (a failure does not stop the
+/// rest: each write keeps the state safe on its own); a failed ipcache
+/// write removes the entry, so an address never keeps an identity it lost.
+/// Returns the endpoints whose entry could not be written.
+fn apply_all(dp: &mut BpfDatapath, ops: &[MapOp<u32>], report: &mut SyncReport) -> BTreeSet<u32> {
+    let mut unwritten = BTreeSet::new();
+    for (op, e) in dp.maps.apply_all(ops) {
+        error!(error = %e, op = ?op, "map write failed");
+        if let MapOp::UpsertEndpoint(ifindex, _) = op {
+            unwritten.insert(ifindex);
+        }
+        *report.map_failures.entry(e.map_name()).or_default() += 1;
+        report
+            .problems
+            .push(Problem::node(format!("map write failed: {e}")));
+        report.incomplete = true;
+    }
+    report.writes += ops.len();
+    unwritten
+}
+
+/// Says loudly what did not fit.
+fn report_shortfall(
+    s: &super::fit::Shortfall,
+    caps: &super::fit::Capacities,
+    report: &mut SyncReport,
+) {
+    if s.is_empty() {
+        return;
+    }
+    report.incomplete = true;
+    for (map, n) in &s.by_map {
+        error!(
+            map,
+            entries = n,
+            ?caps,
+            "map full: entries not written, failing closed"
+        );
+        *report.map_failures.entry(map).or_default() += n;
+        report.problems.push(Problem::node(format!(
+            "map {map} is full: {n} entries not written; the pods they concern stay isolated with what fits (raise its size: --map-size {map}=N, see docs/ARCHITECTURE.md)"
+        )));
+    }
+    if !s.identities.is_empty() {
+        report.problems.push(Problem::node(format!(
+            "allows missing for endpoint identities {:?} (fail closed)",
+            s.identities
+        )));
+    }
+    if !s.endpoints.is_empty() {
+        report.problems.push(Problem::node(format!(
+            "interfaces {:?} have no endpoint entry (the map is full): not attached, not enforced",
+            s.endpoints
+        )));
+    }
+    if s.classes_withdrawn {
+        report.problems.push(Problem::node(
+            "ipBlock prefixes do not fit the ipcache: every allow by address block is withdrawn",
+        ));
+    }
 }
 
 /// Makes sure a known interface still has both programs attached, and

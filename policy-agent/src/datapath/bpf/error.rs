@@ -114,6 +114,14 @@ impl Error {
         }
     }
 
+    /// The map a write failed on (for metrics), or "other".
+    pub fn map_name(&self) -> &'static str {
+        match self {
+            Self::Map { name, .. } | Self::MapFull { name, .. } => name,
+            _ => "other",
+        }
+    }
+
     /// A short label for metrics.
     pub fn metric_label(&self) -> &'static str {
         match self {

@@ -59,6 +59,8 @@ pub struct BpfDatapath {
     pub maps: BpfMaps,
     pub programs: Classifiers,
     pub mode: AttachMode,
+    /// What the maps hold at most (writes are planned within it).
+    pub capacities: super::fit::Capacities,
 }
 
 fn loader<'a>(
@@ -147,11 +149,14 @@ impl BpfDatapath {
             maps.set_config(config)?;
             open_pinned(layout)?
         };
+        let capacities = maps.capacities();
+        warn_resized(&opts.capacities, &capacities);
         Ok(Self {
             layout: layout.clone(),
             maps,
             programs,
             mode,
+            capacities,
         })
     }
 }
@@ -274,6 +279,29 @@ impl BpfDatapath {
             Ok(())
         } else {
             Err(errors)
+        }
+    }
+}
+
+/// A pinned map keeps the size it was created with: say so when the
+/// configuration asks for another.
+fn warn_resized(asked: &[(&'static str, u32)], have: &super::fit::Capacities) {
+    for (name, entries) in asked {
+        let current = match *name {
+            names::POLICY => have.policy,
+            names::IPCACHE_V4 => have.ipcache_v4,
+            names::IPCACHE_V6 => have.ipcache_v6,
+            names::IDENTITY_NAMES => have.identities,
+            names::ENDPOINTS => have.endpoints,
+            _ => continue,
+        };
+        if current != *entries as usize {
+            tracing::warn!(
+                map = name,
+                pinned = current,
+                configured = entries,
+                "a pinned map keeps its size; `policy-agent reset` (or a new --pin-dir) applies the configured one"
+            );
         }
     }
 }

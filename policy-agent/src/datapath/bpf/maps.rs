@@ -276,6 +276,39 @@ impl BpfMaps {
             .collect()
     }
 
+    /// Applies every write in order, carrying on past failures (each write
+    /// leaves the maps safe on its own); a failed ipcache upsert removes
+    /// the entry instead, so an address never keeps an identity it lost.
+    /// Returns the writes that failed.
+    pub fn apply_all(&mut self, ops: &[MapOp<u32>]) -> Vec<(MapOp<u32>, Error)> {
+        let mut failed = Vec::new();
+        for op in ops {
+            if let Err(e) = self.apply_one(op) {
+                if let MapOp::UpsertIpcache(net, _) = op {
+                    let _ = self.apply_one(&MapOp::DeleteIpcache(*net));
+                }
+                failed.push((op.clone(), e));
+            }
+        }
+        failed
+    }
+
+    /// The capacities writes are planned within (the maps as created; a
+    /// pinned map keeps the size it was created with).
+    pub fn capacities(&self) -> super::fit::Capacities {
+        fn cap(m: &MapData) -> usize {
+            m.info().map(|i| i.max_entries() as usize).unwrap_or(0)
+        }
+        super::fit::Capacities {
+            policy: cap(self.policy.map()),
+            ipcache_v4: cap(self.ipcache_v4.map()),
+            ipcache_v6: cap(self.ipcache_v6.map()),
+            identities: cap(self.identities.map()),
+            endpoints: cap(self.endpoints.map()),
+            slots: self.slot_count(),
+        }
+    }
+
     /// Applies writes in the given order; stops at the first failure (the
     /// order keeps every prefix of the list safe to leave in place).
     pub fn apply(&mut self, ops: &[MapOp<u32>]) -> Result<(), Error> {

@@ -4,6 +4,7 @@ mod attach;
 mod driver;
 mod error;
 mod events;
+pub mod fit;
 mod kernel_log;
 mod loader;
 mod maps;
@@ -13,6 +14,7 @@ mod observe;
 mod pins;
 pub mod probe;
 mod reset;
+pub mod sizing;
 mod sys;
 mod verifier;
 

@@ -9,42 +9,71 @@ use kube::{
 use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::warn;
 
-use crate::cluster::{ObjectKind, ObjectRef, Problem};
+use crate::cluster::{ObjectKind, ObjectRef, Problem, Subject};
 
-/// Reports invalid NetworkPolicies as Kubernetes Events on them, once per
-/// distinct problem.
+/// What an Event is about: a policy, or the node itself.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Target {
+    Policy(ObjectRef),
+    Node,
+}
+
+/// Reports problems as Kubernetes Events, once per distinct problem:
+/// invalid NetworkPolicies on the policy, node problems (a full map, an
+/// interface that cannot be attached) on the Node.
 pub async fn publish_events(client: Client, node: String, mut rx: UnboundedReceiver<Vec<Problem>>) {
     let recorder = Recorder::new(
         client,
         Reporter {
             controller: "policy-agent".into(),
-            instance: Some(node),
+            instance: Some(node.clone()),
         },
     );
-    let mut reported: BTreeMap<(ObjectRef, String), ()> = BTreeMap::new();
+    let mut reported: BTreeMap<(Target, String), ()> = BTreeMap::new();
     while let Some(problems) = rx.recv().await {
-        let current: BTreeMap<(ObjectRef, String), ()> = problems
+        let current: BTreeMap<(Target, String), ()> = problems
             .iter()
-            .filter_map(|p| p.policy().map(|r| ((r.clone(), p.reason.clone()), ())))
+            .filter_map(|p| {
+                let target = match (&p.subject, p.policy()) {
+                    (_, Some(policy)) => Target::Policy(policy.clone()),
+                    (Subject::Node, None) => Target::Node,
+                    _ => return None,
+                };
+                Some(((target, p.reason.clone()), ()))
+            })
             .collect();
-        for (policy, reason) in current.keys().filter(|k| !reported.contains_key(*k)) {
-            let (api_version, kind) = ObjectKind::NetworkPolicy.api();
-            let reference = ObjectReference {
-                api_version: Some(api_version.into()),
-                kind: Some(kind.into()),
-                namespace: Some(policy.namespace.clone()),
-                name: Some(policy.name.clone()),
-                ..Default::default()
+        for (target, reason) in current.keys().filter(|k| !reported.contains_key(*k)) {
+            let (reference, why) = match target {
+                Target::Policy(policy) => {
+                    let (api_version, kind) = ObjectKind::NetworkPolicy.api();
+                    let reference = ObjectReference {
+                        api_version: Some(api_version.into()),
+                        kind: Some(kind.into()),
+                        namespace: Some(policy.namespace.clone()),
+                        name: Some(policy.name.clone()),
+                        ..Default::default()
+                    };
+                    (reference, "InvalidNetworkPolicy")
+                }
+                Target::Node => {
+                    let reference = ObjectReference {
+                        api_version: Some("v1".into()),
+                        kind: Some("Node".into()),
+                        name: Some(node.clone()),
+                        ..Default::default()
+                    };
+                    (reference, "NotEnforced")
+                }
             };
             let event = K8sEvent {
                 type_: EventType::Warning,
-                reason: "InvalidNetworkPolicy".into(),
+                reason: why.into(),
                 note: Some(truncate(reason, 1000)),
                 action: "Enforce".into(),
                 secondary: None,
             };
             if let Err(e) = recorder.publish(&event, &reference).await {
-                warn!(policy = %policy, error = %e, "cannot publish an Event");
+                warn!(target = ?target, error = %e, "cannot publish an Event");
             }
         }
         reported = current;

@@ -1,0 +1,436 @@
+//! Writes planned within the maps' capacities, so a full map fails closed
+//! instead of stopping the sync at its first failed write (which would
+//! leave new pods unattached, isolation flips unwritten and revoked flows
+//! passing).
+//!
+//! 1. The usual order (upserts before deletes) needs room for both the old
+//!    and the new entries at once. When a map would overflow that way, its
+//!    deletes go first: policy deletes before policy upserts closes for a
+//!    moment, never opens; ipcache deletes still follow every policy write.
+//! 2. What still does not fit is dropped, choosing what fails closed:
+//!    policy entries are allows (missing ones deny); ipcache entries of pod
+//!    addresses only carry the pod's label identity (the address keeps its
+//!    address class through the carved prefix that covers it); identity
+//!    names are for `dump` only. Carved prefixes are dropped last: if even
+//!    those do not fit, every allow keyed by an address class or the world
+//!    is withdrawn (an address could otherwise fall into a wider class).
+//!    A new endpoint that does not fit is left unattached and reported.
+use std::collections::{BTreeMap, BTreeSet};
+
+use ipnet::IpNet;
+use policy_common::{
+    identity::{WORLD, is_cidr, kind},
+    maps as names,
+};
+
+use crate::mapstate::{MapOp, MapState, identity_name_str};
+
+/// The capacities of the maps a sync writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capacities {
+    pub policy: usize,
+    pub ipcache_v4: usize,
+    pub ipcache_v6: usize,
+    pub identities: usize,
+    /// The overflow hash (ifindexes beyond the slot array).
+    pub endpoints: usize,
+    /// ifindexes below this live in the slot array (always room).
+    pub slots: u32,
+}
+
+/// What did not fit, by map: entries dropped (or withdrawn).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Shortfall {
+    pub by_map: BTreeMap<&'static str, usize>,
+    /// Endpoint identities that lost allows.
+    pub identities: BTreeSet<u32>,
+    /// New endpoints (ifindexes) that could not be written.
+    pub endpoints: BTreeSet<u32>,
+    /// Carved prefixes did not fit: allows by address class withdrawn.
+    pub classes_withdrawn: bool,
+}
+
+impl Shortfall {
+    pub fn is_empty(&self) -> bool {
+        self.by_map.is_empty()
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Map {
+    Identities,
+    Policy,
+    Endpoints,
+    Ipcache4,
+    Ipcache6,
+}
+
+fn map_of(op: &MapOp<u32>, slots: u32) -> Option<Map> {
+    Some(match op {
+        MapOp::UpsertIdentity(..) | MapOp::DeleteIdentity(_) => Map::Identities,
+        MapOp::UpsertPolicy(..) | MapOp::DeletePolicy(_) => Map::Policy,
+        MapOp::UpsertEndpoint(k, _) | MapOp::DeleteEndpoint(k) if *k >= slots => Map::Endpoints,
+        MapOp::UpsertIpcache(n, _) | MapOp::DeleteIpcache(n) => match n {
+            IpNet::V4(_) => Map::Ipcache4,
+            IpNet::V6(_) => Map::Ipcache6,
+        },
+        MapOp::UpsertEndpoint(..) | MapOp::DeleteEndpoint(_) => return None,
+    })
+}
+
+fn is_upsert(op: &MapOp<u32>) -> bool {
+    matches!(
+        op,
+        MapOp::UpsertIdentity(..)
+            | MapOp::UpsertPolicy(..)
+            | MapOp::UpsertEndpoint(..)
+            | MapOp::UpsertIpcache(..)
+    )
+}
+
+/// Whether the op writes a key the map does not hold yet.
+fn adds_key(op: &MapOp<u32>, before: &MapState<u32>) -> bool {
+    match op {
+        MapOp::UpsertIdentity(k, _) => !before.identities.contains_key(k),
+        MapOp::UpsertPolicy(k, _) => !before.policy.contains_key(k),
+        MapOp::UpsertEndpoint(k, _) => !before.endpoints.contains_key(k),
+        MapOp::UpsertIpcache(k, _) => !before.ipcache.contains_key(k),
+        _ => false,
+    }
+}
+
+fn removes_key(op: &MapOp<u32>, before: &MapState<u32>) -> bool {
+    match op {
+        MapOp::DeleteIdentity(k) => before.identities.contains_key(k),
+        MapOp::DeletePolicy(k) => before.policy.contains_key(k),
+        MapOp::DeleteEndpoint(k) => before.endpoints.contains_key(k),
+        MapOp::DeleteIpcache(k) => before.ipcache.contains_key(k),
+        _ => false,
+    }
+}
+
+fn held(before: &MapState<u32>, map: Map, slots: u32) -> usize {
+    match map {
+        Map::Identities => before.identities.len(),
+        Map::Policy => before.policy.len(),
+        Map::Endpoints => before.endpoints.keys().filter(|k| **k >= slots).count(),
+        Map::Ipcache4 => before.ipcache.keys().filter(|n| n.addr().is_ipv4()).count(),
+        Map::Ipcache6 => before.ipcache.keys().filter(|n| n.addr().is_ipv6()).count(),
+    }
+}
+
+fn capacity(caps: &Capacities, map: Map) -> usize {
+    match map {
+        Map::Identities => caps.identities,
+        Map::Policy => caps.policy,
+        Map::Endpoints => caps.endpoints,
+        Map::Ipcache4 => caps.ipcache_v4,
+        Map::Ipcache6 => caps.ipcache_v6,
+    }
+}
+
+fn map_name(map: Map) -> &'static str {
+    match map {
+        Map::Identities => names::IDENTITY_NAMES,
+        Map::Policy => names::POLICY,
+        Map::Endpoints => names::ENDPOINTS,
+        Map::Ipcache4 => names::IPCACHE_V4,
+        Map::Ipcache6 => names::IPCACHE_V6,
+    }
+}
+
+/// The prefixes ipBlocks carve (address classes), from the identity names.
+fn carved(state: &MapState<u32>) -> BTreeSet<IpNet> {
+    state
+        .identities
+        .iter()
+        .filter(|(id, n)| is_cidr(**id) && n.kind == kind::CIDR)
+        .filter_map(|(_, n)| identity_name_str(n).parse::<IpNet>().ok())
+        .collect()
+}
+
+/// Fits `ops` (turning `before` into the desired state) into `caps`,
+/// reordering and dropping as the module comment says.
+pub fn fit(before: &MapState<u32>, ops: &mut Vec<MapOp<u32>>, caps: &Capacities) -> Shortfall {
+    let slots = caps.slots;
+    let mut shortfall = Shortfall::default();
+    // Peak use per map in the usual order: everything added before
+    // anything removed.
+    let maps = [
+        Map::Identities,
+        Map::Policy,
+        Map::Endpoints,
+        Map::Ipcache4,
+        Map::Ipcache6,
+    ];
+    let added = |ops: &[MapOp<u32>], m: Map| {
+        ops.iter()
+            .filter(|o| map_of(o, slots) == Some(m) && adds_key(o, before))
+            .count()
+    };
+    let removed = |ops: &[MapOp<u32>], m: Map| {
+        ops.iter()
+            .filter(|o| map_of(o, slots) == Some(m) && removes_key(o, before))
+            .count()
+    };
+    let tight: BTreeSet<Map> = maps
+        .into_iter()
+        .filter(|m| held(before, *m, slots) + added(ops, *m) > capacity(caps, *m))
+        .collect();
+    if tight.is_empty() {
+        return shortfall;
+    }
+    // 1. Deletes of a tight map move before its first upsert. When an
+    //    ipcache is tight, policy deletes move too (before theirs): an
+    //    address must not lose a carved prefix while allows keyed by the
+    //    wider class it would fall into still exist.
+    let mut hoist = tight.clone();
+    if hoist.contains(&Map::Ipcache4) || hoist.contains(&Map::Ipcache6) {
+        hoist.insert(Map::Policy);
+    }
+    let hoisted =
+        |o: &MapOp<u32>| !is_upsert(o) && map_of(o, slots).is_some_and(|m| hoist.contains(&m));
+    let original = std::mem::take(ops);
+    let deletes_of = |m: Map| -> Vec<MapOp<u32>> {
+        original
+            .iter()
+            .filter(|o| hoisted(o) && map_of(o, slots) == Some(m))
+            .cloned()
+            .collect()
+    };
+    let mut emitted: BTreeSet<Map> = BTreeSet::new();
+    for op in &original {
+        if hoisted(op) {
+            continue;
+        }
+        if is_upsert(op)
+            && let Some(m) = map_of(op, slots).filter(|m| hoist.contains(m))
+        {
+            if matches!(m, Map::Ipcache4 | Map::Ipcache6) && emitted.insert(Map::Policy) {
+                ops.extend(deletes_of(Map::Policy));
+            }
+            if emitted.insert(m) {
+                ops.extend(deletes_of(m));
+            }
+        }
+        ops.push(op.clone());
+    }
+    // Deletes of maps that had no upserts keep their relative order.
+    ops.extend(
+        original
+            .iter()
+            .filter(|o| hoisted(o) && map_of(o, slots).is_some_and(|m| !emitted.contains(&m)))
+            .cloned(),
+    );
+    // 2. Drop what still does not fit.
+    let carved = carved(before);
+    for m in tight {
+        let cap = capacity(caps, m);
+        let mut left = (held(before, m, slots) + added(ops, m)).saturating_sub(removed(ops, m));
+        if left <= cap {
+            continue;
+        }
+        let mut dropped = 0;
+        // Pod addresses first (ipcache), then from the end of the list.
+        let mut order: Vec<usize> = (0..ops.len())
+            .filter(|i| map_of(&ops[*i], slots) == Some(m) && adds_key(&ops[*i], before))
+            .collect();
+        order.reverse();
+        order.sort_by_key(|i| match &ops[*i] {
+            MapOp::UpsertIpcache(net, _) if carved.contains(net) => 1,
+            _ => 0,
+        });
+        let mut drop: BTreeSet<usize> = BTreeSet::new();
+        for i in order {
+            if left <= cap {
+                break;
+            }
+            if let MapOp::UpsertIpcache(net, _) = &ops[i]
+                && carved.contains(net)
+            {
+                // Dropped last; what its class allowed goes with it.
+                shortfall.classes_withdrawn = true;
+            }
+            match &ops[i] {
+                MapOp::UpsertPolicy(k, _) => {
+                    shortfall.identities.insert(k.endpoint_identity);
+                }
+                MapOp::UpsertEndpoint(k, _) => {
+                    shortfall.endpoints.insert(*k);
+                }
+                _ => {}
+            }
+            drop.insert(i);
+            dropped += 1;
+            left -= 1;
+        }
+        let mut i = 0;
+        ops.retain(|_| {
+            let keep = !drop.contains(&i);
+            i += 1;
+            keep
+        });
+        if dropped > 0 || left > cap {
+            *shortfall.by_map.entry(map_name(m)).or_default() += dropped + left.saturating_sub(cap);
+        }
+    }
+    if shortfall.classes_withdrawn {
+        withdraw_class_allows(before, ops, &mut shortfall);
+    }
+    shortfall
+}
+
+/// Carved prefixes do not fit: no allow keyed by an address class (or the
+/// world) may stay, written or existing.
+fn withdraw_class_allows(before: &MapState<u32>, ops: &mut Vec<MapOp<u32>>, s: &mut Shortfall) {
+    let by_class = |peer: u32| is_cidr(peer) || peer == WORLD;
+    ops.retain(|op| match op {
+        MapOp::UpsertPolicy(k, _) if by_class(k.peer_identity) => {
+            s.identities.insert(k.endpoint_identity);
+            false
+        }
+        _ => true,
+    });
+    let first_ipcache = ops
+        .iter()
+        .position(|o| matches!(o, MapOp::UpsertIpcache(..) | MapOp::DeleteIpcache(_)))
+        .unwrap_or(ops.len());
+    let withdraw: Vec<MapOp<u32>> = before
+        .policy
+        .keys()
+        .filter(|k| by_class(k.peer_identity))
+        .filter(|k| !ops.contains(&MapOp::DeletePolicy(**k)))
+        .map(|k| {
+            s.identities.insert(k.endpoint_identity);
+            MapOp::DeletePolicy(*k)
+        })
+        .collect();
+    let n = withdraw.len();
+    ops.splice(first_ipcache..first_ipcache, withdraw);
+    *s.by_map.entry(names::POLICY).or_default() += n;
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, Ipv4Addr};
+
+    use policy_common::{
+        direction,
+        endpoint::EndpointInfo,
+        ipcache::IpcacheEntry,
+        policy::{PolicyEntry, PolicyKey},
+        proto,
+    };
+
+    use super::*;
+    use crate::mapstate::{diff, identity_name};
+
+    fn caps(policy: usize, ipcache: usize) -> Capacities {
+        Capacities {
+            policy,
+            ipcache_v4: ipcache,
+            ipcache_v6: ipcache,
+            identities: 100,
+            endpoints: 10,
+            slots: 100,
+        }
+    }
+
+    fn key(peer: u32, port: u16) -> PolicyKey {
+        PolicyKey::new(300, direction::INGRESS, peer, proto::TCP, 16, port)
+    }
+
+    fn state(ports: &[u16]) -> MapState<u32> {
+        let mut s = MapState::default();
+        s.endpoints.insert(
+            7,
+            EndpointInfo {
+                identity: 300,
+                ..Default::default()
+            },
+        );
+        for p in ports {
+            s.policy.insert(key(301, *p), PolicyEntry::default());
+        }
+        s
+    }
+
+    /// Applies `ops` to `before`, asserting no map ever exceeds `caps`.
+    fn replay(before: &MapState<u32>, ops: &[MapOp<u32>], caps: &Capacities) -> MapState<u32> {
+        let mut s = before.clone();
+        for op in ops {
+            s.apply_op(op);
+            assert!(
+                s.policy.len() <= caps.policy,
+                "policy over capacity at {op:?}"
+            );
+            assert!(s.ipcache.len() <= caps.ipcache_v4, "ipcache over capacity");
+        }
+        s
+    }
+
+    #[test]
+    fn a_swap_that_needs_room_for_both_deletes_first() {
+        let before = state(&[1, 2, 3]);
+        let after = state(&[4, 5, 6]);
+        let caps = caps(4, 10);
+        let mut ops = diff(&before, &after);
+        let short = fit(&before, &mut ops, &caps);
+        assert!(short.is_empty(), "{short:?}");
+        assert_eq!(replay(&before, &ops, &caps).policy, after.policy);
+    }
+
+    #[test]
+    fn allows_that_do_not_fit_are_dropped_the_rest_lands() {
+        let before = state(&[]);
+        let after = state(&[1, 2, 3, 4, 5, 6]);
+        let caps = caps(4, 10);
+        let mut ops = diff(&before, &after);
+        let short = fit(&before, &mut ops, &caps);
+        assert_eq!(short.by_map.get(names::POLICY), Some(&2));
+        assert!(short.identities.contains(&300));
+        let landed = replay(&before, &ops, &caps);
+        assert_eq!(landed.policy.len(), 4);
+        assert!(landed.policy.keys().all(|k| after.policy.contains_key(k)));
+        assert!(
+            landed.endpoints.contains_key(&7),
+            "the endpoint still lands"
+        );
+    }
+
+    #[test]
+    fn pod_addresses_go_before_carved_prefixes_and_carving_that_cannot_fit_withdraws_class_allows()
+    {
+        let class = policy_common::identity::FIRST_CIDR;
+        let mut before = state(&[]);
+        before
+            .identities
+            .insert(class, identity_name(kind::CIDR, "10.0.0.0/8"));
+        let mut after = before.clone();
+        after.policy.insert(key(class, 80), PolicyEntry::default());
+        let entry = IpcacheEntry {
+            identity: 301,
+            cidr_identity: class,
+        };
+        let net = |s: &str| s.parse::<IpNet>().unwrap();
+        after.ipcache.insert(net("10.0.0.0/8"), entry);
+        for i in 1..=3u8 {
+            let ip = IpAddr::V4(Ipv4Addr::new(10, 0, 0, i));
+            after.ipcache.insert(IpNet::new(ip, 32).unwrap(), entry);
+        }
+        // Room for the carved prefix and one pod address.
+        let mut ops = diff(&before, &after);
+        let short = fit(&before, &mut ops, &caps(10, 2));
+        assert_eq!(short.by_map.get(names::IPCACHE_V4), Some(&2));
+        assert!(!short.classes_withdrawn);
+        let landed = replay(&before, &ops, &caps(10, 2));
+        assert!(landed.ipcache.contains_key(&net("10.0.0.0/8")));
+        assert!(landed.policy.contains_key(&key(class, 80)));
+        // No room even for the prefix: the class allow is withdrawn.
+        let mut ops = diff(&before, &after);
+        let short = fit(&before, &mut ops, &caps(10, 0));
+        assert!(short.classes_withdrawn);
+        let landed = replay(&before, &ops, &caps(10, 0));
+        assert!(!landed.policy.contains_key(&key(class, 80)));
+    }
+}
