@@ -27,7 +27,7 @@ pub fn init_tracing() {
 /// Where the pinned state lives.
 #[derive(clap::Args, Clone, Debug)]
 pub struct PinArgs {
-    /// Pin directory root (the layout version is appended: <root>/v1).
+    /// Pin directory root (the layout version is appended: <root>/v2).
     #[arg(long, env = "POLICY_AGENT_PIN_DIR", default_value = DEFAULT_PIN_ROOT)]
     pub pin_dir: PathBuf,
 }
