@@ -9,7 +9,10 @@ use std::{collections::BTreeMap, net::IpAddr};
 
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 
-use super::{ClusterState, NamespaceInfo, PodInfo, PodRef, PolicyRef};
+use super::{
+    ClusterState, EndpointSliceInfo, NamespaceInfo, ObjectRef, PodInfo, PodRef, PolicyRef,
+    ServiceInfo, ServiceRef,
+};
 
 /// One change of the cluster state.
 #[derive(Clone, Debug, PartialEq)]
@@ -20,6 +23,10 @@ pub enum Change {
     DeleteNamespace(String),
     UpsertPolicy(PolicyRef, Box<NetworkPolicy>),
     DeletePolicy(PolicyRef),
+    UpsertService(ServiceRef, ServiceInfo),
+    DeleteService(ServiceRef),
+    UpsertEndpointSlice(ObjectRef, EndpointSliceInfo),
+    DeleteEndpointSlice(ObjectRef),
     /// The enforcing node's name or its own addresses changed.
     Node {
         name: String,
@@ -64,6 +71,26 @@ impl Keyed for NetworkPolicy {
     }
 }
 
+impl Keyed for ServiceInfo {
+    type Key = ServiceRef;
+    fn upsert(key: ServiceRef, value: Self) -> Change {
+        Change::UpsertService(key, value)
+    }
+    fn delete(key: ServiceRef) -> Change {
+        Change::DeleteService(key)
+    }
+}
+
+impl Keyed for EndpointSliceInfo {
+    type Key = ObjectRef;
+    fn upsert(key: ObjectRef, value: Self) -> Change {
+        Change::UpsertEndpointSlice(key, value)
+    }
+    fn delete(key: ObjectRef) -> Change {
+        Change::DeleteEndpointSlice(key)
+    }
+}
+
 /// Appends the changes that turn `old` into `new`: an upsert for every
 /// key that is new or differs, then a delete for every key that is gone.
 pub fn keyed_changes<V: Keyed>(
@@ -82,7 +109,8 @@ pub fn keyed_changes<V: Keyed>(
 }
 
 /// What changed from `old` to `new`: the node first, then namespaces,
-/// pods and policies (a namespace exists before its pods are read).
+/// pods, policies, Services and their slices (a namespace exists before
+/// its pods are read).
 pub fn changes_between(old: &ClusterState, new: &ClusterState) -> Vec<Change> {
     let mut out = Vec::new();
     if old.node_name != new.node_name || old.node_ips != new.node_ips {
@@ -94,6 +122,8 @@ pub fn changes_between(old: &ClusterState, new: &ClusterState) -> Vec<Change> {
     keyed_changes(&old.namespaces, &new.namespaces, &mut out);
     keyed_changes(&old.pods, &new.pods, &mut out);
     keyed_changes(&old.policies, &new.policies, &mut out);
+    keyed_changes(&old.services, &new.services, &mut out);
+    keyed_changes(&old.endpoint_slices, &new.endpoint_slices, &mut out);
     out
 }
 
@@ -118,6 +148,18 @@ impl ClusterState {
             }
             Change::DeletePolicy(k) => {
                 self.policies.remove(k);
+            }
+            Change::UpsertService(k, v) => {
+                self.services.insert(k.clone(), v.clone());
+            }
+            Change::DeleteService(k) => {
+                self.services.remove(k);
+            }
+            Change::UpsertEndpointSlice(k, v) => {
+                self.endpoint_slices.insert(k.clone(), v.clone());
+            }
+            Change::DeleteEndpointSlice(k) => {
+                self.endpoint_slices.remove(k);
             }
             Change::Node { name, ips } => {
                 self.node_name.clone_from(name);

@@ -7,6 +7,7 @@
 mod change;
 mod convert;
 mod problem;
+mod service;
 
 use std::{collections::BTreeMap, fmt, net::IpAddr};
 
@@ -17,6 +18,10 @@ pub use self::{
     change::{Change, Keyed, changes_between, keyed_changes},
     convert::{ConvertError, namespace_info, pod_info},
     problem::{ObjectKind, Problem, Subject},
+    service::{
+        Backend, Endpoint, EndpointSliceInfo, SERVICE_NAME_LABEL, ServiceInfo, ServicePort,
+        ServiceRef, SlicePort, backends, endpoint_slice_info, service_info,
+    },
 };
 
 /// Labels, sorted by key.
@@ -90,6 +95,22 @@ pub struct ClusterState {
     pub namespaces: BTreeMap<String, NamespaceInfo>,
     pub pods: BTreeMap<PodRef, PodInfo>,
     pub policies: BTreeMap<PolicyRef, NetworkPolicy>,
+    pub services: BTreeMap<ServiceRef, ServiceInfo>,
+    pub endpoint_slices: BTreeMap<ObjectRef, EndpointSliceInfo>,
+}
+
+impl ClusterState {
+    /// The slices of `service`.
+    pub fn slices_of<'a>(
+        &'a self,
+        service: &'a ServiceRef,
+    ) -> impl Iterator<Item = &'a EndpointSliceInfo> + 'a {
+        self.endpoint_slices
+            .range(ObjectRef::new(service.namespace.clone(), "")..)
+            .take_while(move |(k, _)| k.namespace == service.namespace)
+            .map(|(_, s)| s)
+            .filter(move |s| s.service.as_ref() == Some(service))
+    }
 }
 
 /// Local pods that cannot be enforced yet because they hold no IP.

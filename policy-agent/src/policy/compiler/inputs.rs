@@ -41,6 +41,18 @@ impl Compiler {
                 self.replace_policy(&name, Some(parsed));
             }
             Change::DeletePolicy(name) => self.replace_policy(&name, None),
+            Change::UpsertService(name, info) => {
+                self.services.insert(name, info);
+            }
+            Change::DeleteService(name) => {
+                self.services.remove(&name);
+            }
+            Change::UpsertEndpointSlice(name, info) => {
+                self.endpoint_slices.insert(name, info);
+            }
+            Change::DeleteEndpointSlice(name) => {
+                self.endpoint_slices.remove(&name);
+            }
             Change::Node { name, ips } => {
                 self.node_name = name;
                 self.node_ips = ips.into_iter().collect();

@@ -53,8 +53,8 @@ use self::{
 use super::{Compiled, classes::Classes, error::PolicyError, parse::ParsedPolicy};
 use crate::{
     cluster::{
-        Change, ClusterState, NamespaceInfo, PodInfo, PodRef, PolicyRef, Problem,
-        unready_local_pods,
+        Change, ClusterState, EndpointSliceInfo, NamespaceInfo, ObjectRef, PodInfo, PodRef,
+        PolicyRef, Problem, ServiceInfo, ServiceRef, unready_local_pods,
     },
     identity::{IdentityAllocator, IdentityError},
     mapstate::{MapOp, MapState, RuleOrigin, diff, identity_name},
@@ -78,6 +78,8 @@ pub struct Compiler {
     namespaces: BTreeMap<String, NamespaceInfo>,
     pods: BTreeMap<PodRef, PodInfo>,
     policies: BTreeMap<PolicyRef, PolicyState>,
+    services: BTreeMap<ServiceRef, ServiceInfo>,
+    endpoint_slices: BTreeMap<ObjectRef, EndpointSliceInfo>,
 
     carving: Carving,
     classes: Classes,
@@ -118,6 +120,8 @@ impl Compiler {
         c.node_ips = state.node_ips.iter().copied().collect();
         c.namespaces = state.namespaces.clone();
         c.pods = state.pods.clone();
+        c.services = state.services.clone();
+        c.endpoint_slices = state.endpoint_slices.clone();
         for (name, np) in &state.policies {
             let parsed = ParsedPolicy::parse(name, np);
             c.policies
@@ -141,8 +145,13 @@ impl Compiler {
             std::mem::take(&mut self.namespaces),
             std::mem::take(&mut self.pods),
         );
+        let services = (
+            std::mem::take(&mut self.services),
+            std::mem::take(&mut self.endpoint_slices),
+        );
         *self = Self::new(self.options);
         (self.node_name, self.node_ips, self.namespaces, self.pods) = inputs;
+        (self.services, self.endpoint_slices) = services;
         self.built = true;
 
         self.carve(&parsed, ids);
