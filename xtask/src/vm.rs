@@ -484,12 +484,17 @@ pub fn run(spec: &VmSpec) -> anyhow::Result<VmOutput> {
         io: io.clone(),
         child: None,
     };
-    if io.to_str().is_none_or(|s| s.contains(char::is_whitespace)) {
-        bail!(
-            "{}: the I/O path must be plain (it is on the kernel command line)",
-            io.display()
-        );
+    for p in [&io, &kernel.dir] {
+        if p.to_str().is_none_or(|s| s.contains(char::is_whitespace)) {
+            bail!(
+                "{}: the path must be plain (it goes on the kernel command line)",
+                p.display()
+            );
+        }
     }
+    // 9p cache mode of the root: "loose" (the default) caches pages and
+    // metadata, right for a root that does not change while the VM runs.
+    let cache = std::env::var("POLICY_AGENT_VM_9P_CACHE").unwrap_or_else(|_| "loose".into());
 
     let cwd = match &spec.cwd {
         Some(c) => c.clone(),
@@ -545,8 +550,10 @@ pub fn run(spec: &VmSpec) -> anyhow::Result<VmOutput> {
         .arg(&initramfs)
         .arg("-append")
         .arg(format!(
-            "console=ttyS0 quiet loglevel=3 panic=-1 pavm_io={} pavm_msize={MSIZE}",
-            io.display()
+            "console=ttyS0 quiet loglevel=3 panic=-1 pavm_io={} pavm_kernel={} \
+             pavm_msize={MSIZE} pavm_cache={cache}",
+            io.display(),
+            kernel.dir.display()
         ));
     let mut share = |tag: &str, path: &Path, readonly: bool| {
         qemu.arg("-virtfs").arg(format!(
@@ -556,7 +563,6 @@ pub fn run(spec: &VmSpec) -> anyhow::Result<VmOutput> {
         ));
     };
     share("root", Path::new("/"), true);
-    share("modules", &kernel.dir.join("lib/modules"), true);
     share("io", &io, false);
     let mut writable = String::new();
     for (i, w) in spec.writable.iter().enumerate() {
