@@ -179,6 +179,9 @@ fn main() -> anyhow::Result<()> {
                     format!("; modules missing: {}", out.missing_modules.join(" "))
                 }
             );
+            for l in out.kernel_trouble() {
+                eprintln!("vm: guest kernel: {l}");
+            }
             std::process::exit(out.status)
         }
         Task::Bench => {

@@ -5,12 +5,14 @@
 //! The guest has no disk and no network device. Its root is the host's own
 //! root filesystem, shared read-only over 9p (as virtme-ng does), so every
 //! host tool and every test binary is there at the same absolute path;
-//! /tmp, /run and /var/tmp are fresh tmpfs. The kernel's modules (from the
-//! package `scripts/setup.sh` unpacks into the cache, never into /boot) are
-//! a second 9p share on /lib/modules, and a per-run I/O directory on the
-//! host is a third, writable one at the same path in the guest: the host
+//! /tmp, /run and /var/tmp are fresh tmpfs (host files under them are not
+//! visible). The kernel's modules and /boot (from the package
+//! `scripts/setup.sh` unpacks into the cache, never into the host's /boot)
+//! are bound over /lib/modules and /boot. A per-run I/O directory on the
+//! host is a second, writable share at the same path in the guest: the host
 //! writes the command into it, the guest writes the command's stdout,
-//! stderr, exit status and `uname -r` back.
+//! stderr, exit status and `uname -r` back. [`VmSpec::writable`] adds more
+//! writable shares.
 //!
 //! Boot: a small initramfs (busybox and the modules 9p needs, built here and
 //! cached next to the kernel) runs `scripts/vm/init`, which mounts the
@@ -26,7 +28,10 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
     io::{Read as _, Seek as _, SeekFrom, Write as _},
-    os::unix::fs::{DirBuilderExt as _, PermissionsExt as _},
+    os::unix::{
+        fs::{DirBuilderExt as _, PermissionsExt as _},
+        process::CommandExt as _,
+    },
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
@@ -149,6 +154,28 @@ pub struct VmOutput {
     pub run_seconds: f64,
     /// [`MODULES`] the guest kernel has neither built in nor as a module.
     pub missing_modules: Vec<String>,
+    /// The guest's kernel log (`dmesg`) after the command.
+    pub kernel_log: String,
+}
+
+impl VmOutput {
+    /// Kernel log lines that tell of a kernel bug or warning.
+    pub fn kernel_trouble(&self) -> Vec<&str> {
+        self.kernel_log
+            .lines()
+            .filter(|l| {
+                [
+                    "BUG:",
+                    "WARNING:",
+                    "Oops",
+                    "Call Trace",
+                    "general protection",
+                ]
+                .iter()
+                .any(|w| l.contains(w))
+            })
+            .collect()
+    }
 }
 
 /// The unpacked kernel: `<dir>/boot/vmlinuz-<release>` and
@@ -420,6 +447,34 @@ impl Drop for Run {
     }
 }
 
+/// I/O directories are `$TMPDIR/<IO_PREFIX><pid>.<nanos>`.
+const IO_PREFIX: &str = "policy-agent-vm.";
+
+/// Removes the I/O directories of runs whose process is gone (killed
+/// before its guard could clean up).
+fn remove_stale_io_dirs() {
+    let Ok(dir) = fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for e in dir.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(IO_PREFIX))
+            .and_then(|n| n.split('.').next())
+            .and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        // SAFETY: kill with signal 0 only checks that the process exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone {
+            let _ = fs::remove_dir_all(e.path());
+        }
+    }
+}
+
 /// Streams what a guest file gained since the last call.
 struct Tail {
     path: PathBuf,
@@ -475,7 +530,8 @@ pub fn run(spec: &VmSpec) -> anyhow::Result<VmOutput> {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos())
         .unwrap_or_default();
-    let io = std::env::temp_dir().join(format!("policy-agent-vm.{}.{nanos:x}", std::process::id()));
+    remove_stale_io_dirs();
+    let io = std::env::temp_dir().join(format!("{IO_PREFIX}{}.{nanos:x}", std::process::id()));
     fs::DirBuilder::new()
         .mode(0o700)
         .create(&io)
@@ -582,6 +638,18 @@ pub fn run(spec: &VmSpec) -> anyhow::Result<VmOutput> {
     qemu.stdin(Stdio::null())
         .stdout(qemu_log.try_clone()?)
         .stderr(qemu_log);
+    // SAFETY: prctl is async-signal-safe; it only sets a flag of the child.
+    // The VM dies with us even when we are killed and no guard runs (the
+    // flag follows the spawning thread: call `run` from one that outlives
+    // the VM).
+    unsafe {
+        qemu.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
 
     let start = Instant::now();
     guard.child = Some(
@@ -654,6 +722,7 @@ pub fn run(spec: &VmSpec) -> anyhow::Result<VmOutput> {
             .lines()
             .map(str::to_owned)
             .collect(),
+        kernel_log: read_lossy(&io.join("dmesg")),
     })
 }
 
