@@ -588,6 +588,17 @@ pub fn run(spec: &VmSpec) -> anyhow::Result<VmOutput> {
     fs::set_permissions(io.join("stage2"), fs::Permissions::from_mode(0o755))?;
     fs::write(io.join("modules"), MODULES.join("\n") + "\n")?;
 
+    let mut append = format!(
+        "console=ttyS0 quiet loglevel=3 panic=-1 pavm_io={} pavm_kernel={} \
+         pavm_msize={MSIZE} pavm_cache={cache}",
+        io.display(),
+        kernel.dir.display()
+    );
+    // Extra kernel arguments, for experiments (e.g. mitigations=off).
+    if let Ok(extra) = std::env::var("POLICY_AGENT_VM_APPEND") {
+        append.push(' ');
+        append.push_str(&extra);
+    }
     let mut qemu = Command::new("qemu-system-x86_64");
     match accel {
         Accel::Kvm => qemu.args(["-accel", "kvm", "-cpu", "host"]),
@@ -605,12 +616,7 @@ pub fn run(spec: &VmSpec) -> anyhow::Result<VmOutput> {
         .arg("-initrd")
         .arg(&initramfs)
         .arg("-append")
-        .arg(format!(
-            "console=ttyS0 quiet loglevel=3 panic=-1 pavm_io={} pavm_kernel={} \
-             pavm_msize={MSIZE} pavm_cache={cache}",
-            io.display(),
-            kernel.dir.display()
-        ));
+        .arg(append);
     let mut share = |tag: &str, path: &Path, readonly: bool| {
         qemu.arg("-virtfs").arg(format!(
             "local,path={},mount_tag={tag},security_model=none,multidevs=remap{}",
