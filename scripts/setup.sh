@@ -37,19 +37,23 @@ fi
 # newest ABI that linux-image-amd64 points to is taken once; a cached one is
 # kept (the archive drops old ABIs, the tests keep working).
 vm_cache=${POLICY_AGENT_VM_CACHE:-/var/cache/policy-agent/vm}
+vm_kernel_pkg() {
+  apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-6\.1\./ {print $2; exit}'
+}
 if [ ! -e "$vm_cache/current/.complete" ]; then
-  kpkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-6\.1\./ {print $2; exit}')
-  if [ -z "$kpkg" ]; then
-    apt-get update -qq
-    kpkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-6\.1\./ {print $2; exit}')
-  fi
-  [ -n "$kpkg" ] || { echo "setup: no linux-image-6.1.0-*-amd64 behind linux-image-amd64" >&2; exit 1; }
-  krel=${kpkg#linux-image-}
-  echo "setup: fetching $kpkg for the test VM (unpacked into $vm_cache/$krel, not installed)"
-  mkdir -p "$vm_cache"
   kdl=$(mktemp -d)
   chown _apt "$kdl" 2>/dev/null || true
-  (cd "$kdl" && apt-get download -qq "$kpkg")
+  kpkg=$(vm_kernel_pkg)
+  # Stale package lists may name an ABI the archive no longer has.
+  if [ -z "$kpkg" ] || ! (cd "$kdl" && apt-get download -qq "$kpkg" 2>/dev/null); then
+    apt-get update -qq
+    kpkg=$(vm_kernel_pkg)
+    [ -n "$kpkg" ] || { echo "setup: no linux-image-6.1.0-*-amd64 behind linux-image-amd64" >&2; exit 1; }
+    (cd "$kdl" && apt-get download -qq "$kpkg")
+  fi
+  krel=${kpkg#linux-image-}
+  echo "setup: fetched $kpkg for the test VM (unpacking into $vm_cache/$krel, not installing)"
+  mkdir -p "$vm_cache"
   rm -rf "$vm_cache/$krel"
   dpkg-deb -x "$kdl"/"$kpkg"_*.deb "$vm_cache/$krel"
   rm -rf "$kdl" "$vm_cache/$krel/usr/share/doc"
@@ -64,7 +68,7 @@ fi
 vm_rel=$(readlink "$vm_cache/current")
 if [ ! -e "$vm_cache/$vm_rel/boot/vmlinux-$vm_rel" ]; then
   vmlinuz="$vm_cache/$vm_rel/boot/vmlinuz-$vm_rel"
-  xz_at=$(LC_ALL=C grep -abo $'\xfd7zXZ\x00' "$vmlinuz" | head -1 | cut -d: -f1 || true)
+  xz_at=$(LC_ALL=C grep -abo $'\xfd7zXZ' "$vmlinuz" | head -1 | cut -d: -f1 || true)
   if [ -n "$xz_at" ]; then
     echo "setup: unpacking vmlinux-$vm_rel from its bzImage (the test VM boots it directly)"
     tail -c +"$((xz_at + 1))" "$vmlinuz" | xz -dcq >"$vm_cache/$vm_rel/boot/vmlinux.tmp" 2>/dev/null || true
@@ -74,7 +78,7 @@ if [ ! -e "$vm_cache/$vm_rel/boot/vmlinux-$vm_rel" ]; then
   fi
   rm -f "$vm_cache/$vm_rel/boot/vmlinux.tmp"
 fi
-# The guest mounts the kernel's modules here; a host without a kernel
+# The guest binds the kernel's modules over this; a host without a kernel
 # package of its own (a container, a microVM) lacks the directory.
 [ -d /lib/modules ] || mkdir -p /lib/modules
 echo "setup: ok"

@@ -204,6 +204,17 @@ impl Kernel {
             .and_then(|n| n.to_str())
             .map(str::to_owned)
             .with_context(|| format!("kernel directory {}", dir.display()))?;
+        // The guest reaches it through the host's root, where these are
+        // its own tmpfs.
+        if ["/tmp", "/run", "/var/tmp"]
+            .iter()
+            .any(|t| dir.starts_with(t))
+        {
+            bail!(
+                "{}: the VM kernel cache must not be under /tmp, /run or /var/tmp",
+                dir.display()
+            );
+        }
         let kernel = Self { dir, release };
         for p in [kernel.vmlinuz(), kernel.modules().join("modules.dep")] {
             if !p.is_file() {
