@@ -4,6 +4,7 @@
 //! machine with one command.
 mod bench;
 mod kind;
+mod vm;
 
 use std::{
     path::{Path, PathBuf},
@@ -54,6 +55,31 @@ enum Task {
         /// Print every command instead of running it.
         #[arg(long)]
         dry_run: bool,
+    },
+    /// Run a command in a QEMU guest booted from Debian 12's 6.1 kernel
+    /// (no TCX), with the host's root read-only as its root: e.g.
+    /// `cargo xtask vm -- uname -r`. Exits with the command's status.
+    Vm {
+        /// Kill the VM after this many seconds (boot included).
+        #[arg(long, default_value_t = 1800)]
+        timeout: u64,
+        /// NAME=VALUE added to the guest command's clean environment.
+        #[arg(long = "env", value_name = "NAME=VALUE")]
+        env: Vec<String>,
+        /// A host directory the guest may write to (repeatable).
+        #[arg(long, value_name = "DIR")]
+        writable: Vec<PathBuf>,
+        /// Working directory in the guest (default: the current one).
+        #[arg(long)]
+        cwd: Option<PathBuf>,
+        /// Guest vCPUs.
+        #[arg(long, default_value_t = 2)]
+        cpus: u32,
+        /// Guest memory, MiB.
+        #[arg(long, default_value_t = 2048)]
+        memory: u32,
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
     },
 }
 
@@ -136,6 +162,49 @@ fn main() -> anyhow::Result<()> {
             run(cargo().args(["test", "--workspace", "--"]).args(&args))
         }
         Task::Run { dry_run } => kind::run(&root(), dry_run),
+        Task::Vm {
+            timeout,
+            env,
+            writable,
+            cwd,
+            cpus,
+            memory,
+            command,
+        } => {
+            setup()?;
+            require_root("the test VM (it shares the host's root)")?;
+            let mut spec = vm::VmSpec::new(command);
+            spec.timeout = std::time::Duration::from_secs(timeout);
+            spec.writable = writable;
+            spec.cwd = cwd;
+            spec.cpus = cpus;
+            spec.memory_mib = memory;
+            spec.stream = true;
+            for e in env {
+                let (k, v) = e
+                    .split_once('=')
+                    .with_context(|| format!("--env {e}: expected NAME=VALUE"))?;
+                spec.env.push((k.to_owned(), v.to_owned()));
+            }
+            let out = vm::run(&spec)?;
+            eprintln!(
+                "vm: kernel {} ({:?}), boot {:.1} s, command {:.1} s, exit {}{}",
+                out.kernel_release,
+                out.accel,
+                out.boot_seconds,
+                out.run_seconds,
+                out.status,
+                if out.missing_modules.is_empty() {
+                    String::new()
+                } else {
+                    format!("; modules missing: {}", out.missing_modules.join(" "))
+                }
+            );
+            for l in out.kernel_trouble() {
+                eprintln!("vm: guest kernel: {l}");
+            }
+            std::process::exit(out.status)
+        }
         Task::Bench => {
             setup()?;
             require_root("the benchmarks")?;
