@@ -19,32 +19,7 @@ use proptest::prelude::*;
 /// Applies `ops` to `state` as a datapath would.
 fn apply_ops(state: &mut MapState<PodRef>, ops: &[MapOp<PodRef>]) {
     for op in ops {
-        match op {
-            MapOp::UpsertIdentity(id, name) => {
-                state.identities.insert(*id, **name);
-            }
-            MapOp::UpsertPolicy(k, v) => {
-                state.policy.insert(*k, *v);
-            }
-            MapOp::UpsertEndpoint(k, v) => {
-                state.endpoints.insert(k.clone(), *v);
-            }
-            MapOp::UpsertIpcache(k, v) => {
-                state.ipcache.insert(*k, *v);
-            }
-            MapOp::DeletePolicy(k) => {
-                state.policy.remove(k);
-            }
-            MapOp::DeleteIpcache(k) => {
-                state.ipcache.remove(k);
-            }
-            MapOp::DeleteEndpoint(k) => {
-                state.endpoints.remove(k);
-            }
-            MapOp::DeleteIdentity(k) => {
-                state.identities.remove(k);
-            }
-        }
+        state.apply_op(op);
     }
 }
 

@@ -126,20 +126,16 @@ pub async fn run(
     };
     let worker = reconcile::spawn(context, rx).map_err(Error::Worker)?;
 
-    // New pod interfaces and pod routes: look the interfaces up again at
-    // once, so they are attached.
+    // New interfaces and pod routes: look the interfaces up again at once,
+    // so pods get their classifiers and every other interface the uplink
+    // one.
     let (link_tx, link_rx) = std::sync::mpsc::channel();
     netlink::watch_links(link_tx)?;
     let links_to_worker = tx.clone();
     std::thread::Builder::new()
         .name("link-events".into())
         .spawn(move || {
-            while let Ok(event) = link_rx.recv() {
-                if let netlink::LinkEvent::Changed(link) = &event
-                    && link.kind.as_deref() != Some("veth")
-                {
-                    continue;
-                }
+            while link_rx.recv().is_ok() {
                 if links_to_worker.send(Trigger::Links).is_err() {
                     return;
                 }
