@@ -1,6 +1,6 @@
 //! A fake Kubernetes API server on loopback HTTP, enough for the agent's
-//! watchers: list and watch (with resourceVersion) of pods, namespaces and
-//! networkpolicies, bookmarks, `410 Gone` for compacted versions, dropped
+//! watchers: list and watch (with resourceVersion) of pods, namespaces,
+//! networkpolicies, services and endpointslices, bookmarks, `410 Gone` for compacted versions, dropped
 //! connections, an outage switch, slow responses, and Events.
 //! It runs on a thread inside a network namespace (where the agent runs).
 use std::{
@@ -52,6 +52,8 @@ fn kind_of(obj: &Value) -> Option<&'static str> {
         "Pod" => Some("pods"),
         "Namespace" => Some("namespaces"),
         "NetworkPolicy" => Some("networkpolicies"),
+        "Service" => Some("services"),
+        "EndpointSlice" => Some("endpointslices"),
         _ => None,
     }
 }
@@ -68,6 +70,8 @@ fn list_meta(kind: &str) -> (&'static str, &'static str) {
     match kind {
         "pods" => ("v1", "PodList"),
         "namespaces" => ("v1", "NamespaceList"),
+        "services" => ("v1", "ServiceList"),
+        "endpointslices" => ("discovery.k8s.io/v1", "EndpointSliceList"),
         _ => ("networking.k8s.io/v1", "NetworkPolicyList"),
     }
 }
@@ -282,6 +286,8 @@ async fn serve(
         "/api/v1/pods" => Some("pods"),
         "/api/v1/namespaces" => Some("namespaces"),
         "/apis/networking.k8s.io/v1/networkpolicies" => Some("networkpolicies"),
+        "/api/v1/services" => Some("services"),
+        "/apis/discovery.k8s.io/v1/endpointslices" => Some("endpointslices"),
         _ => None,
     };
     if method == "POST" && path.starts_with("/apis/events.k8s.io/v1/namespaces/") {
