@@ -878,3 +878,475 @@ mod fuzz {
         }
     }
 }
+
+// ------------------------------------------------- iptables names (item 9)
+
+mod iptables_names {
+    use std::{collections::BTreeMap, net::IpAddr};
+
+    use ipnet::IpNet;
+    use policy_agent::{
+        cluster::{ObjectKind, PodRef},
+        datapath::iptables::{
+            DEFAULT_MARK, FORWARD_CHAIN, Family, NAME_BITS, RenderInput, Ruleset, is_own_chain,
+            is_own_set, render,
+        },
+        source::manifests::{LoadedManifests, load_text},
+    };
+    use policy_common::{direction, proto};
+
+    use super::*;
+
+    /// A namespace with the Pod Security labels: its identity names are
+    /// longer than the 240 bytes an IdentityName stores, and the namespace
+    /// labels come first, so the pod labels that tell identities apart are
+    /// cut off the stored name.
+    const PSA_CLUSTER: &str = "\
+apiVersion: v1
+kind: Namespace
+metadata:
+  name: shop
+  labels:
+    pod-security.kubernetes.io/enforce: restricted
+    pod-security.kubernetes.io/enforce-version: latest
+    pod-security.kubernetes.io/audit: restricted
+    pod-security.kubernetes.io/audit-version: latest
+    pod-security.kubernetes.io/warn: restricted
+    pod-security.kubernetes.io/warn-version: latest
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: frontend, namespace: shop, labels: {app: frontend}}
+spec: {nodeName: n1, containers: []}
+status: {podIPs: [{ip: 10.0.0.1}, {ip: 'fd00::1'}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: backend, namespace: shop, labels: {app: backend}}
+spec: {nodeName: n1, containers: []}
+status: {podIPs: [{ip: 10.0.0.2}, {ip: 'fd00::2'}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: db1, namespace: shop, labels: {app: db1}}
+spec: {nodeName: n1, containers: []}
+status: {podIPs: [{ip: 10.0.0.3}, {ip: 'fd00::3'}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: db2, namespace: shop, labels: {app: db2}}
+spec: {nodeName: n1, containers: []}
+status: {podIPs: [{ip: 10.0.0.4}, {ip: 'fd00::4'}]}
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: db1, namespace: shop}
+spec:
+  podSelector: {matchLabels: {app: db1}}
+  ingress: [{from: [{podSelector: {matchLabels: {app: frontend}}}]}]
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: db2, namespace: shop}
+spec:
+  podSelector: {matchLabels: {app: db2}}
+  ingress: [{from: [{podSelector: {matchLabels: {app: backend}}}], ports: [{port: 80}]}]
+  egress: [{to: [{ipBlock: {cidr: 10.0.0.0/8, except: [10.0.0.0/30]}}]}]
+  policyTypes: [Ingress, Egress]
+";
+
+    pub(super) fn compiled(yaml: &str) -> Compiled {
+        let mut loaded = LoadedManifests::default();
+        load_text(Path::new("cluster.yaml"), yaml, &mut loaded);
+        assert!(loaded.errors.is_empty(), "{:?}", loaded.errors);
+        let state = loaded.cluster_state("n1", Vec::new());
+        let c = policy::compile(&state, &mut IdentityAllocator::new());
+        assert!(c.errors.is_empty(), "{:?}", c.errors);
+        c
+    }
+
+    pub(super) fn interfaces(c: &Compiled) -> BTreeMap<PodRef, String> {
+        c.local_pods
+            .keys()
+            .map(|p| (p.clone(), format!("veth-{}", p.name)))
+            .collect()
+    }
+
+    pub(super) fn rendered(c: &Compiled, name_bits: u32) -> Ruleset {
+        render(&RenderInput {
+            maps: &c.maps,
+            local_pods: &c.local_pods,
+            interfaces: &interfaces(c),
+            rules: &c.rules,
+            mark: DEFAULT_MARK,
+            name_bits,
+        })
+    }
+
+    /// Splits an iptables-restore rule into words, a quoted comment being
+    /// one.
+    fn words(rule: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut cur = String::new();
+        let mut quoted = false;
+        for ch in rule.chars() {
+            match ch {
+                '"' => quoted = !quoted,
+                ' ' if !quoted => {
+                    if !cur.is_empty() {
+                        out.push(std::mem::take(&mut cur));
+                    }
+                }
+                c => cur.push(c),
+            }
+        }
+        if !cur.is_empty() {
+            out.push(cur);
+        }
+        out
+    }
+
+    /// A packet crossing FORWARD.
+    pub(super) struct Packet<'a> {
+        pub in_if: Option<&'a str>,
+        pub out_if: Option<&'a str>,
+        pub src: IpAddr,
+        pub dst: IpAddr,
+        pub proto: u8,
+        pub dport: u16,
+        /// ICMPv6 type (for neighbour discovery rules).
+        pub icmp_type: u8,
+    }
+
+    fn in_set(rs: &Ruleset, name: &str, addr: IpAddr) -> bool {
+        let Some(set) = rs.sets.get(name) else {
+            panic!("a rule names set {name}, which is not rendered");
+        };
+        // hash:net with nomatch: the most specific entry decides.
+        set.entries
+            .iter()
+            .filter(|(net, _)| net.contains(&addr))
+            .max_by_key(|(net, _)| net.prefix_len())
+            .is_some_and(|(_, nomatch)| !nomatch)
+    }
+
+    fn proto_name(p: u8) -> &'static str {
+        match p {
+            proto::TCP => "tcp",
+            proto::UDP => "udp",
+            proto::SCTP => "sctp",
+            58 => "ipv6-icmp",
+            _ => "other",
+        }
+    }
+
+    enum Flow {
+        Next,
+        Drop,
+    }
+
+    /// Runs `chain` as netfilter would for a new (untracked) packet.
+    fn run_chain(rs: &Ruleset, fam: Family, chain: &str, p: &Packet<'_>, mark: &mut bool) -> Flow {
+        let Some(c) = rs.chains[&fam].iter().find(|c| c.name == chain) else {
+            panic!("a rule jumps to chain {chain}, which is not rendered");
+        };
+        let fam_net = |s: &str| -> IpNet {
+            s.parse::<IpNet>()
+                .unwrap_or_else(|_| IpNet::from(s.parse::<IpAddr>().unwrap()))
+        };
+        'rules: for rule in &c.rules {
+            let w = words(rule);
+            let mut i = 0;
+            while i < w.len() {
+                let arg = |k: usize| w[i + k].as_str();
+                let ok = match arg(0) {
+                    "-m" => match arg(1) {
+                        "conntrack" => {
+                            i += 4;
+                            false
+                        }
+                        "comment" => {
+                            i += 4;
+                            true
+                        }
+                        "mark" => {
+                            i += 4;
+                            *mark
+                        }
+                        "set" => {
+                            let addr = if arg(4) == "src" { p.src } else { p.dst };
+                            let hit = in_set(rs, arg(3), addr);
+                            i += 5;
+                            hit
+                        }
+                        "icmp6" => {
+                            let hit = arg(3).parse::<u8>().unwrap() == p.icmp_type;
+                            i += 4;
+                            hit
+                        }
+                        other => panic!("unknown match {other} in {rule}"),
+                    },
+                    "-i" => {
+                        let hit = p.in_if == Some(arg(1));
+                        i += 2;
+                        hit
+                    }
+                    "-o" => {
+                        let hit = p.out_if == Some(arg(1));
+                        i += 2;
+                        hit
+                    }
+                    "!" => {
+                        let hit = match arg(1) {
+                            "-s" => !fam_net(arg(2)).contains(&p.src),
+                            "-d" => !fam_net(arg(2)).contains(&p.dst),
+                            other => panic!("unknown negation {other} in {rule}"),
+                        };
+                        i += 3;
+                        hit
+                    }
+                    "-s" => {
+                        let hit = fam_net(arg(1)).contains(&p.src);
+                        i += 2;
+                        hit
+                    }
+                    "-d" => {
+                        let hit = fam_net(arg(1)).contains(&p.dst);
+                        i += 2;
+                        hit
+                    }
+                    "-p" => {
+                        let hit = proto_name(p.proto) == arg(1);
+                        i += 2;
+                        hit
+                    }
+                    "--dport" => {
+                        let (a, b) = arg(1).split_once(':').unwrap_or((arg(1), arg(1)));
+                        let hit = (a.parse::<u16>().unwrap()..=b.parse::<u16>().unwrap())
+                            .contains(&p.dport);
+                        i += 2;
+                        hit
+                    }
+                    "-j" => {
+                        match arg(1) {
+                            "RETURN" => return Flow::Next,
+                            "DROP" => return Flow::Drop,
+                            "MARK" => {
+                                let (v, _) = arg(3).split_once('/').unwrap();
+                                *mark = v != "0x0";
+                            }
+                            target => {
+                                if let Flow::Drop = run_chain(rs, fam, target, p, mark) {
+                                    return Flow::Drop;
+                                }
+                            }
+                        }
+                        continue 'rules;
+                    }
+                    other => panic!("unknown word {other} in {rule}"),
+                };
+                if !ok {
+                    continue 'rules;
+                }
+            }
+        }
+        Flow::Next
+    }
+
+    /// Whether the rendered rules let `p` through FORWARD.
+    pub(super) fn passes(rs: &Ruleset, p: &Packet<'_>) -> bool {
+        let fam = if p.src.is_ipv4() {
+            Family::V4
+        } else {
+            Family::V6
+        };
+        matches!(run_chain(rs, fam, FORWARD_CHAIN, p, &mut false), Flow::Next)
+    }
+
+    /// Every flow between the pods (and a few outside addresses), through
+    /// the rendered rules and through the maps.
+    pub(super) fn flows(c: &Compiled, rs: &Ruleset) -> Vec<(String, bool, bool)> {
+        let model = c.maps.to_model(|_| 0);
+        let ifs = interfaces(c);
+        let owner: BTreeMap<IpAddr, &PodRef> = c
+            .local_pods
+            .iter()
+            .flat_map(|(p, ips)| ips.iter().map(move |ip| (*ip, p)))
+            .collect();
+        let mut addrs: Vec<IpAddr> = owner.keys().copied().collect();
+        addrs
+            .extend(["10.0.0.200", "8.8.8.8", "2001:db8::1"].map(|a| a.parse::<IpAddr>().unwrap()));
+        let mut out = Vec::new();
+        for s in &addrs {
+            for d in addrs
+                .iter()
+                .filter(|d| d.is_ipv4() == s.is_ipv4() && *d != s)
+            {
+                for (p, port) in [(proto::TCP, 80), (proto::TCP, 81), (proto::UDP, 53)] {
+                    let mut maps = true;
+                    if let Some(ep) = owner.get(s).and_then(|o| c.maps.endpoints.get(*o)) {
+                        maps &= !model
+                            .judge(ep, direction::EGRESS, *d, p, port)
+                            .reason
+                            .is_drop();
+                    }
+                    if let Some(ep) = owner.get(d).and_then(|o| c.maps.endpoints.get(*o)) {
+                        maps &= !model
+                            .judge(ep, direction::INGRESS, *s, p, port)
+                            .reason
+                            .is_drop();
+                    }
+                    let packet = Packet {
+                        in_if: owner.get(s).map(|o| ifs[*o].as_str()),
+                        out_if: owner.get(d).map(|o| ifs[*o].as_str()),
+                        src: *s,
+                        dst: *d,
+                        proto: p,
+                        dport: port,
+                        icmp_type: 0,
+                    };
+                    out.push((format!("{s} -> {d} {p}/{port}"), passes(rs, &packet), maps));
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn sets_are_named_by_the_whole_identity_key() {
+        let c = compiled(PSA_CLUSTER);
+        // The stored names of frontend's and backend's identities are cut
+        // before their app label: only the full key tells them apart.
+        let cut: Vec<String> = c
+            .maps
+            .identities
+            .values()
+            .filter(|n| n.name_len as usize > n.name.len())
+            .map(policy_agent::mapstate::identity_name_str)
+            .collect();
+        assert!(
+            cut.len() >= 2 && cut.windows(2).any(|w| w[0] == w[1]),
+            "{cut:?}"
+        );
+        let rs = rendered(&c, NAME_BITS);
+        assert!(rs.problems.is_empty(), "{:?}", rs.problems);
+        // The set db1's rule names holds frontend and nothing else; db2's
+        // holds backend.
+        for (pod, peer) in [("db1", "10.0.0.1"), ("db2", "10.0.0.2")] {
+            let chain = rs
+                .pod_chains
+                .iter()
+                .find(|(_, (p, d, _))| p.name == pod && *d == direction::INGRESS)
+                .map(|(c, _)| c)
+                .unwrap();
+            let sets: Vec<&String> = rs.chain_refs[chain]
+                .iter()
+                .flat_map(|p| &rs.chain_sets[p])
+                .filter(|s| s.ends_with("-4"))
+                .collect();
+            assert_eq!(sets.len(), 1, "{sets:?}");
+            let entries: Vec<String> = rs.sets[sets[0]]
+                .entries
+                .iter()
+                .map(|(n, _)| n.addr().to_string())
+                .collect();
+            assert_eq!(entries, vec![peer.to_owned()], "{pod}");
+        }
+        for (what, got, want) in flows(&c, &rs) {
+            assert_eq!(got, want, "{what}");
+        }
+    }
+
+    #[test]
+    fn names_that_collide_fail_closed_and_are_reported() {
+        let c = compiled(PSA_CLUSTER);
+        // Narrowed hashes make names collide: whatever collides must be
+        // left out or dropped, never merged into something that allows
+        // more than the maps do.
+        for bits in [0, 1, 2, 3] {
+            let rs = rendered(&c, bits);
+            let mut opened = Vec::new();
+            for (what, got, want) in flows(&c, &rs) {
+                if got && !want {
+                    opened.push(what);
+                }
+            }
+            assert!(opened.is_empty(), "{bits} bits open {opened:?}");
+        }
+        let rs = rendered(&c, 0);
+        // Every pod collides with every other: each isolated direction is
+        // a plain DROP; every identity set collides; both kinds reported.
+        let forward = &rs.chains[&Family::V4][0];
+        assert!(
+            forward.rules.iter().any(|r| r == "-o veth-db1 -j DROP"),
+            "{:?}",
+            forward.rules
+        );
+        assert!(rs.problems.iter().any(|p| {
+            p.subject
+                .object()
+                .is_some_and(|(k, _)| k == ObjectKind::Pod)
+        }));
+        assert!(
+            rs.problems
+                .iter()
+                .any(|p| p.reason.contains("set name of identity"))
+        );
+        // A collision of only some names: here two identity sets (the
+        // kind letter keeps classes and world apart) but not the pods.
+        let rs = rendered(&c, 1);
+        assert!(!rs.problems.is_empty());
+    }
+
+    #[test]
+    fn only_names_of_the_agents_exact_shape_are_its_own() {
+        for own in [
+            "pa-agent:FORWARD",
+            "pa-agent:I-0123456789abcdef",
+            "pa-agent:P-0123456789abcdef",
+        ] {
+            assert!(is_own_chain(own), "{own}");
+        }
+        for foreign in [
+            "PA-FORWARD",
+            "PA-I-0123abcd",
+            "PAYROLL",
+            "PA-LOCAL",
+            "pa-agent:X-0123456789abcdef",
+            "pa-agent:I-0123456789abcde",
+            "pa-agent:I-0123456789ABCDEF",
+            "pa-agent:FORWARDER",
+        ] {
+            assert!(!is_own_chain(foreign), "{foreign}");
+        }
+        for own in [
+            "pa-agent:I-0123456789abcdef-4",
+            "pa-agent:C-0123456789abcdef-6",
+            "pa-agent:W-0123456789abcdef-4-t",
+        ] {
+            assert!(is_own_set(own), "{own}");
+        }
+        for foreign in [
+            "PAI-0123abcd-v4",
+            "PAYROLL",
+            "PA",
+            "pa-agent:I-0123456789abcdef-5",
+            "pa-agent:I-0123456789abcdef-4-x",
+            "pa-agent:I-0123456789abcdef",
+        ] {
+            assert!(!is_own_set(foreign), "{foreign}");
+        }
+        // Every name the renderer makes is its own, and fits the limits.
+        let rs = rendered(&compiled(PSA_CLUSTER), NAME_BITS);
+        for name in rs.sets.keys() {
+            assert!(is_own_set(name) && name.len() + 2 <= 31, "{name}");
+        }
+        for chain in rs.chains.values().flatten() {
+            assert!(
+                is_own_chain(&chain.name) && chain.name.len() <= 28,
+                "{}",
+                chain.name
+            );
+        }
+    }
+}

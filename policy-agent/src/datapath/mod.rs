@@ -50,6 +50,9 @@ pub struct SyncReport {
     pub detached: Vec<String>,
     /// What could not be enforced as written (e.g. an interface not found).
     pub problems: Vec<Problem>,
+    /// Something the sync could not finish although what it wrote is in
+    /// place (iptables: a conntrack deletion failed): sync again soon.
+    pub retry: bool,
 }
 
 /// Errors of either datapath.

@@ -77,6 +77,9 @@ impl Error {
     }
 }
 
+/// When to sync again after a sync that left something undone.
+const RETRY_UNFINISHED: Duration = Duration::from_secs(2);
+
 pub fn spawn(ctx: Context, rx: Receiver<Trigger>) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name("sync".into())
@@ -95,6 +98,9 @@ fn run(ctx: &Context, rx: &Receiver<Trigger>) {
         }
         let result = reconcile(ctx, &mut state);
         retry_at = match &result {
+            // What was written stands; what could not be done (a conntrack
+            // deletion) is retried by the datapath on the next sync.
+            Ok(report) if report.retry => Some(Instant::now() + RETRY_UNFINISHED),
             Ok(_) => None,
             Err(e) => Some(Instant::now() + error_policy(e, &mut state)),
         };
