@@ -9,6 +9,13 @@
 //! mutations and checks that the enforced state never isolates fewer pods
 //! than the last good version of every file would, and that it is exactly
 //! that state again once every file reads cleanly.
+//!
+//! iptables (items 9 and 1), through a small evaluator of the rendered
+//! rules: sets are named by the whole identity key, narrowed name hashes
+//! never merge two things into a rule that allows more than the maps, only
+//! names of the agent's exact shape are its own, and no pod passes with
+//! another pod's source address (nor a pod's own address from elsewhere as
+//! self traffic).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::{
@@ -879,9 +886,9 @@ mod fuzz {
     }
 }
 
-// ------------------------------------------------- iptables names (item 9)
+// --------------------------- iptables: names (item 9), forged sources (item 1)
 
-mod iptables_names {
+mod iptables_render {
     use std::{collections::BTreeMap, net::IpAddr};
 
     use ipnet::IpNet;
@@ -1296,6 +1303,64 @@ spec:
         // kind letter keeps classes and world apart) but not the pods.
         let rs = rendered(&c, 1);
         assert!(!rs.problems.is_empty());
+    }
+
+    #[test]
+    fn forged_sources_never_pass_the_rendered_rules() {
+        let c = compiled(PSA_CLUSTER);
+        let rs = rendered(&c, NAME_BITS);
+        let ifs = interfaces(&c);
+        // Every pod, isolated or not (frontend and backend are not),
+        // sending as every other pod, to every pod: dropped.
+        for sender in c.local_pods.keys() {
+            for (claimed, claimed_ips) in c.local_pods.iter().filter(|(p, _)| *p != sender) {
+                for (dst, dst_ips) in &c.local_pods {
+                    for (src, dst_ip) in claimed_ips.iter().flat_map(|s| {
+                        dst_ips
+                            .iter()
+                            .filter(move |d| d.is_ipv4() == s.is_ipv4() && *d != s)
+                            .map(move |d| (*s, *d))
+                    }) {
+                        let p = Packet {
+                            in_if: Some(&ifs[sender]),
+                            out_if: Some(&ifs[dst]),
+                            src,
+                            dst: dst_ip,
+                            proto: proto::UDP,
+                            dport: 53,
+                            icmp_type: 0,
+                        };
+                        assert!(
+                            !passes(&rs, &p),
+                            "{sender} sending as {claimed} ({src}) to {dst} passed"
+                        );
+                    }
+                }
+            }
+        }
+        // A pod's own address arriving from elsewhere is not self traffic:
+        // db1 takes only frontend.
+        for ip in ["10.0.0.3", "fd00::3"] {
+            let ip: IpAddr = ip.parse().unwrap();
+            let p = Packet {
+                in_if: Some("uplink0"),
+                out_if: Some("veth-db1"),
+                src: ip,
+                dst: ip,
+                proto: proto::TCP,
+                dport: 80,
+                icmp_type: 0,
+            };
+            assert!(!passes(&rs, &p), "{ip} from the uplink passed as db1's own");
+            let hairpin = Packet {
+                in_if: Some("veth-db1"),
+                ..p
+            };
+            assert!(
+                passes(&rs, &hairpin),
+                "{ip}: db1 to itself through the node"
+            );
+        }
     }
 
     #[test]

@@ -5,13 +5,21 @@
 //! (`pa-agent:`, see `ruleset.rs`):
 //! ```text
 //! FORWARD  -> pa-agent:FORWARD
-//! pa-agent:FORWARD:  RELATED,ESTABLISHED -> RETURN   (replies and tracked flows)
+//! pa-agent:FORWARD:  -i <pod if> -> S-<pod>          (every local pod, first)
+//!                    RELATED,ESTABLISHED -> RETURN   (replies and tracked flows)
 //!                    -i <pod if> -> E-<pod>          (egress-isolated pods)
 //!                    -o <pod if> -> I-<pod>          (ingress-isolated pods)
-//! I-<pod>:  clear mark; from and to itself -> RETURN; -> P-<policy rule chain>...;
-//!           mark set -> RETURN; DROP
+//! S-<pod>:  from one of the pod's addresses -> RETURN; DROP (a forged
+//!           source; link-local and :: sources are never forwarded)
+//! I-<pod>:  clear mark; from and to itself on its own interface -> RETURN;
+//!           -> P-<policy rule chain>...; mark set -> RETURN; DROP
 //! P-<...>:  <peer set> <proto> <ports> -> set mark   (one per policy key)
 //! ```
+//! The source check comes before the RELATED,ESTABLISHED shortcut, so a
+//! packet with another pod's address never rides a flow that address
+//! opened, and it covers pods no policy isolates too: a pod that may send
+//! anything may still not send as someone else (whose peers' "allow only
+//! from C" rules would admit it).
 //! A peer identity is a set: a label identity is `hash:ip` of its pods'
 //! addresses; an address class (ipBlock) is `hash:net` of its prefix with
 //! `nomatch` holes for the longer carved prefixes inside it, so an
@@ -187,7 +195,8 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
             })
         })
         .collect();
-    // Pods whose chains would share a name: their traffic is dropped.
+    // Pods whose chains would share a name: their traffic is dropped (all
+    // of what they send; what they receive where they are isolated).
     let colliding_pods: BTreeSet<&PodRef> = collisions(pods.iter().map(|p| (p.chain_hash, p.pod)));
     for pod in &colliding_pods {
         out.problems.push(Problem::object(
@@ -225,8 +234,38 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
     for fam in Family::BOTH {
         let mut forward = Chain {
             name: FORWARD_CHAIN.into(),
-            rules: vec!["-m conntrack --ctstate RELATED,ESTABLISHED -j RETURN".into()],
+            rules: Vec::new(),
         };
+        let mut chains: BTreeMap<String, Chain> = BTreeMap::new();
+        let fam_ips = |pod: &PodRef| -> Vec<IpAddr> {
+            input
+                .local_pods
+                .get(pod)
+                .into_iter()
+                .flatten()
+                .copied()
+                .filter(|ip| (fam == Family::V4) == ip.is_ipv4())
+                .collect()
+        };
+        // Source validation, for every local pod, before anything accepts.
+        for p in &pods {
+            if colliding_pods.contains(p.pod) {
+                forward.rules.push(format!("-i {} -j DROP", p.ifname));
+                continue;
+            }
+            let name = ChainKind::Source.name(p.chain_hash);
+            forward.rules.push(format!("-i {} -j {name}", p.ifname));
+            chains.insert(
+                name.clone(),
+                Chain {
+                    name,
+                    rules: source_rules(&fam_ips(p.pod)),
+                },
+            );
+        }
+        forward
+            .rules
+            .push("-m conntrack --ctstate RELATED,ESTABLISHED -j RETURN".into());
         // The policy chains each (pod, direction) would jump to, by policy.
         let mut wanted: Vec<(&PodEntry<'_>, u8, ByPolicy)> = Vec::new();
         for p in &pods {
@@ -292,7 +331,6 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
             });
         }
 
-        let mut chains: BTreeMap<String, Chain> = BTreeMap::new();
         for (p, dir, by_policy) in &wanted {
             let (kind, iface) = if *dir == direction::INGRESS {
                 (ChainKind::Ingress, "-o")
@@ -307,17 +345,16 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
             forward
                 .rules
                 .push(format!("{iface} {} -j {pod_chain}", p.ifname));
-            let ips: Vec<IpAddr> = input
-                .local_pods
-                .get(p.pod)
-                .into_iter()
-                .flatten()
-                .copied()
-                .filter(|ip| (fam == Family::V4) == ip.is_ipv4())
-                .collect();
+            let ips = fam_ips(p.pod);
             let mut rules = vec![format!("-j MARK --set-xmark 0x0/{mark}")];
+            // A pod talking to itself through the node (a hairpin) enters
+            // and leaves by its own interface; the same addresses arriving
+            // from anywhere else are forged.
             for ip in &ips {
-                rules.push(format!("-s {ip} -d {ip} -j RETURN"));
+                rules.push(format!(
+                    "-i {if_} -o {if_} -s {ip} -d {ip} -j RETURN",
+                    if_ = p.ifname
+                ));
             }
             for (policy, (_, keys)) in by_policy {
                 if colliding_chains.contains(&(policy.clone(), p.identity, *dir)) {
@@ -394,6 +431,18 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
     out.problems.sort();
     out.problems.dedup();
     out
+}
+
+/// The source check of one pod in `fam`: its own addresses pass (back to
+/// the FORWARD chain), anything else is a forged source and dropped
+/// (counted by the rule, which names the reason). IPv6 neighbour discovery
+/// and MLD from fe80::/10 or :: need no exception here: the kernel never
+/// forwards a link-local or unspecified source (`ip6_forward` drops it
+/// before the FORWARD hook), and ND goes to the node, not through it.
+fn source_rules(ips: &[IpAddr]) -> Vec<String> {
+    let mut rules: Vec<String> = ips.iter().map(|ip| format!("-s {ip} -j RETURN")).collect();
+    rules.push("-m comment --comment \"pa-agent: forged source\" -j DROP".into());
+    rules
 }
 
 /// An identity as a reader knows it: its (possibly cut) canonical name.

@@ -100,6 +100,8 @@ pub enum ChainKind {
     Egress,
     /// The rules one policy gives one endpoint identity in one direction.
     Policy,
+    /// The addresses a pod may send from.
+    Source,
 }
 
 impl ChainKind {
@@ -109,6 +111,7 @@ impl ChainKind {
             ChainKind::Ingress => 'I',
             ChainKind::Egress => 'E',
             ChainKind::Policy => 'P',
+            ChainKind::Source => 'S',
         };
         format!("{OWN_PREFIX}{letter}-{hash:016x}")
     }
@@ -186,7 +189,7 @@ pub fn is_own_chain(name: &str) -> bool {
     }
     name.strip_prefix(OWN_PREFIX)
         .and_then(|rest| rest.split_once('-'))
-        .is_some_and(|(kind, hash)| matches!(kind, "I" | "E" | "P") && is_hex(hash, 16))
+        .is_some_and(|(kind, hash)| matches!(kind, "I" | "E" | "P" | "S") && is_hex(hash, 16))
 }
 
 /// Whether `name` is a set this agent makes (a temporary one included).
