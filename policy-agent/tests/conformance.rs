@@ -152,18 +152,20 @@ macro_rules! conformance_suite {
             }
 
             #[test]
-            fn empty_lists_are_not_absent_lists() {
+            fn empty_peer_lists_mean_every_peer() {
                 let c = env(concat!($p, "empty"));
-                // from: [] allows nothing; {} allows everything; absent ports allow ICMP too.
+                // "If this field is empty or missing, this rule matches all
+                // sources": from: [] and to: [] mean what absent means (the
+                // API server drops empty lists); absent ports allow ICMP too.
                 c.write_policies(
-                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: none, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress: [{from: []}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: all, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: api}}\n  ingress: [{}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: port80, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  ingress: [{ports: [{port: 80}]}]\n",
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: empty, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress: [{from: [], ports: [{port: 80}]}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: all, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: api}}\n  ingress: [{}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: port80, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  ingress: [{ports: [{port: 80}]}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: out, namespace: beta}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  policyTypes: [Egress]\n  egress: [{to: []}]\n",
                 );
                 c.apply_ok();
                 c.check("empty vs absent", |f, t, port, tr| match t {
                     _ if always(f, t) => true,
-                    "alpha/web" => false,
+                    "alpha/web" | "alpha/db" => tr == Transport::Tcp && port == 80,
                     "alpha/api" => true,
-                    "alpha/db" => tr == Transport::Tcp && port == 80,
+                    // beta/web's egress is isolated by a rule that allows every destination.
                     _ => true,
                 });
             }

@@ -11,7 +11,7 @@ use std::{collections::BTreeMap, path::Path};
 
 use policy_agent::{
     cluster::PodRef,
-    datapath::iptables::{DEFAULT_MARK, RenderInput, render},
+    datapath::iptables::{DEFAULT_MARK, NAME_BITS, RenderInput, render},
     identity::IdentityAllocator,
     policy,
     sim::NetNs,
@@ -43,6 +43,7 @@ fn golden(case: &str) {
         interfaces: &interfaces,
         rules: &compiled.rules,
         mark: DEFAULT_MARK,
+        name_bits: NAME_BITS,
     });
     let text = ruleset.render_text();
     let path = dir.join(format!("{case}.expected"));
@@ -101,13 +102,19 @@ fn backend_round_trip(prefix: &'static str, flavour: &str) {
     } else {
         ("iptables-nft-save", "iptables-nft")
     };
-    // Someone else's chain, rule and set, present before the agent.
-    node.exec(ipt, &["-N", "FOREIGN"]).unwrap();
-    node.exec(ipt, &["-A", "FOREIGN", "-s", "192.0.2.1", "-j", "DROP"])
-        .unwrap();
-    node.exec(ipt, &["-A", "FORWARD", "-j", "FOREIGN"]).unwrap();
-    node.exec("ipset", &["create", "foreign-set", "hash:ip"])
-        .unwrap();
+    // Someone else's chains, rules and sets, present before the agent,
+    // some named like the agent's objects of old (`PA…`, even the exact
+    // shape of that naming, without its PA-FORWARD).
+    for chain in ["FOREIGN", "PA-LOCAL", "PA-I-0123abcd"] {
+        node.exec(ipt, &["-N", chain]).unwrap();
+        node.exec(ipt, &["-A", chain, "-s", "192.0.2.1", "-j", "DROP"])
+            .unwrap();
+        node.exec(ipt, &["-A", "FORWARD", "-j", chain]).unwrap();
+    }
+    let foreign_sets = ["PAI-0123abcd-v4", "PAYROLL", "foreign-set"];
+    for set in foreign_sets {
+        node.exec("ipset", &["create", set, "hash:ip"]).unwrap();
+    }
     let before = saved(node, save);
 
     c.write_policies(deny_gamma());
@@ -142,9 +149,16 @@ fn backend_round_trip(prefix: &'static str, flavour: &str) {
     c.check(&format!("{flavour}: deny gamma"), |f, t, _, _| {
         f == t || f == "(node)" || ns_of(t) != "gamma"
     });
-    // Nothing changed: nothing written.
+    // Nothing changed: nothing written; the foreign sets are untouched.
     apply(Some(" 0 write(s)"));
-    assert!(saved(node, save).contains("-j PA-FORWARD"));
+    assert!(saved(node, save).contains("-j pa-agent:FORWARD"));
+    let sets = node.exec("ipset", &["list", "-n"]).unwrap();
+    for set in foreign_sets {
+        assert!(
+            sets.lines().any(|l| l == set),
+            "{set} survives apply: {sets}"
+        );
+    }
 
     let out = node
         .command(AGENT)
@@ -169,7 +183,9 @@ fn backend_round_trip(prefix: &'static str, flavour: &str) {
         "reset must restore the table exactly"
     );
     let sets = node.exec("ipset", &["list", "-n"]).unwrap();
-    assert_eq!(sets.trim(), "foreign-set", "only the foreign set remains");
+    let mut sets: Vec<&str> = sets.lines().collect();
+    sets.sort_unstable();
+    assert_eq!(sets, foreign_sets, "only the foreign sets remain");
     c.check(&format!("{flavour}: after reset"), |f, t, _, _| {
         // The foreign rule only drops 192.0.2.1, which never sends here.
         let _ = (f, t);

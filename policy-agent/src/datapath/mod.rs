@@ -56,6 +56,9 @@ pub struct SyncReport {
     pub incomplete: bool,
     /// Entries not written, by map.
     pub map_failures: BTreeMap<&'static str, usize>,
+    /// Something the sync could not finish although what it wrote is in
+    /// place (iptables: a conntrack deletion failed): sync again soon.
+    pub retry: bool,
 }
 
 /// Errors of either datapath.

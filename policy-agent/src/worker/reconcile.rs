@@ -80,6 +80,9 @@ impl Error {
     }
 }
 
+/// When to sync again after a sync that left something undone.
+const RETRY_UNFINISHED: Duration = Duration::from_secs(2);
+
 pub fn spawn(ctx: Context, rx: Receiver<Trigger>) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name("sync".into())
@@ -98,6 +101,9 @@ fn run(ctx: &Context, rx: &Receiver<Trigger>) {
         }
         let result = reconcile(ctx, &mut state);
         retry_at = match &result {
+            // What was written stands; what could not be done (a conntrack
+            // deletion) is retried by the datapath on the next sync.
+            Ok(report) if report.retry => Some(Instant::now() + RETRY_UNFINISHED),
             // Short of room or a failed write: safe but not what was asked;
             // the driver reads the maps back on the retry.
             Ok(report) if report.incomplete => Some(Instant::now() + INCOMPLETE_RETRY),

@@ -354,7 +354,7 @@ impl<'a> World<'a> {
         // sources"; "If this field is present and contains at least one
         // item, this rule allows traffic only if the traffic matches at
         // least one item in the from list."
-        let (any_peer, by_selector, by_block) = match peers {
+        let (any_peer, by_selector, by_block) = match peers.as_ref().filter(|l| !l.is_empty()) {
             None => (true, false, false),
             Some(list) => {
                 let mut sel = false;

@@ -4,9 +4,9 @@ use std::collections::BTreeMap;
 
 use tracing::info;
 
-use super::{Backend, DEFAULT_MARK, Error, Executor, RenderInput, Ruleset, render};
+use super::{Backend, DEFAULT_MARK, Error, Executor, NAME_BITS, RenderInput, Ruleset, render};
 use crate::{
-    cluster::{PodRef, Problem},
+    cluster::{ObjectKind, PodRef, Problem},
     datapath::{self, Datapath, Desired, InterfaceCache, SyncReport},
     mapstate::MapOp,
 };
@@ -52,6 +52,7 @@ impl IptablesDriver {
             interfaces: &names,
             rules: desired.rules,
             mark: self.mark,
+            name_bits: NAME_BITS,
         });
         (ruleset, problems, names.len())
     }
@@ -69,7 +70,8 @@ impl Datapath for IptablesDriver {
         desired: &Desired<'_>,
         _ops: &[MapOp<PodRef>],
     ) -> Result<SyncReport, datapath::Error> {
-        let (ruleset, problems, endpoints) = self.ruleset(desired);
+        let (ruleset, mut problems, endpoints) = self.ruleset(desired);
+        problems.extend(ruleset.problems.iter().cloned());
         let applied = self.exec.apply(&ruleset)?;
         if applied.wrote_anything() {
             info!(
@@ -80,10 +82,22 @@ impl Datapath for IptablesDriver {
                 "iptables synced"
             );
         }
+        // The rules are in place, but flows they now deny may still pass:
+        // report each, and have the worker come back soon to retry.
+        for (pod, ip, error) in &applied.conntrack_failed {
+            problems.push(Problem::object(
+                ObjectKind::Pod,
+                pod.clone(),
+                format!(
+                    "iptables: cannot delete the conntrack entries of {ip} ({error}); its established flows keep their old verdict until a retry succeeds"
+                ),
+            ));
+        }
         Ok(SyncReport {
             writes: applied.sets_written + applied.chains_written + applied.chains_removed,
             endpoints,
             problems,
+            retry: !applied.conntrack_failed.is_empty(),
             ..Default::default()
         })
     }
