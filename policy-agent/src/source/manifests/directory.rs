@@ -25,7 +25,8 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 
 use super::load::{Fallback, LoadedManifests, ManifestError, is_manifest, load_file};
 use crate::cluster::{
-    Change, ClusterState, Keyed, NamespaceInfo, ObjectRef, PodInfo, Problem, Subject, keyed_changes,
+    Change, ClusterState, EndpointSliceInfo, Keyed, NamespaceInfo, ObjectRef, PodInfo, Problem,
+    ServiceInfo, Subject, keyed_changes,
 };
 
 type Stamp = (u64, Option<SystemTime>);
@@ -38,6 +39,8 @@ struct FileContent {
     namespaces: BTreeMap<String, NamespaceInfo>,
     pods: BTreeMap<ObjectRef, PodInfo>,
     policies: BTreeMap<ObjectRef, NetworkPolicy>,
+    services: BTreeMap<ObjectRef, ServiceInfo>,
+    slices: BTreeMap<ObjectRef, EndpointSliceInfo>,
     /// Policies held as fail-closed stand-ins: no version of them decoded.
     stand_ins: BTreeSet<ObjectRef>,
     problems: Vec<Problem>,
@@ -74,6 +77,8 @@ impl FileContent {
                 kept.push(("Pod", key.clone()));
             }
         }
+        keep_missing(&mut self.services, &old.services, "Service", &mut kept);
+        keep_missing(&mut self.slices, &old.slices, "EndpointSlice", &mut kept);
         for (key, policy) in &old.policies {
             if !self.policies.contains_key(key) {
                 self.policies.insert(key.clone(), policy.clone());
@@ -84,6 +89,21 @@ impl FileContent {
             }
         }
         kept
+    }
+}
+
+/// Takes over from `old` the objects `new` no longer has.
+fn keep_missing<V: Clone>(
+    new: &mut BTreeMap<ObjectRef, V>,
+    old: &BTreeMap<ObjectRef, V>,
+    kind: &'static str,
+    kept: &mut Vec<(&'static str, ObjectRef)>,
+) {
+    for (key, v) in old {
+        if !new.contains_key(key) {
+            new.insert(key.clone(), v.clone());
+            kept.push((kind, key.clone()));
+        }
     }
 }
 
@@ -114,6 +134,8 @@ fn read_file(path: &Path, stamp: Option<Stamp>, old: &FileContent) -> FileConten
             .collect(),
         pods: state.pods,
         policies: state.policies,
+        services: state.services,
+        slices: state.endpoint_slices,
         stand_ins: std::mem::take(&mut loaded.standing_in),
         problems: Vec::new(),
     };
@@ -303,6 +325,20 @@ impl Directory {
             &m.policies,
             &mut changes,
         );
+        merge_keys(
+            &self.files,
+            &touched,
+            |f| &f.services,
+            &m.services,
+            &mut changes,
+        );
+        merge_keys(
+            &self.files,
+            &touched,
+            |f| &f.slices,
+            &m.endpoint_slices,
+            &mut changes,
+        );
         for change in &changes {
             self.merged.apply(change);
         }
@@ -340,7 +376,9 @@ impl Directory {
                 .keys()
                 .map(|k| format!("Namespace {k}"))
                 .chain(f.pods.keys().map(|k| format!("Pod {k}")))
-                .chain(f.policies.keys().map(|k| format!("NetworkPolicy {k}")));
+                .chain(f.policies.keys().map(|k| format!("NetworkPolicy {k}")))
+                .chain(f.services.keys().map(|k| format!("Service {k}")))
+                .chain(f.slices.keys().map(|k| format!("EndpointSlice {k}")));
             for key in keys {
                 match seen.get(&key) {
                     Some(first) => out.push(Problem::new(

@@ -1,5 +1,6 @@
 //! Reading a directory of YAML manifests (v1 Namespace, v1 Pod,
-//! networking.k8s.io/v1 NetworkPolicy; `List` objects too) into a
+//! networking.k8s.io/v1 NetworkPolicy, v1 Service, discovery.k8s.io/v1
+//! EndpointSlice; `List` objects too) into a
 //! [`ClusterState`]. Every problem names the file, the document and the
 //! object; everything readable is still returned.
 //!
@@ -17,8 +18,8 @@ use std::{
 
 use k8s_openapi::{
     api::{
-        core::v1::Namespace,
-        core::v1::Pod,
+        core::v1::{Namespace, Pod, Service},
+        discovery::v1::EndpointSlice,
         networking::v1::{NetworkPolicy, NetworkPolicySpec},
     },
     apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta},
@@ -27,7 +28,8 @@ use serde::Deserialize;
 use serde_yaml::Value;
 
 use crate::cluster::{
-    ClusterState, NamespaceInfo, ObjectRef, Problem, Subject, namespace_info, pod_info,
+    ClusterState, NamespaceInfo, ObjectRef, Problem, Subject, endpoint_slice_info, namespace_info,
+    pod_info, service_info,
 };
 
 /// Where an object came from: file and 1-based document number.
@@ -56,7 +58,7 @@ pub enum ManifestError {
     #[error("{origin}: not a Kubernetes object (no apiVersion and kind)")]
     NotAnObject { origin: Origin },
     #[error(
-        "{origin}: unsupported object kind {kind:?} (apiVersion {api_version:?}); expected v1 Namespace, v1 Pod or networking.k8s.io/v1 NetworkPolicy"
+        "{origin}: unsupported object kind {kind:?} (apiVersion {api_version:?}); expected v1 Namespace, Pod or Service, networking.k8s.io/v1 NetworkPolicy or discovery.k8s.io/v1 EndpointSlice"
     )]
     UnknownKind {
         origin: Origin,
@@ -156,7 +158,7 @@ impl ManifestError {
             Self::UnknownKind {
                 api_version, kind, ..
             } => format!(
-                "unsupported object kind {kind:?} (apiVersion {api_version:?}); expected v1 Namespace, v1 Pod or networking.k8s.io/v1 NetworkPolicy"
+                "unsupported object kind {kind:?} (apiVersion {api_version:?}); expected v1 Namespace, Pod or Service, networking.k8s.io/v1 NetworkPolicy or discovery.k8s.io/v1 EndpointSlice"
             ),
             Self::Invalid {
                 kind,
@@ -181,6 +183,8 @@ pub struct LoadedManifests {
     pub namespaces: Vec<(Origin, Namespace)>,
     pub pods: Vec<(Origin, Pod)>,
     pub policies: Vec<(Origin, NetworkPolicy)>,
+    pub services: Vec<(Origin, Service)>,
+    pub slices: Vec<(Origin, EndpointSlice)>,
     /// Fail-closed stand-ins for NetworkPolicy documents that name
     /// themselves but do not decode (see [`stand_in`]).
     pub stand_ins: Vec<(Origin, NetworkPolicy)>,
@@ -377,6 +381,10 @@ fn add_object(origin: Origin, value: Value, out: &mut LoadedManifests) {
     match (api_version.as_str(), kind.as_str()) {
         ("v1", "Namespace") => parse!(Namespace, "Namespace", namespaces, false),
         ("v1", "Pod") => parse!(Pod, "Pod", pods, true),
+        ("v1", "Service") => parse!(Service, "Service", services, true),
+        ("discovery.k8s.io/v1", "EndpointSlice") => {
+            parse!(EndpointSlice, "EndpointSlice", slices, true)
+        }
         ("networking.k8s.io/v1", "NetworkPolicy") => match NetworkPolicy::deserialize(&value) {
             Ok(obj) => out.policies.push((origin, obj)),
             Err(e) => {
@@ -521,6 +529,39 @@ impl LoadedManifests {
                 state.policies.insert(key, policy);
             }
         }
+        macro_rules! convert {
+            ($list:ident, $convert:ident, $label:literal, $field:ident) => {
+                for (origin, obj) in &self.$list {
+                    let namespace = obj.metadata.namespace.as_deref().unwrap_or("default");
+                    let raw_name = obj.metadata.name.clone();
+                    match $convert(obj) {
+                        Ok((key, info)) => {
+                            if !duplicate(&mut self.errors, $label, key.to_string(), origin) {
+                                state.$field.insert(key, info);
+                            }
+                        }
+                        Err(e) => self.errors.push(ManifestError::Invalid {
+                            origin: origin.clone(),
+                            kind: $label,
+                            name: format!(
+                                "{namespace}/{}",
+                                raw_name.as_deref().unwrap_or("<unnamed>")
+                            ),
+                            key: raw_name.as_ref().map(|n| ObjectRef::new(namespace, n)),
+                            detail: e.to_string(),
+                            fallback: Fallback::LeftOut,
+                        }),
+                    }
+                }
+            };
+        }
+        convert!(services, service_info, "Service", services);
+        convert!(
+            slices,
+            endpoint_slice_info,
+            "EndpointSlice",
+            endpoint_slices
+        );
         // Stand-ins after every policy that decoded: one of those with the
         // same name is the object (and the stand-in a duplicate of it).
         self.standing_in.clear();
@@ -555,6 +596,44 @@ impl LoadedManifests {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn services_and_their_slices_are_read_and_a_bad_one_is_reported() {
+        let text = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec: {clusterIP: 10.96.0.10, ports: [{name: http, port: 80, targetPort: http}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-x1, namespace: shop, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}]
+endpoints: [{addresses: [10.0.0.5], conditions: {ready: true}}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: broken, namespace: shop}
+spec: {clusterIP: not-an-ip, ports: [{port: 80}]}
+"#;
+        let mut out = LoadedManifests::default();
+        load_text(Path::new("s.yaml"), text, &mut out);
+        let state = out.cluster_state("n1", vec![]);
+        let web = ObjectRef::new("shop", "web");
+        assert_eq!(
+            state.services[&web].cluster_ips,
+            vec!["10.96.0.10".parse::<std::net::IpAddr>().unwrap()]
+        );
+        assert_eq!(state.slices_of(&web).count(), 1);
+        assert!(!state.services.contains_key(&ObjectRef::new("shop", "broken")));
+        let msgs: Vec<String> = out.errors.iter().map(ToString::to_string).collect();
+        assert!(
+            msgs.iter()
+                .any(|m| m.contains("s.yaml (document 3)") && m.contains("Service shop/broken")),
+            "{msgs:?}"
+        );
+    }
 
     #[test]
     fn multi_document_files_unknown_kinds_and_bad_objects_are_reported_by_name() {
