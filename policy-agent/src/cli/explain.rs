@@ -5,7 +5,9 @@ use anyhow::{Context as _, bail};
 use policy_agent::{
     cluster::ObjectRef,
     identity::IdentityAllocator,
-    policy::{CompileOptions, ExplainQuery, FlowEnd, compile_with, explain},
+    policy::{
+        CompileOptions, ExplainQuery, FlowEnd, ServiceQuery, compile_with, explain, explain_service,
+    },
     source,
 };
 
@@ -19,10 +21,12 @@ pub struct Args {
     /// Source: NAMESPACE/POD or an IP address.
     #[arg(long)]
     pub from: String,
-    /// Destination: NAMESPACE/POD or an IP address.
+    /// Destination: NAMESPACE/POD, an IP address, or service/NAMESPACE/NAME
+    /// (a Service: each backend kube-proxy may pick is judged, as the
+    /// datapath does after DNAT).
     #[arg(long)]
     pub to: String,
-    /// Destination port.
+    /// Destination port (of the Service, for a Service).
     #[arg(long)]
     pub port: u16,
     /// TCP, UDP or SCTP.
@@ -66,6 +70,27 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             all_pods_local: true,
         },
     );
+    if let Some(service) = args.to.strip_prefix("service/") {
+        let Some((ns, name)) = service
+            .split_once('/')
+            .filter(|(n, m)| !n.is_empty() && !m.is_empty())
+        else {
+            bail!("{:?}: expected service/NAMESPACE/NAME", args.to);
+        };
+        let query = ServiceQuery {
+            src: flow_end(&args.from)?,
+            service: ObjectRef::new(ns, name),
+            protocol,
+            port: args.port,
+        };
+        let explanation = explain_service(&state, &compiled, &query).context("explaining")?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&explanation)?);
+        } else {
+            print!("{explanation}");
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let query = ExplainQuery {
         src: flow_end(&args.from)?,
         dst: flow_end(&args.to)?,

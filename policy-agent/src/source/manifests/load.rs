@@ -626,7 +626,11 @@ spec: {clusterIP: not-an-ip, ports: [{port: 80}]}
             vec!["10.96.0.10".parse::<std::net::IpAddr>().unwrap()]
         );
         assert_eq!(state.slices_of(&web).count(), 1);
-        assert!(!state.services.contains_key(&ObjectRef::new("shop", "broken")));
+        assert!(
+            !state
+                .services
+                .contains_key(&ObjectRef::new("shop", "broken"))
+        );
         let msgs: Vec<String> = out.errors.iter().map(ToString::to_string).collect();
         assert!(
             msgs.iter()
