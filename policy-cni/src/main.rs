@@ -1,4 +1,5 @@
-//! The chained CNI plugin (to be written: see the crate docs).
+//! `policy-cni`: run by the container runtime as a CNI plugin (the
+//! `CNI_*` environment and the config on stdin).
 fn main() {
-    std::process::exit(1);
+    std::process::exit(policy_cni::plugin::main());
 }
