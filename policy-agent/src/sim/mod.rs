@@ -6,6 +6,7 @@
 //! [`packet`], crafted frames for BPF_PROG_TEST_RUN); built only with the
 //! `sim` feature, so it is no part of the agent a cluster runs. It only
 //! ever creates, and sends traffic between, namespaces it made itself.
+pub mod cni;
 mod matrix;
 mod netns;
 mod node;
