@@ -26,7 +26,8 @@ enum Task {
     /// Install what this machine lacks (apt packages, nightly rust-src,
     /// bpf-linker with LLVM 22). Idempotent; a second run takes seconds.
     Setup,
-    /// Build the agent (with the embedded eBPF object), release profile.
+    /// Build the agent (with the embedded eBPF object) and the CNI plugin,
+    /// release profile.
     Build,
     /// Set up, check formatting and lints, and run every test, the root
     /// kernel tests included.
@@ -143,7 +144,14 @@ fn main() -> anyhow::Result<()> {
         Task::Setup => setup(),
         Task::Build => {
             setup()?;
-            run(cargo().args(["build", "--release", "-p", "policy-agent"]))
+            run(cargo().args([
+                "build",
+                "--release",
+                "-p",
+                "policy-agent",
+                "-p",
+                "policy-cni",
+            ]))
         }
         Task::Test { no_lint, args } => {
             setup()?;
