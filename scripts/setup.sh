@@ -4,7 +4,7 @@
 set -euo pipefail
 
 need_apt=()
-for pkg in llvm-22-dev bpftool iptables ipset conntrack iproute2 iputils-ping iperf3; do
+for pkg in llvm-22-dev bpftool iptables ipset conntrack nftables iproute2 iputils-ping iperf3; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then

@@ -6,6 +6,10 @@
 //! [`packet`], crafted frames for BPF_PROG_TEST_RUN); built only with the
 //! `sim` feature, so it is no part of the agent a cluster runs. It only
 //! ever creates, and sends traffic between, namespaces it made itself.
+//!
+//! For Services: [`kube_proxy`] (a kube-proxy stand-in per node, iptables
+//! or nftables mode).
+pub mod kube_proxy;
 mod matrix;
 mod netns;
 mod node;
