@@ -7,8 +7,9 @@
 //! `sim` feature, so it is no part of the agent a cluster runs. It only
 //! ever creates, and sends traffic between, namespaces it made itself.
 //!
-//! For Services: [`kube_proxy`] (a kube-proxy stand-in per node, iptables
-//! or nftables mode).
+//! For Services: [`SimCluster`] (two linked nodes) and [`kube_proxy`] (a
+//! kube-proxy stand-in per node, iptables or nftables mode).
+mod cluster;
 pub mod kube_proxy;
 mod matrix;
 mod netns;
@@ -18,6 +19,10 @@ mod probe;
 mod serve;
 
 pub use self::{
+    cluster::{
+        CLUSTER_CIDR_V4, CLUSTER_CIDR_V6, ClusterNode, KubeProxies, SERVICE_CIDR_V4,
+        SERVICE_CIDR_V6, SimCluster, UPLINK, node_ips, pod_cidrs, pod_ips,
+    },
     matrix::{Matrix, NODE_ROW, Target},
     netns::{NetNs, run},
     node::{NODE_V4, NODE_V6, PodNet, SimNode, SimPod, cleanup_prefix, pods_from_manifests},
