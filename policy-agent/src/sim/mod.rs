@@ -7,9 +7,13 @@
 //! `sim` feature, so it is no part of the agent a cluster runs. It only
 //! ever creates, and sends traffic between, namespaces it made itself.
 //!
-//! For Services: [`SimCluster`] (two linked nodes) and [`kube_proxy`] (a
-//! kube-proxy stand-in per node, iptables or nftables mode).
+//! For Services: [`SimCluster`] (two linked nodes), [`kube_proxy`] (a
+//! kube-proxy stand-in per node, iptables or nftables mode), [`backend`]
+//! (servers that answer with their pod's name, and a client counting who
+//! answered) and [`dns`] (a kube-dns stand-in and a resolver).
+pub mod backend;
 mod cluster;
+pub mod dns;
 pub mod kube_proxy;
 mod matrix;
 mod netns;
