@@ -8,13 +8,16 @@
 //! ever creates, and sends traffic between, namespaces it made itself.
 //!
 //! For Services: [`SimCluster`] (two linked nodes), [`kube_proxy`] (a
-//! kube-proxy stand-in per node, iptables or nftables mode), [`backend`]
-//! (servers that answer with their pod's name, and a client counting who
-//! answered) and [`dns`] (a kube-dns stand-in and a resolver).
+//! kube-proxy stand-in per node, iptables or nftables mode),
+//! [`manifests`] (Pods, Services and their EndpointSlices as YAML, one
+//! source of truth for the agent and the stand-in), [`backend`] (servers
+//! that answer with their pod's name, and a client counting who answered)
+//! and [`dns`] (a kube-dns stand-in and a resolver).
 pub mod backend;
 mod cluster;
 pub mod dns;
 pub mod kube_proxy;
+pub mod manifests;
 mod matrix;
 mod netns;
 mod node;
