@@ -7,7 +7,7 @@
 
 use std::{
     collections::BTreeMap,
-    net::{IpAddr, SocketAddr},
+    net::{IpAddr, SocketAddr, UdpSocket},
     time::{Duration, Instant},
 };
 
@@ -290,6 +290,53 @@ fn run(prefix: &'static str, mode: ProxyMode) {
             &format!("{mode} solo {vip} scaled back"),
         );
     }
+
+    // A UDP flow to an endpoint that goes away moves on at its next
+    // datagram: the stand-in deletes its conntrack entry, as kube-proxy
+    // does (web-c keeps serving, it only leaves the Service).
+    let vip = sock(ip("10.96.0.50"), 81);
+    let who = |s: &UdpSocket| -> String {
+        s.send(b"who\n").unwrap();
+        let mut buf = [0u8; 128];
+        let len = s.recv(&mut buf).unwrap();
+        let text = String::from_utf8_lossy(&buf[..len]).into_owned();
+        text.strip_prefix("pod:")
+            .unwrap()
+            .split(' ')
+            .next()
+            .unwrap()
+            .to_owned()
+    };
+    let flow = client
+        .netns
+        .spawn(move || {
+            (0..100).find_map(|_| {
+                let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+                s.connect(vip).unwrap();
+                s.set_read_timeout(Some(TIMEOUT)).unwrap();
+                (who(&s) == "default/web-c").then_some(s)
+            })
+        })
+        .unwrap()
+        .join()
+        .unwrap()
+        .unwrap()
+        .expect("no flow landed on web-c");
+    assert_eq!(
+        who(&flow),
+        "default/web-c",
+        "the flow stays on its endpoint"
+    );
+    m.pod_mut("default/web-c")
+        .unwrap()
+        .labels
+        .insert("app".into(), "retired".into());
+    proxies.update(&state(&m)).unwrap();
+    let next = who(&flow);
+    assert!(
+        ["default/web-a", "default/web-b"].contains(&next.as_str()),
+        "{mode}: the flow still reached {next}"
+    );
 
     // (d) kube-dns behind its ClusterIP, over UDP and TCP, both families.
     for server in [ip("10.96.0.10"), ip("fd00:96::a")] {
