@@ -544,7 +544,7 @@ fn pod() -> impl Strategy<Value = PodInfo> {
             if host_network {
                 ips = vec![NODE_IP.parse().unwrap()];
             }
-            PodInfo { labels, node_name, ips, ports, host_network, terminal, created }
+            PodInfo { labels, node_name, ips, ports, host_network, terminal, created, uid: None }
         })
 }
 
