@@ -14,11 +14,11 @@ mod probe;
 mod serve;
 
 pub use self::{
-    matrix::{Matrix, NODE_ROW, Target},
+    matrix::{Cell, Matrix, NODE_ROW, Target, Verdict},
     netns::{NetNs, run},
     node::{NODE_V4, NODE_V6, PodNet, SimNode, SimPod, cleanup_prefix, pods_from_manifests},
-    probe::{Outcome, Probe, Transport, connect, echo, matrix},
-    serve::Servers,
+    probe::{Outcome, Probe, Sent, Transport, connect, echo, matrix},
+    serve::{Arrival, Arrivals, Servers},
 };
 
 /// Errors of the simulated node.
