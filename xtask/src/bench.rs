@@ -320,7 +320,16 @@ fn replace_block(existing: &str, begin: &str, end: &str, block: &str) -> Option<
     }
 }
 
+/// The load averages (1, 5, 15 min) now.
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" / "))
+        .unwrap_or_default()
+}
+
 pub fn run(root: &Path) -> anyhow::Result<()> {
+    let load_before = loadavg();
     for bench in ["datapath", "system", "control_plane", "compile"] {
         super::run(
             Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
@@ -333,7 +342,15 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         read(root, "system"),
         read(root, "control_plane"),
     );
-    let block = render(d.as_ref(), s.as_ref(), c.as_ref());
+    let load = format!(
+        "load average (1 / 5 / 15 min) {load_before} before the run, {} after it",
+        loadavg()
+    );
+    let block = render(d.as_ref(), s.as_ref(), c.as_ref()).replacen(
+        &format!("Machine: {}.", machine()),
+        &format!("Machine: {}; {load}.", machine()),
+        1,
+    );
     let path = root.join("docs/BENCHMARKS.md");
     let existing = std::fs::read_to_string(&path).unwrap_or_else(|_| "# Benchmarks\n\n".into());
     let mut updated = replace_block(&existing, BEGIN, END, &block).unwrap_or_else(|| {
@@ -343,13 +360,18 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         )
     });
     if let Some(compile) = read(root, "compile") {
-        let block = render_compile(&compile);
+        let block = render_compile(&compile).replacen(
+            &format!("Machine: {}.", machine()),
+            &format!("Machine: {}; {load}.", machine()),
+            1,
+        );
         updated = replace_block(&updated, COMPILE_BEGIN, COMPILE_END, &block)
             .unwrap_or_else(|| format!("{}\n\n## Compiler\n\n{block}", updated.trim_end()));
     }
     std::fs::write(&path, updated).context("writing docs/BENCHMARKS.md")?;
     let mut all = serde_json::Map::new();
     all.insert("machine".into(), Value::String(machine()));
+    all.insert("load".into(), Value::String(load));
     for name in ["datapath", "system", "control_plane", "compile"] {
         if let Some(v) = read(root, name) {
             all.insert(name.into(), v);
