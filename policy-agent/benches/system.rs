@@ -16,7 +16,7 @@
 
 use std::{
     fmt::Write as _,
-    io::{Read as _, Write as _},
+    io::Read as _,
     net::{IpAddr, SocketAddr, TcpStream},
     path::Path,
     process::Stdio,
