@@ -30,11 +30,11 @@ pub use self::{
         CLUSTER_CIDR_V4, CLUSTER_CIDR_V6, ClusterNode, KubeProxies, SERVICE_CIDR_V4,
         SERVICE_CIDR_V6, SimCluster, UPLINK, node_ips, pod_cidrs, pod_ips,
     },
-    matrix::{Matrix, NODE_ROW, Target},
+    matrix::{Cell, Matrix, NODE_ROW, Target, Verdict},
     netns::{NetNs, run},
     node::{NODE_V4, NODE_V6, PodNet, SimNode, SimPod, cleanup_prefix, pods_from_manifests},
-    probe::{Outcome, Probe, Transport, connect, echo, matrix},
-    serve::Servers,
+    probe::{Outcome, Probe, Sent, Transport, connect, echo, matrix},
+    serve::{Arrival, Arrivals, Servers},
 };
 
 /// Errors of the simulated node.
