@@ -437,7 +437,23 @@ fn a_pod_may_always_talk_to_itself() {
         "metadata: {name: deny-all}\nspec:\n  podSelector: {}\n  policyTypes: [Ingress, Egress]",
     );
     let run = w.compile();
-    run.check(&[("self", "default/a", "default/a", TCP, 80, ALLOW)]);
+    run.check(&[
+        ("self", "default/a", "default/a", TCP, 80, ALLOW),
+        ("self, UDP", "default/a", "default/a", UDP, 53, ALLOW),
+        ("self, ping", "default/a", "default/a", ICMP, 0, ALLOW),
+        // The same pod is isolated both ways for anyone else.
+        ("others in", "default/b", "default/a", TCP, 80, DENY),
+        ("others out", "default/a", "default/b", TCP, 80, DENY),
+    ]);
+    // Passed by the datapath's own rule, in both directions, not by a
+    // policy entry.
+    let a = ip("10.0.0.1");
+    for dir in [INGRESS, policy_common::direction::EGRESS] {
+        assert_eq!(
+            run.classify("default/a", dir, a, a, TCP, 80),
+            policy_common::verdict::Reason::AllowSelf
+        );
+    }
 }
 
 #[test]

@@ -113,6 +113,11 @@ pub trait Datapath: Send {
     fn metrics(&self) -> Option<MetricsSource> {
         None
     }
+
+    /// The interface (ifindex) on which `pod` is enforced now: its entry
+    /// written and its programs attached (BPF, read back from the kernel),
+    /// or its rules installed by the last sync (iptables). None: not (yet).
+    fn enforced(&self, pod: &PodRef) -> Option<u32>;
 }
 
 /// Which datapath to use.

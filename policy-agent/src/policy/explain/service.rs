@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use super::{ExplainError, ExplainQuery, Explanation, FlowEnd, explain};
 use crate::{
-    cluster::{Backend, ClusterState, ServiceRef, backends},
+    cluster::{Backend, ClusterState, EndpointSliceInfo, ServiceRef, backends},
     identity::protocol_name,
     policy::Compiled,
 };
@@ -96,7 +96,31 @@ pub fn explain_service(
     } else {
         None
     };
-    let picked: Vec<Backend> = backends(port, state.slices_of(&q.service), local);
+    // kube-proxy runs one proxier per family: "ready, else terminating"
+    // is decided among the client's family's endpoints.
+    let client_ips: Vec<std::net::IpAddr> = match &q.src {
+        FlowEnd::Pod(p) => state.pods.get(p).map(|i| i.ips.clone()).unwrap_or_default(),
+        FlowEnd::Ip(ip) => vec![*ip],
+    };
+    let mut picked: Vec<Backend> = Vec::new();
+    for v4 in [true, false] {
+        if !client_ips.iter().any(|ip| ip.is_ipv4() == v4) {
+            continue;
+        }
+        let slices: Vec<EndpointSliceInfo> = state
+            .slices_of(&q.service)
+            .map(|s| EndpointSliceInfo {
+                endpoints: s
+                    .endpoints
+                    .iter()
+                    .filter(|e| e.address.is_ipv4() == v4)
+                    .cloned()
+                    .collect(),
+                ..s.clone()
+            })
+            .collect();
+        picked.extend(backends(port, &slices, local));
+    }
     if picked.is_empty() {
         notes.push(
             "no backend: kube-proxy rejects the flow (no ready or serving endpoint)".to_owned(),
