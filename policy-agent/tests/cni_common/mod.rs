@@ -3,6 +3,9 @@
 //! runtime driving Debian's ptp + host-local and our plugin.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
+pub mod agent;
+pub mod traffic;
+
 use std::{
     io::{BufRead, BufReader, Write},
     os::unix::net::UnixListener,
@@ -215,6 +218,11 @@ impl Fixture {
 
     pub fn socket(&self) -> PathBuf {
         self.dir.path().join("cni.sock")
+    }
+
+    /// The real agent's manifests directory.
+    pub fn manifests(&self) -> PathBuf {
+        self.dir.path().join("manifests")
     }
 
     pub fn ipam_dir(&self) -> PathBuf {
