@@ -367,6 +367,7 @@ fn first_packet(prefix: &'static str, mode: Mode, late: bool) {
         add.join().unwrap()
     })
     .unwrap_or_else(|e| panic!("ADD victim: {e}"));
+    let added = std::time::Instant::now();
     assert_eq!(
         ipv4(&result),
         victim_ip,
@@ -376,11 +377,12 @@ fn first_packet(prefix: &'static str, mode: Mode, late: bool) {
     let sent = flood.stop();
     let leaked = rx.from(foe_ip);
     assert!(sent > 0);
+    let after = leaked.iter().filter(|p| p.at > added).count();
     assert!(
         leaked.is_empty(),
-        "{} of {sent} packets from the foe reached the victim (deny-all ingress); first at {:?} after the capture's first packet",
+        "{} of {sent} packets from the foe reached the victim (deny-all ingress): {} before its ADD returned, {after} after",
         leaked.len(),
-        leaked.first().map(|p| p.at)
+        leaked.len() - after,
     );
 
     let rx = Receiver::start(&receiver.netns, EGRESS_PORT);
@@ -399,6 +401,7 @@ fn first_packet(prefix: &'static str, mode: Mode, late: bool) {
         add.join().unwrap()
     })
     .unwrap_or_else(|e| panic!("ADD leaker: {e}"));
+    let added = std::time::Instant::now();
     assert_eq!(ipv4(&result), leaker_ip);
     std::thread::sleep(AFTER_ADD);
     let sent = flood.stop();
@@ -409,10 +412,12 @@ fn first_packet(prefix: &'static str, mode: Mode, late: bool) {
         "the control datagrams from the foe must arrive"
     );
     let out: Vec<_> = arrived.iter().filter(|p| p.src == leaker_ip).collect();
+    let after = out.iter().filter(|p| p.at > added).count();
     assert!(
         out.is_empty(),
-        "{} packet(s) of the {sent} the leaker sent under deny-all egress reached the receiver",
-        out.len()
+        "{} packet(s) of the {sent} the leaker sent under deny-all egress reached the receiver: {} before its ADD returned, {after} after",
+        out.len(),
+        out.len() - after,
     );
     for mut sb in [leaker, victim, receiver, foe] {
         rt.del(&mut sb).unwrap();

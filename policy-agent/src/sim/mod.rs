@@ -14,8 +14,8 @@
 //! that answer with their pod's name, and a client counting who answered)
 //! and [`dns`] (a kube-dns stand-in and a resolver).
 pub mod backend;
-pub mod cni;
 mod cluster;
+pub mod cni;
 pub mod dns;
 pub mod kube_proxy;
 pub mod manifests;
