@@ -236,6 +236,13 @@ fn the_cni_installer_chains_the_plugin_and_uninstalls_on_exit() {
             "{c} mounts the socket directory at its host path"
         );
     }
+    // The agent serves the socket the plugin is told to use.
+    let agent_args = agent.args.as_deref().unwrap();
+    let at = agent_args
+        .iter()
+        .position(|a| a == "--cni-socket")
+        .expect("the agent takes hand-offs (run --cni-socket)");
+    assert_eq!(agent_args.get(at + 1), Some(&opts.socket));
     let sc = installer.security_context.as_ref().unwrap();
     assert_eq!(sc.privileged, None);
     let caps = sc.capabilities.as_ref().unwrap();
