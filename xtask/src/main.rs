@@ -49,7 +49,16 @@ enum Task {
     },
     /// Run every benchmark (root) and write docs/BENCHMARKS.md and
     /// docs/benchmarks.json.
-    Bench,
+    Bench {
+        /// Run only these benchmarks (datapath, system, control_plane,
+        /// compile, cni) and regenerate only their blocks.
+        #[arg(long)]
+        only: Vec<String>,
+        /// Regenerate the blocks from the results already in
+        /// target/bench-results, without running anything.
+        #[arg(long)]
+        no_run: bool,
+    },
     /// Create a kind cluster (docker, kind and kubectl needed), deploy the
     /// agent as a DaemonSet and run a smoke check.
     Run {
@@ -222,10 +231,12 @@ fn main() -> anyhow::Result<()> {
             }
             std::process::exit(out.status)
         }
-        Task::Bench => {
-            setup()?;
-            require_root("the benchmarks")?;
-            bench::run(&root())
+        Task::Bench { only, no_run } => {
+            if !no_run {
+                setup()?;
+                require_root("the benchmarks")?;
+            }
+            bench::run(&root(), &only, !no_run)
         }
         Task::Demo { manifests, node } => {
             setup()?;
