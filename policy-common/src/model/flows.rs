@@ -3,9 +3,14 @@
 
 use std::{collections::HashMap, net::IpAddr};
 
-use crate::{direction, endpoint::EndpointInfo, ipcache::IpcacheEntry, proto, verdict::Reason};
+use crate::{
+    direction, endpoint::EndpointInfo, ipcache::IpcacheEntry, proto, service::mark, verdict::Reason,
+};
 
-use super::{Judgement, Maps, Packet, Quoted, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, addr_bytes};
+use super::{
+    Judgement, Maps, Outcome, Packet, Quoted, ServiceKey, ServiceState, TCP_ACK, TCP_FIN, TCP_RST,
+    TCP_SYN, addr_bytes,
+};
 
 /// A tracked flow, named as its first packet travelled: at which
 /// interface, in which direction, with which tuple.
@@ -23,7 +28,7 @@ pub struct Flow {
 
 impl Flow {
     /// The flow `pkt` would open.
-    fn of(pkt: &Packet) -> Self {
+    pub(super) fn of(pkt: &Packet) -> Self {
         Self {
             ifindex: pkt.ifindex,
             opened: pkt.direction,
@@ -65,6 +70,24 @@ pub struct FlowState {
     pub revision: u32,
     /// A FIN or RST was seen.
     pub closing: bool,
+    /// A flow to a Service frontend, opened by the pod's egress: its
+    /// verdict is the one taken after DNAT (see [`super::service`]).
+    pub service: bool,
+    /// Of a Service flow: not judged yet (the verdict after DNAT has not
+    /// come back, or the revision moved and the backend is not known).
+    pub pending: bool,
+}
+
+impl FlowState {
+    /// A flow judged now, under `revision`.
+    pub fn judged(revision: u32, closing: bool) -> Self {
+        Self {
+            revision,
+            closing,
+            service: false,
+            pending: false,
+        }
+    }
 }
 
 /// The maps plus the tracked flows, for stateful replay.
@@ -72,10 +95,13 @@ pub struct FlowState {
 pub struct Datapath {
     pub maps: Maps,
     pub flows: HashMap<Flow, FlowState>,
+    /// Clients' flows to Service frontends, by what survives DNAT
+    /// (`SERVICE_FLOWS`).
+    pub services: HashMap<ServiceKey, ServiceState>,
 }
 
 /// Whether the pod with endpoint `ep` holds `addr`.
-fn pod_holds(ep: &EndpointInfo, addr: IpAddr) -> bool {
+pub(super) fn pod_holds(ep: &EndpointInfo, addr: IpAddr) -> bool {
     let (bytes, fam) = addr_bytes(addr);
     ep.owns(fam, &bytes)
 }
@@ -96,12 +122,43 @@ impl Datapath {
         Self {
             maps,
             flows: HashMap::new(),
+            services: HashMap::new(),
         }
     }
 
-    /// The verdict for one well-formed, unfragmented IP packet, updating
-    /// the tracked flows as the kernel does.
-    pub fn classify(&mut self, pkt: &Packet) -> Judgement {
+    /// What a pod's hook (`pkt.direction`: egress at `from_pod`, ingress
+    /// at `to_pod`) does with one well-formed, unfragmented IP packet,
+    /// updating the tracked flows as the kernel does. At the ingress hook
+    /// a packet with the pending mark is first its client's egress after
+    /// DNAT; a packet deferred to its Service leaves with the mark.
+    pub fn classify(&mut self, pkt: &Packet) -> Outcome {
+        let mut out = Outcome {
+            after_dnat: None,
+            judgement: None,
+            mark: pkt.mark,
+        };
+        if pkt.direction == direction::INGRESS
+            && let Some(client) = mark::client(pkt.mark)
+        {
+            out.mark &= !mark::MASK;
+            let judged = self.after_dnat(client, pkt);
+            out.after_dnat = Some(judged);
+            if judged.reason.is_drop() {
+                return out;
+            }
+        }
+        let judged = self.decide(pkt);
+        if judged.reason == Reason::PassService
+            && let Some(m) = mark::pending(pkt.ifindex)
+        {
+            out.mark = (out.mark & !mark::MASK) | m;
+        }
+        out.judgement = Some(judged);
+        out
+    }
+
+    /// The verdict of a pod's hook on one packet.
+    fn decide(&mut self, pkt: &Packet) -> Judgement {
         let verdict = |reason| Judgement {
             reason,
             matched: None,
@@ -159,14 +216,39 @@ impl Datapath {
             if echo_role(pkt) != Some(false)
                 && let Some(st) = self.flows.get(&own).copied().filter(usable)
             {
-                return self.rejudge(&ep, own, st, pkt.dport, closing, Reason::AllowEstablished);
+                if !st.service {
+                    return self.rejudge(
+                        &ep,
+                        own,
+                        st,
+                        pkt.dport,
+                        closing,
+                        Reason::AllowEstablished,
+                    );
+                }
+                if let Some(judged) = self.service_hit(&ep, own, st, closing, true) {
+                    return judged;
+                }
             }
             let answered = own.answered();
             if echo_role(pkt) != Some(true)
                 && let Some(st) = self.flows.get(&answered).copied().filter(usable)
             {
-                return self.rejudge(&ep, answered, st, pkt.sport, closing, Reason::AllowReply);
+                if !st.service {
+                    return self.rejudge(&ep, answered, st, pkt.sport, closing, Reason::AllowReply);
+                }
+                if let Some(judged) = self.service_hit(&ep, answered, st, closing, false) {
+                    return judged;
+                }
             }
+        }
+        // To a Service frontend: the backend is chosen after this hook.
+        if pkt.direction == direction::EGRESS
+            && ep.isolated(direction::EGRESS)
+            && proto::has_ports(pkt.protocol)
+            && self.maps.is_frontend(pkt.dst)
+        {
+            return self.defer(&ep, pkt);
         }
         let judged = self
             .maps
@@ -178,13 +260,8 @@ impl Datapath {
         // Only what the pod sent, or received at its own address, opens a flow.
         let opens = pkt.direction == direction::EGRESS || pod_holds(&ep, pkt.dst);
         if allowed && trackable && opens {
-            self.flows.insert(
-                Flow::of(pkt),
-                FlowState {
-                    revision: ep.revision,
-                    closing,
-                },
-            );
+            self.flows
+                .insert(Flow::of(pkt), FlowState::judged(ep.revision, closing));
         }
         judged
     }
@@ -210,6 +287,9 @@ impl Datapath {
             .into_iter()
             .find(|f| self.flows.contains_key(f))?;
         let st = self.flows.get(&flow).copied()?;
+        if st.service {
+            return Some(self.service_related(ep, flow, st));
+        }
         if st.revision != ep.revision {
             let port = proto::policy_port(flow.protocol, flow.dport);
             let judged = self

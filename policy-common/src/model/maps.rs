@@ -8,6 +8,7 @@ use crate::{
     ipcache::IpcacheEntry,
     policy::{PolicyEntry, PolicyKey},
     proto,
+    service::ServiceEntry,
     verdict::Reason,
 };
 
@@ -21,6 +22,10 @@ pub struct Maps {
     pub ipcache_v4: BTreeMap<(u32, [u8; 4]), IpcacheEntry>,
     pub ipcache_v6: BTreeMap<(u32, [u8; 16]), IpcacheEntry>,
     pub policy: BTreeMap<PolicyKey, PolicyEntry>,
+    /// Service frontends (`SERVICES`): (prefix length, masked address) →
+    /// entry, per family.
+    pub frontends_v4: BTreeMap<(u32, [u8; 4]), ServiceEntry>,
+    pub frontends_v6: BTreeMap<(u32, [u8; 16]), ServiceEntry>,
 }
 
 /// Outcome of judging a flow against the policy.
@@ -47,10 +52,10 @@ fn masked<const N: usize>(addr: [u8; N], prefix_len: u32) -> [u8; N] {
     out
 }
 
-fn longest_match<const N: usize>(
-    trie: &BTreeMap<(u32, [u8; N]), IpcacheEntry>,
+fn longest_match<const N: usize, V: Copy>(
+    trie: &BTreeMap<(u32, [u8; N]), V>,
     addr: [u8; N],
-) -> Option<IpcacheEntry> {
+) -> Option<V> {
     (0..=(N as u32 * 8))
         .rev()
         .find_map(|len| trie.get(&(len, masked(addr, len))).copied())
@@ -68,6 +73,29 @@ impl Maps {
                 self.ipcache_v6
                     .insert((prefix_len, masked(a.octets(), prefix_len)), entry);
             }
+        }
+    }
+
+    /// Inserts a Service frontend prefix (masked as the kernel would).
+    pub fn insert_frontend(&mut self, addr: IpAddr, prefix_len: u32, entry: ServiceEntry) {
+        match addr {
+            IpAddr::V4(a) => {
+                self.frontends_v4
+                    .insert((prefix_len, masked(a.octets(), prefix_len)), entry);
+            }
+            IpAddr::V6(a) => {
+                self.frontends_v6
+                    .insert((prefix_len, masked(a.octets(), prefix_len)), entry);
+            }
+        }
+    }
+
+    /// Whether `addr` is a Service frontend or in a Service range: a new
+    /// flow of an egress-isolated pod to it is judged after DNAT.
+    pub fn is_frontend(&self, addr: IpAddr) -> bool {
+        match addr {
+            IpAddr::V4(a) => longest_match(&self.frontends_v4, a.octets()).is_some(),
+            IpAddr::V6(a) => longest_match(&self.frontends_v6, a.octets()).is_some(),
         }
     }
 

@@ -21,21 +21,34 @@
 //!    re-judged as the opener if E's revision moved; an echo request only
 //!    continues, an echo reply only answers; other ICMP is never tracked; a
 //!    SYN does not ride a closing flow);
-//! 7. judge as a new flow (see [`Maps::judge`]); if allowed, and the pod
+//! 7. sent by an egress-isolated pod over TCP, UDP or SCTP to a Service
+//!    frontend ([`Maps::is_frontend`]) → deferred (see [`service`]);
+//! 8. judge as a new flow (see [`Maps::judge`]); if allowed, and the pod
 //!    sent it or receives it at its own address, track it.
+//!
+//! At a pod's ingress hook (`to_pod`) and at the uplink (`to_uplink`) a
+//! packet carrying the pending mark ([`crate::service::mark`]) is first
+//! the egress of the client the mark names, judged against where DNAT
+//! sent it ([`Datapath::classify`], [`Datapath::uplink`]); a flow to a
+//! Service is a tracked flow of the client whose verdict that judgement
+//! gives ([`FlowState::pending`]).
 
 mod flows;
 mod maps;
+pub mod service;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_service;
 
 use std::net::IpAddr;
 
-use crate::{direction, family, proto};
+use crate::{direction, family, proto, verdict::Reason};
 
 pub use self::{
     flows::{Datapath, Flow, FlowState},
     maps::{Judgement, Maps},
+    service::{ServiceKey, ServiceState},
 };
 pub use crate::proto::has_ports;
 
@@ -71,6 +84,37 @@ pub struct Packet {
     /// For ICMP errors (destination unreachable, time exceeded, parameter
     /// problem; ICMPv6 1-4): the quoted header, when readable.
     pub quoted: Option<Quoted>,
+    /// `skb->mark` as the packet reaches the hook.
+    pub mark: u32,
+}
+
+/// What one hook did with a packet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Outcome {
+    /// A packet carrying the pending mark, at a hook after DNAT: the
+    /// egress of the client the mark names, judged against the rewritten
+    /// destination (counted as that client's egress).
+    pub after_dnat: Option<Judgement>,
+    /// The hook's own verdict on the packet: None when the verdict after
+    /// DNAT dropped it first, and at the uplink (which judges nothing
+    /// else).
+    pub judgement: Option<Judgement>,
+    /// The `skb->mark` the packet leaves with.
+    pub mark: u32,
+}
+
+impl Outcome {
+    /// The reason that decided the packet's fate: the hook's own verdict,
+    /// else the one after DNAT; None: the uplink let an unmarked packet
+    /// by without judging it.
+    pub fn reason(&self) -> Option<Reason> {
+        self.judgement.or(self.after_dnat).map(|j| j.reason)
+    }
+
+    /// Whether the packet goes on.
+    pub fn passes(&self) -> bool {
+        self.reason().is_none_or(|r| !r.is_drop())
+    }
 }
 
 pub const TCP_FIN: u8 = 0x01;

@@ -114,6 +114,7 @@ fn reply_passes_and_is_rejudged_after_revision_change() {
         icmp_type: 0,
         hop_limit: 64,
         quoted: None,
+        mark: 0,
     };
     let reply = Packet {
         ifindex: 7,
@@ -127,15 +128,19 @@ fn reply_passes_and_is_rejudged_after_revision_change() {
         icmp_type: 0,
         hop_limit: 64,
         quoted: None,
+        mark: 0,
     };
-    assert_eq!(dp.classify(&syn).reason, Reason::AllowPolicy);
-    assert_eq!(dp.classify(&reply).reason, Reason::AllowReply);
+    assert_eq!(dp.classify(&syn).reason(), Some(Reason::AllowPolicy));
+    assert_eq!(dp.classify(&reply).reason(), Some(Reason::AllowReply));
     // The policy goes away and the revision moves: the flow is cut.
     dp.maps.policy.clear();
     e.revision = 2;
     dp.maps.endpoints.insert(7, e);
-    assert_eq!(dp.classify(&reply).reason, Reason::DropPolicyChanged);
-    assert_eq!(dp.classify(&syn).reason, Reason::DropPolicy);
+    assert_eq!(
+        dp.classify(&reply).reason(),
+        Some(Reason::DropPolicyChanged)
+    );
+    assert_eq!(dp.classify(&syn).reason(), Some(Reason::DropPolicy));
 }
 
 #[test]
@@ -164,16 +169,17 @@ fn a_forged_source_opens_nothing() {
         icmp_type: 0,
         hop_limit: 64,
         quoted: None,
+        mark: 0,
     };
     // Sent by the pod with X's source, to itself: spoofed, no flow.
     assert_eq!(
-        dp.classify(&pkt(direction::EGRESS, x, pod)).reason,
-        Reason::DropSpoofed
+        dp.classify(&pkt(direction::EGRESS, x, pod)).reason(),
+        Some(Reason::DropSpoofed)
     );
     assert!(dp.flows.is_empty());
     // So X -> pod is judged as new ingress (isolated, no rule): dropped.
     assert_eq!(
-        dp.classify(&pkt(direction::INGRESS, x, pod)).reason,
-        Reason::DropPolicy
+        dp.classify(&pkt(direction::INGRESS, x, pod)).reason(),
+        Some(Reason::DropPolicy)
     );
 }
