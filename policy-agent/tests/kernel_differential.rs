@@ -263,6 +263,7 @@ fn to_model(p: &Packet, hook: Hook) -> model::Packet {
         icmp_type: p.icmp_type(),
         hop_limit: p.hop_limit,
         quoted,
+        mark: 0,
     }
 }
 
@@ -348,7 +349,8 @@ fn run_seed(seed: u64, seen: &mut Seen) -> usize {
         let want = model.classify(&to_model(&pkt, hook));
         let (_, got) = h.run_reason(hook, &pkt.frame());
         assert_eq!(
-            got, want.reason,
+            Some(got),
+            want.reason(),
             "seed {seed}, packet {i}: {pkt:?} at {hook:?}\nmodel: {want:?}\nmaps: {:#?}",
             h.state
         );

@@ -140,6 +140,9 @@ impl<K: Ord + Clone> MapState<K> {
         for (net, entry) in &self.ipcache {
             m.insert_prefix(net.addr(), u32::from(net.prefix_len()), *entry);
         }
+        for (net, entry) in &self.services {
+            m.insert_frontend(net.addr(), u32::from(net.prefix_len()), *entry);
+        }
         m
     }
 }
