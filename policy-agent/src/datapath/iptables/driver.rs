@@ -18,14 +18,19 @@ pub struct IptablesDriver {
     /// The pods whose rules the last successful sync installed, and their
     /// interfaces.
     installed: BTreeMap<PodRef, u32>,
+    /// `--pod-cidr`: traffic from or to an address in them that no
+    /// installed pod holds is dropped.
+    pub pod_ranges: Vec<ipnet::IpNet>,
 }
 
 impl IptablesDriver {
     /// Checks that ipset and the iptables tools of `backend` are usable.
-    pub fn open(backend: Backend) -> Result<Self, Error> {
+    pub fn open(backend: Backend, pod_ranges: &[ipnet::IpNet]) -> Result<Self, Error> {
         let exec = Executor::new(backend);
         exec.check()?;
-        Ok(Self::unchecked_with(exec))
+        let mut this = Self::unchecked_with(exec);
+        this.pod_ranges = pod_ranges.to_vec();
+        Ok(this)
     }
 
     /// A driver that has not checked for the tools (for rendering).
@@ -39,6 +44,7 @@ impl IptablesDriver {
             interfaces: InterfaceCache::default(),
             mark: DEFAULT_MARK,
             installed: BTreeMap::new(),
+            pod_ranges: Vec::new(),
         }
     }
 
