@@ -15,7 +15,10 @@ use std::{
 };
 
 use policy_agent::sim::{NODE_ROW, NetNs, SimPod};
-use support::conformance::{Backend, Conformance, NsSpec, PodSpec, labels};
+use support::{
+    conformance::{Backend, Conformance, NODE, NsSpec, PodSpec, cluster_yaml, labels},
+    fake_apiserver::FakeApi,
+};
 
 const FRESH: &str = "t/fresh";
 const PEER: &str = "t/peer";
@@ -72,15 +75,7 @@ fn udp_round_trip(from_ns: &NetNs, to_ns: &NetNs, from: IpAddr, to: IpAddr) -> (
 }
 
 fn suite(prefix: &'static str, backend: Backend) {
-    let mut c = Conformance::with_cluster(
-        prefix,
-        backend,
-        vec![NsSpec {
-            name: "t".into(),
-            labels: labels(&[("team", "t")]),
-        }],
-        vec![pod("known", 11), pod("peer", 12)],
-    );
+    let mut c = setup(prefix, backend);
     // The node's address in the range exists before the agent starts.
     let node_ns = NetNs::borrow(&c.node().node.name);
     node_ns
@@ -105,8 +100,36 @@ fn suite(prefix: &'static str, backend: Backend) {
     // The enforced pods talk to each other.
     c.check("known pods, no policy", |_, _, _, _| true);
 
-    // A new pod, set up outside the agent's knowledge (as the node's CNI
-    // plugin does before anyone tells the agent).
+    let fresh = add_unknown_pod(&mut c);
+
+    // The node's address inside the range answers the enforced pod.
+    let known_ns = &c.node().pod("t/known").unwrap().netns;
+    for (i, node_ip) in NODE_IN_RANGE.iter().enumerate() {
+        let node_ip: IpAddr = node_ip.parse().unwrap();
+        let me = c.pods[0].ips[i];
+        assert_eq!(
+            udp_round_trip(known_ns, &node_ns, me, node_ip),
+            (true, true),
+            "{me} <-> the node's {node_ip}"
+        );
+    }
+
+    // The agent learns the pod; a policy lets only the peer in.
+    c.pods.push(fresh);
+    c.write_cluster();
+    c.write_policies(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: fresh, namespace: t}\nspec:\n  podSelector: {matchLabels: {app: fresh}}\n  ingress:\n    - from: [{podSelector: {matchLabels: {app: peer}}}]\n",
+    );
+    c.eventually("the pod enforced", Duration::from_secs(20), |f, t, _, _| {
+        t != FRESH || f == PEER || f == NODE_ROW || f == t
+    });
+}
+
+/// Sets up a new pod outside the agent's knowledge (as the node's CNI
+/// plugin does before anyone tells the agent) and checks that nothing but
+/// its node reaches it or hears from it, while the others talk on.
+/// Returns its spec.
+fn add_unknown_pod(c: &mut Conformance) -> PodSpec {
     let fresh = pod("fresh", 20);
     let sim = SimPod {
         namespace: fresh.namespace.clone(),
@@ -133,28 +156,52 @@ fn suite(prefix: &'static str, backend: Backend) {
     // Given time (the agent resyncs on the new link), still nothing.
     std::thread::sleep(Duration::from_secs(1));
     c.check("an unenforced pod, later", |f, t, _, _| unknown(f, t));
+    fresh
+}
 
-    // The node's address inside the range answers the enforced pod.
-    let known_ns = &c.node().pod("t/known").unwrap().netns;
-    for (i, node_ip) in NODE_IN_RANGE.iter().enumerate() {
-        let node_ip: IpAddr = node_ip.parse().unwrap();
-        let me = c.pods[0].ips[i];
-        assert_eq!(
-            udp_round_trip(known_ns, &node_ns, me, node_ip),
-            (true, true),
-            "{me} <-> the node's {node_ip}"
-        );
-    }
+fn setup(prefix: &'static str, backend: Backend) -> Conformance {
+    Conformance::with_cluster(
+        prefix,
+        backend,
+        vec![NsSpec {
+            name: "t".into(),
+            labels: labels(&[("team", "t")]),
+        }],
+        vec![pod("known", 11), pod("peer", 12)],
+    )
+}
 
-    // The agent learns the pod; a policy lets only the peer in.
-    c.pods.push(fresh);
-    c.write_cluster();
-    c.write_policies(
-        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: fresh, namespace: t}\nspec:\n  podSelector: {matchLabels: {app: fresh}}\n  ingress:\n    - from: [{podSelector: {matchLabels: {app: peer}}}]\n",
+/// Cluster mode without `--pod-cidr`: the ranges come from the agent's
+/// own Node object (`spec.podCIDRs`).
+#[test]
+fn in_cluster_mode_the_ranges_come_from_the_node_object() {
+    let mut c = setup("cak", Backend::Bpf);
+    let yaml = cluster_yaml(&c.namespaces, &c.pods);
+    let mut objects: Vec<serde_json::Value> = serde_yaml::Deserializer::from_str(&yaml)
+        .filter_map(|doc| {
+            let v = <serde_json::Value as serde::Deserialize>::deserialize(doc).unwrap();
+            (!v.is_null()).then_some(v)
+        })
+        .collect();
+    objects.push(serde_json::json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": NODE},
+        "spec": {"podCIDR": "10.244.9.0/24", "podCIDRs": ["10.244.9.0/24", "fd00:244:9::/64"]}
+    }));
+    let api = FakeApi::start(&c.node().node, objects);
+    let kubeconfig = c.dir.join("kubeconfig");
+    api.kubeconfig(&kubeconfig);
+    let kc = kubeconfig.to_str().unwrap().to_owned();
+    c.start_daemon_with(19441, &[], &[("KUBECONFIG", &kc)]);
+    assert!(
+        api.requests()
+            .iter()
+            .any(|r| r.starts_with(&format!("GET /api/v1/nodes/{NODE}"))),
+        "the agent reads its Node: {:?}",
+        api.requests()
     );
-    c.eventually("the pod enforced", Duration::from_secs(20), |f, t, _, _| {
-        t != FRESH || f == PEER || f == NODE_ROW || f == t
-    });
+    c.check("known pods, no policy", |_, _, _, _| true);
+    add_unknown_pod(&mut c);
 }
 
 #[test]
