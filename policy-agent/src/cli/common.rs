@@ -100,6 +100,12 @@ pub struct DatapathArgs {
     /// in them (a ptp gateway) keep working. Both datapaths.
     #[arg(long = "pod-cidr", value_name = "CIDR")]
     pub pod_cidrs: Vec<ipnet::IpNet>,
+    /// In cluster mode without --pod-cidr, do not take the ranges from the
+    /// Node's spec.podCIDRs: for an IPAM that ignores them (Calico IPAM,
+    /// Cilium cluster-pool), which may give those addresses to pods of
+    /// other nodes.
+    #[arg(long)]
+    pub ignore_node_pod_cidrs: bool,
 }
 
 /// The node the agent enforces on.

@@ -65,7 +65,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 let client = kube::Client::try_default()
                     .await
                     .context("connecting to the API server (in-cluster config or KUBECONFIG)")?;
-                if config.datapath.load.pod_ranges.is_empty() {
+                if config.datapath.load.pod_ranges.is_empty()
+                    && !args.enforce.datapath.ignore_node_pod_cidrs
+                {
                     config.datapath.load.pod_ranges = node_pod_ranges(&client, &config.node).await;
                 }
                 Sources::Cluster(client)
