@@ -101,6 +101,37 @@ fn suite(prefix: &'static str, backend: Backend) {
     c.check("known pods, no policy", |_, _, _, _| true);
 
     let fresh = add_unknown_pod(&mut c);
+    if matches!(backend, Backend::Bpf) {
+        // `dump` shows the ranges and whose addresses are enforced.
+        let d = c.dump();
+        assert_eq!(d["catchall_on"], true);
+        let ranges: Vec<&str> = d["pod_ranges"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r.as_str().unwrap())
+            .collect();
+        assert!(
+            ranges.contains(&"10.244.9.0/24") && ranges.contains(&"fd00:244:9::/64"),
+            "{ranges:?}"
+        );
+        let owner = |ip: &str| {
+            d["enforced"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|e| e["address"] == ip)
+                .map(|e| e["endpoint"].as_str().unwrap().to_owned())
+        };
+        assert_eq!(owner("10.244.9.11").as_deref(), Some("t/known"));
+        assert_eq!(owner("fd00:244:9::12").as_deref(), Some("t/peer"));
+        assert_eq!(owner("10.244.9.1").as_deref(), Some("(node)"));
+        assert_eq!(
+            owner("10.244.9.20"),
+            None,
+            "the unknown pod is not enforced"
+        );
+    }
 
     // The node's address inside the range answers the enforced pod.
     let known_ns = &c.node().pod("t/known").unwrap().netns;

@@ -203,3 +203,41 @@ fn a_drop_of_an_unenforced_peer_is_reported() {
     assert_eq!(ev.reason, Reason::DropUnenforced as u8);
     assert_eq!(&ev.dst[..4], &[10, 0, 0, 99]);
 }
+
+/// Prints the per-packet cost of the catch-all at a pod's hook (no
+/// assertion: timings are printed, never asserted). Run with
+/// `-- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn cost_of_the_catchall() {
+    use aya::programs::{TestRun as _, TestRunOptions};
+    let mut h = node(true);
+    let mut ns = |h: &mut Harness, frame: &[u8]| -> f64 {
+        let prog = h.dp.program(Hook::Ingress).unwrap();
+        let mut v: Vec<f64> = (0..15)
+            .map(|_| {
+                let r = prog
+                    .test_run(TestRunOptions {
+                        data_in: Some(frame),
+                        repeat: 20_000,
+                        ..TestRunOptions::default()
+                    })
+                    .unwrap();
+                r.duration.as_nanos() as f64
+            })
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let outside = tcp("10.0.0.10", "192.0.2.1");
+    let inside = tcp("10.0.0.10", "10.0.0.11");
+    h.catchall(false);
+    let off_out = ns(&mut h, &outside);
+    let off_in = ns(&mut h, &inside);
+    h.catchall(true);
+    let on_out = ns(&mut h, &outside);
+    let on_in = ns(&mut h, &inside);
+    println!(
+        "ns/packet at from_pod (pod isolated nowhere): catch-all off {off_out:.1} / {off_in:.1}; on, peer outside the ranges {on_out:.1}; on, peer inside and enforced {on_in:.1}"
+    );
+}

@@ -295,3 +295,24 @@ fn fail(report: &mut SyncReport, msg: String) {
     report.incomplete = true;
     report.problems.push(Problem::node(msg));
 }
+
+impl BpfMaps {
+    /// The catch-all's content (for `dump`): the pod ranges, whether the
+    /// kernel check is on, and the enforced addresses by ifindex.
+    pub fn read_catchall(&self) -> Result<(Vec<IpNet>, bool, BTreeMap<IpAddr, u32>), Error> {
+        let mut ranges = Vec::new();
+        for key in self.pod_ranges.keys() {
+            let key = key.map_err(Error::map(names::POD_RANGES))?;
+            ranges.extend(service_net(&key));
+        }
+        let mut enforced = BTreeMap::new();
+        for item in self.enforced.iter() {
+            let (k, v) = item.map_err(Error::map(names::ENFORCED))?;
+            if let Some(ip) = key_ip(&k) {
+                enforced.insert(ip, v);
+            }
+        }
+        let on = self.config()?.flags & CONFIG_POD_RANGES != 0;
+        Ok((ranges, on, enforced))
+    }
+}
