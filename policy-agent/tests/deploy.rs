@@ -131,11 +131,18 @@ fn the_daemonset_runs_everywhere_with_least_privilege() {
 fn rbac_grants_reads_of_exactly_what_is_watched_and_events() {
     let role: ClusterRole = serde_yaml::from_value(docs("rbac.yaml").remove(1)).unwrap();
     let mut read = std::collections::BTreeSet::new();
+    let mut got = std::collections::BTreeSet::new();
     for rule in role.rules.unwrap() {
         let resources = rule.resources.unwrap_or_default();
         let verbs = rule.verbs;
         if resources == ["events"] {
             assert_eq!(verbs, ["create", "patch"]);
+        } else if verbs == ["get"] {
+            for group in rule.api_groups.unwrap_or_default() {
+                for r in &resources {
+                    got.insert((group.clone(), r.clone()));
+                }
+            }
         } else {
             assert_eq!(verbs, ["get", "list", "watch"], "{resources:?}");
             for group in rule.api_groups.unwrap_or_default() {
@@ -153,6 +160,12 @@ fn rbac_grants_reads_of_exactly_what_is_watched_and_events() {
         read, watched,
         "a watch without its grant never syncs; a grant without a watch is more than needed"
     );
+    let read_once: std::collections::BTreeSet<(String, String)> =
+        policy_agent::source::kube::READ_ONCE
+            .iter()
+            .map(|(g, r)| (g.to_string(), r.to_string()))
+            .collect();
+    assert_eq!(got, read_once, "get only, of exactly what is read once");
 }
 
 fn daemonset_pod() -> k8s_openapi::api::core::v1::PodSpec {
