@@ -425,19 +425,16 @@ fn first_packet(prefix: &'static str, mode: Mode, late: bool) {
 }
 
 #[test]
-#[ignore = "needs the agent's --pod-cidr catch-all (branch catchall)"]
 fn first_packet_manifests() {
     first_packet("cnifpm", Mode::Manifests, false);
 }
 
 #[test]
-#[ignore = "needs the agent's --pod-cidr catch-all (branch catchall)"]
 fn first_packet_cluster() {
     first_packet("cnifpc", Mode::Cluster, false);
 }
 
 #[test]
-#[ignore = "needs the agent's --pod-cidr catch-all (branch catchall)"]
 fn first_packet_cluster_pod_object_after_add_started() {
     first_packet("cnifpl", Mode::Cluster, true);
 }
