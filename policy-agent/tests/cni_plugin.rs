@@ -162,15 +162,10 @@ fn a_refusal_fails_add_with_the_agents_code_and_del_still_cleans_up() {
     let mut sb = fx.sandbox(&rt, "db-0");
     let err = rt.add(&mut sb).unwrap_err();
     match &err {
-        CniError::Plugin {
-            plugin,
-            code,
-            details,
-            ..
-        } => {
-            assert_eq!(plugin, "policy-cni");
-            assert_eq!(*code, u64::from(code::NOT_ENFORCED));
-            assert!(details.contains("map full"), "{err}");
+        CniError::Plugin(e) => {
+            assert_eq!(e.plugin, "policy-cni");
+            assert_eq!(e.code, u64::from(code::NOT_ENFORCED));
+            assert!(e.details.contains("map full"), "{err}");
         }
         other => panic!("{other}"),
     }

@@ -33,15 +33,8 @@ const PLUGIN_DEADLINE: Duration = Duration::from_secs(60);
 #[derive(Debug, thiserror::Error)]
 pub enum CniError {
     /// The plugin failed with an error object on stdout.
-    #[error("{command} {plugin}: CNI error {code}: {msg}: {details} (stderr: {stderr})")]
-    Plugin {
-        plugin: String,
-        command: String,
-        code: u64,
-        msg: String,
-        details: String,
-        stderr: String,
-    },
+    #[error("{0}")]
+    Plugin(Box<PluginError>),
     /// The plugin failed without an error object, or succeeded with an
     /// unusable result.
     #[error("{command} {plugin}: exit {status:?}, stdout {stdout:?}, stderr {stderr:?}")]
@@ -66,11 +59,23 @@ pub enum CniError {
     Sim(#[from] super::Error),
 }
 
+/// A plugin's error object (SPEC §5) and its log.
+#[derive(Debug, thiserror::Error)]
+#[error("{command} {plugin}: CNI error {code}: {msg}: {details} (stderr: {stderr})")]
+pub struct PluginError {
+    pub plugin: String,
+    pub command: String,
+    pub code: u64,
+    pub msg: String,
+    pub details: String,
+    pub stderr: String,
+}
+
 impl CniError {
     /// The CNI error code, when the plugin printed an error object.
     pub fn code(&self) -> Option<u64> {
         match self {
-            Self::Plugin { code, .. } => Some(*code),
+            Self::Plugin(e) => Some(e.code),
             _ => None,
         }
     }
@@ -290,14 +295,14 @@ impl CniRuntime {
             .as_ref()
             .and_then(|e| e["code"].as_u64().map(|c| (c, e)))
         {
-            Some((code, e)) => Err(CniError::Plugin {
+            Some((code, e)) => Err(CniError::Plugin(Box::new(PluginError {
                 plugin: inv.plugin,
                 command: inv.command,
                 code,
                 msg: e["msg"].as_str().unwrap_or("").to_owned(),
                 details: e["details"].as_str().unwrap_or("").to_owned(),
                 stderr: inv.stderr,
-            }),
+            }))),
             None => Err(CniError::Failed {
                 plugin: inv.plugin,
                 command: inv.command,

@@ -13,7 +13,7 @@
 //!    (or unspecified) source with hop limit 1 → pass;
 //! 3. sent by the pod (egress) from an address that is not its own → drop
 //!    (spoofed); from its own address to itself → pass;
-//! 3a. the peer (destination at egress, source at ingress) in the node's
+//!    3a. the peer (destination at egress, source at ingress) in the node's
 //!    pod ranges and not enforced → drop (see [`catchall`]);
 //! 4. E isolated in no direction: judge (nothing is tracked);
 //! 5. an ICMP error travelling back to the sender of the packet it quotes,

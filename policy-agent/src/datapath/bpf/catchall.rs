@@ -299,6 +299,7 @@ fn fail(report: &mut SyncReport, msg: String) {
 impl BpfMaps {
     /// The catch-all's content (for `dump`): the pod ranges, whether the
     /// kernel check is on, and the enforced addresses by ifindex.
+    #[allow(clippy::type_complexity)] // three plain parts, read together
     pub fn read_catchall(&self) -> Result<(Vec<IpNet>, bool, BTreeMap<IpAddr, u32>), Error> {
         let mut ranges = Vec::new();
         for key in self.pod_ranges.keys() {
