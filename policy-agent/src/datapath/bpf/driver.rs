@@ -143,6 +143,14 @@ impl Datapath for BpfDriver {
         self.drop_log
     }
 
+    fn enforced(&self, pod: &PodRef) -> Option<u32> {
+        // From the kernel: the entry is there and the programs attached.
+        let ifindex = self.interfaces.get(pod)?.ifindex;
+        self.dp.maps.endpoint(ifindex).ok().flatten()?;
+        let attached = self.dp.maps.meta(ifindex)?.attach & ATTACH_POD != 0;
+        attached.then_some(ifindex)
+    }
+
     fn metrics(&self) -> Option<MetricsSource> {
         let layout = self.dp.layout.clone();
         Some(std::sync::Arc::new(move |out: &mut String| {

@@ -243,6 +243,11 @@ impl Compiler {
         ops
     }
 
+    /// A pod as the compiler last saw it.
+    pub fn pod(&self, pod: &PodRef) -> Option<&PodInfo> {
+        self.pods.get(pod)
+    }
+
     /// The compiled map content.
     pub fn maps(&self) -> &MapState<PodRef> {
         &self.out.maps
