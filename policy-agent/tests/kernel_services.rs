@@ -264,9 +264,22 @@ fn an_allowed_backend_passes_and_the_client_is_established() {
     let flow = n.flow(40000).unwrap();
     assert_ne!(flow.flags & SERVICE_FLOW_RESOLVED, 0);
     assert_eq!((flow.backend, flow.backend_port), (bytes16(GOOD_IP), 8080));
+    // Judged: still sent on with the mark (DNAT may choose anew), and
+    // established on the backend it learnt.
     assert_eq!(
         n.from_client(&sent(40000, TCP_ACK), 0),
-        run(Verdict::Pass, 0, &[(Reason::AllowEstablished, EGRESS)])
+        run(Verdict::Pass, m, &[(Reason::PassService, EGRESS)])
+    );
+    assert_eq!(
+        n.h.run_at(Hook::Egress, &dnat(40000, GOOD_IP), BACKEND_IF, m),
+        run(
+            Verdict::Pass,
+            0,
+            &[
+                (Reason::AllowEstablished, EGRESS),
+                (Reason::AllowNotIsolated, INGRESS)
+            ]
+        )
     );
     assert_eq!(
         n.to_client(&reply(40000)),
@@ -317,8 +330,19 @@ fn the_uplink_judges_a_remote_backend() {
     assert_eq!(n.ct(40000).unwrap().flags & CT_FLAG_PENDING, 0);
     assert_eq!(
         n.from_client(&sent(40000, TCP_ACK), 0),
+        run(Verdict::Pass, m, &[(Reason::PassService, EGRESS)])
+    );
+    assert_eq!(
+        n.h.run_at(Hook::Uplink, &dnat(40000, REMOTE_GOOD), UPLINK_IF, m),
         run(Verdict::Pass, 0, &[(Reason::AllowEstablished, EGRESS)])
     );
+    // A judged flow DNAT sends elsewhere (kube-proxy deleted a UDP flow's
+    // conntrack entry when its endpoint left): judged there.
+    assert_eq!(
+        n.h.run_at(Hook::Uplink, &dnat(40000, REMOTE_BAD), UPLINK_IF, m),
+        run(Verdict::Drop, 0, &[(Reason::DropPolicy, EGRESS)])
+    );
+    assert!(n.ct(40000).is_none() && n.flow(40000).is_none());
     let m = n.from_client(&sent(40001, TCP_SYN), 0).mark;
     assert_eq!(
         n.h.run_at(Hook::Uplink, &dnat(40001, REMOTE_BAD), UPLINK_IF, m),
@@ -378,12 +402,13 @@ fn a_stale_revision_rejudges_against_the_resolved_backend() {
         let m = n.from_client(&sent(sport, TCP_SYN), 0).mark;
         n.h.run_at(Hook::Egress, &dnat(sport, GOOD_IP), BACKEND_IF, m);
     }
-    // Still allowed under the new revision: established, no mark.
+    // Still allowed under the new revision: on to DNAT.
     n.bump_client();
     assert_eq!(
         n.from_client(&sent(40000, TCP_ACK), 0),
-        run(Verdict::Pass, 0, &[(Reason::AllowEstablished, EGRESS)])
+        run(Verdict::Pass, pending(), &[(Reason::PassService, EGRESS)])
     );
+    assert_eq!(n.ct(40000).unwrap().revision, 2);
     // The backend is denied now: cut both ways, entries gone.
     n.h.state.policy.clear();
     n.bump_client();

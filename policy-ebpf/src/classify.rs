@@ -370,6 +370,12 @@ fn service_hit(
             entry.flags &= !CT_FLAG_SYN_ONLY;
         }
     }
+    if forward {
+        // Judged, yet DNAT may send this packet elsewhere (kube-proxy
+        // deletes a UDP flow's conntrack entry when its endpoint leaves;
+        // a reused tuple meets a new choice): checked after DNAT again.
+        return Some((Reason::PassService, unknown));
+    }
     Some((hit, unknown))
 }
 
@@ -444,6 +450,23 @@ fn judge_service(s: &mut Scratch, client: u32, flags: u32) -> u32 {
         return 0;
     };
     let pkt = &s.pkt;
+    s.flow.ifindex = client;
+    s.flow.src = pkt.src;
+    s.flow.sport = pkt.sport;
+    s.flow.protocol = pkt.protocol;
+    s.flow.family = pkt.family;
+    if let Some(f) = SERVICE_FLOWS.get_ptr(&s.flow) {
+        // SAFETY: a pointer to the map value, valid for this run.
+        let f = unsafe { &*f };
+        if f.flags & SERVICE_FLOW_RESOLVED != 0
+            && addr_eq(&f.backend, &pkt.dst)
+            && f.backend_port == pkt.dport
+        {
+            // Where it was judged (at the client, on a policy change).
+            count(Reason::AllowEstablished, direction::EGRESS);
+            return 1;
+        }
+    }
     let (reason, peer) = judge(
         ep,
         direction::EGRESS,
@@ -452,11 +475,6 @@ fn judge_service(s: &mut Scratch, client: u32, flags: u32) -> u32 {
         pkt.protocol,
         proto::policy_port(pkt.protocol, pkt.dport),
     );
-    s.flow.ifindex = client;
-    s.flow.src = pkt.src;
-    s.flow.sport = pkt.sport;
-    s.flow.protocol = pkt.protocol;
-    s.flow.family = pkt.family;
     if let Some(f) = SERVICE_FLOWS.get_ptr_mut(&s.flow) {
         // SAFETY: a pointer to the map value, valid for this run.
         let f = unsafe { &mut *f };
