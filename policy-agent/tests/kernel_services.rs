@@ -180,11 +180,11 @@ impl Node {
         flows.remove(&Self::flow_key(sport)).unwrap();
     }
 
-    fn from_client(&mut self, frame: &[u8], mark: u32) -> Run {
+    fn client_sends(&mut self, frame: &[u8], mark: u32) -> Run {
         self.h.run_at(Hook::Ingress, frame, CLIENT_IF, mark)
     }
 
-    fn to_client(&mut self, frame: &[u8]) -> Run {
+    fn client_gets(&mut self, frame: &[u8]) -> Run {
         self.h.run_at(Hook::Egress, frame, CLIENT_IF, 0)
     }
 
@@ -198,7 +198,7 @@ impl Node {
 fn a_flow_to_a_frontend_is_deferred_with_the_mark() {
     let mut n = node("defer", ENDPOINT_EGRESS_ISOLATED);
     assert_eq!(
-        n.from_client(&sent(40000, TCP_SYN), 0),
+        n.client_sends(&sent(40000, TCP_SYN), 0),
         run(Verdict::Pass, pending(), &[(Reason::PassService, EGRESS)])
     );
     let ct = n.ct(40000).expect("the client's entry");
@@ -212,19 +212,19 @@ fn a_flow_to_a_frontend_is_deferred_with_the_mark() {
     // An address of the Service range is a frontend too.
     let in_range = Packet::tcp(ip(CLIENT_IP), 40001, ip("10.100.7.7"), 80, TCP_SYN).frame();
     assert_eq!(
-        n.from_client(&in_range, 0).counted,
+        n.client_sends(&in_range, 0).counted,
         counted(&[(Reason::PassService, EGRESS)])
     );
     // Still pending: the next packet is deferred again, a reply passes.
-    assert_eq!(n.from_client(&sent(40000, TCP_ACK), 0).mark, pending());
+    assert_eq!(n.client_sends(&sent(40000, TCP_ACK), 0).mark, pending());
     assert_eq!(
-        n.to_client(&reply(40000)),
+        n.client_gets(&reply(40000)),
         run(Verdict::Pass, 0, &[(Reason::AllowReply, INGRESS)])
     );
     // Anything else is judged on the spot.
     let direct = Packet::tcp(ip(CLIENT_IP), 40002, ip(GOOD_IP), 8080, TCP_SYN).frame();
     assert_eq!(
-        n.from_client(&direct, 0),
+        n.client_sends(&direct, 0),
         run(Verdict::Pass, 0, &[(Reason::AllowPolicy, EGRESS)])
     );
 }
@@ -234,7 +234,7 @@ fn only_egress_isolated_clients_are_deferred() {
     for (tag, flags) in [("noiso", 0), ("ingiso", ENDPOINT_INGRESS_ISOLATED)] {
         let mut n = node(tag, flags);
         assert_eq!(
-            n.from_client(&sent(40000, TCP_SYN), 0),
+            n.client_sends(&sent(40000, TCP_SYN), 0),
             run(Verdict::Pass, 0, &[(Reason::AllowNotIsolated, EGRESS)]),
             "{tag}"
         );
@@ -245,7 +245,7 @@ fn only_egress_isolated_clients_are_deferred() {
 #[test]
 fn an_allowed_backend_passes_and_the_client_is_established() {
     let mut n = node("allow", ENDPOINT_EGRESS_ISOLATED);
-    let m = n.from_client(&sent(40000, TCP_SYN), 0).mark;
+    let m = n.client_sends(&sent(40000, TCP_SYN), 0).mark;
     // At the backend's veth: the client's egress, then the backend's own
     // ingress.
     assert_eq!(
@@ -267,7 +267,7 @@ fn an_allowed_backend_passes_and_the_client_is_established() {
     // Judged: still sent on with the mark (DNAT may choose anew), and
     // established on the backend it learnt.
     assert_eq!(
-        n.from_client(&sent(40000, TCP_ACK), 0),
+        n.client_sends(&sent(40000, TCP_ACK), 0),
         run(Verdict::Pass, m, &[(Reason::PassService, EGRESS)])
     );
     assert_eq!(
@@ -282,7 +282,7 @@ fn an_allowed_backend_passes_and_the_client_is_established() {
         )
     );
     assert_eq!(
-        n.to_client(&reply(40000)),
+        n.client_gets(&reply(40000)),
         run(Verdict::Pass, 0, &[(Reason::AllowReply, INGRESS)])
     );
     // An established connection is not half-open (its lifetime is TCP's,
@@ -294,7 +294,7 @@ fn an_allowed_backend_passes_and_the_client_is_established() {
 fn a_denied_backend_drops_and_the_client_entry_is_gone() {
     let mut n = node("deny", ENDPOINT_EGRESS_ISOLATED);
     let mut ring = RingBuf::try_from(n.h.dp.ebpf.take_map("DROP_EVENTS").unwrap()).unwrap();
-    let m = n.from_client(&sent(40000, TCP_SYN), 0).mark;
+    let m = n.client_sends(&sent(40000, TCP_SYN), 0).mark;
     // The backend's own ingress is not even judged.
     assert_eq!(
         n.h.run_at(Hook::Egress, &dnat(40000, BAD_IP), BAD_IF, m),
@@ -310,7 +310,7 @@ fn a_denied_backend_drops_and_the_client_entry_is_gone() {
     assert_eq!(ev.dst, bytes16(BAD_IP));
     drop(item);
     // The next packet is a new flow: deferred again.
-    assert_eq!(n.from_client(&sent(40000, TCP_ACK), 0).mark, pending());
+    assert_eq!(n.client_sends(&sent(40000, TCP_ACK), 0).mark, pending());
     // A mark naming an interface without an endpoint cannot be judged.
     let stranger = mark::pending(UPLINK_IF).unwrap();
     assert_eq!(
@@ -322,14 +322,14 @@ fn a_denied_backend_drops_and_the_client_entry_is_gone() {
 #[test]
 fn the_uplink_judges_a_remote_backend() {
     let mut n = node("uplink", ENDPOINT_EGRESS_ISOLATED);
-    let m = n.from_client(&sent(40000, TCP_SYN), 0).mark;
+    let m = n.client_sends(&sent(40000, TCP_SYN), 0).mark;
     assert_eq!(
         n.h.run_at(Hook::Uplink, &dnat(40000, REMOTE_GOOD), UPLINK_IF, m),
         run(Verdict::Pass, 0, &[(Reason::AllowPolicy, EGRESS)])
     );
     assert_eq!(n.ct(40000).unwrap().flags & CT_FLAG_PENDING, 0);
     assert_eq!(
-        n.from_client(&sent(40000, TCP_ACK), 0),
+        n.client_sends(&sent(40000, TCP_ACK), 0),
         run(Verdict::Pass, m, &[(Reason::PassService, EGRESS)])
     );
     assert_eq!(
@@ -343,7 +343,7 @@ fn the_uplink_judges_a_remote_backend() {
         run(Verdict::Drop, 0, &[(Reason::DropPolicy, EGRESS)])
     );
     assert!(n.ct(40000).is_none() && n.flow(40000).is_none());
-    let m = n.from_client(&sent(40001, TCP_SYN), 0).mark;
+    let m = n.client_sends(&sent(40001, TCP_SYN), 0).mark;
     assert_eq!(
         n.h.run_at(Hook::Uplink, &dnat(40001, REMOTE_BAD), UPLINK_IF, m),
         run(Verdict::Drop, 0, &[(Reason::DropPolicy, EGRESS)])
@@ -375,12 +375,12 @@ fn foreign_mark_bits_survive() {
     let mut n = node("foreign", ENDPOINT_EGRESS_ISOLATED);
     // Our bits, set by someone else, are replaced; the rest kept.
     let stray = FOREIGN | mark::pending(mark::IFINDEX_MASK).unwrap();
-    let out = n.from_client(&sent(40000, TCP_SYN), stray);
+    let out = n.client_sends(&sent(40000, TCP_SYN), stray);
     assert_eq!(out.mark, FOREIGN | pending());
     let at_backend =
         n.h.run_at(Hook::Egress, &dnat(40000, GOOD_IP), BACKEND_IF, out.mark);
     assert_eq!(at_backend.mark, FOREIGN);
-    let out = n.from_client(&sent(40001, TCP_SYN), FOREIGN);
+    let out = n.client_sends(&sent(40001, TCP_SYN), FOREIGN);
     assert_eq!(out.mark, FOREIGN | pending());
     let at_uplink =
         n.h.run_at(Hook::Uplink, &dnat(40001, REMOTE_GOOD), UPLINK_IF, out.mark);
@@ -390,7 +390,7 @@ fn foreign_mark_bits_survive() {
     );
     // Judged here and not deferred: the mark is left as it came.
     let direct = Packet::tcp(ip(CLIENT_IP), 40002, ip(GOOD_IP), 8080, TCP_SYN).frame();
-    assert_eq!(n.from_client(&direct, FOREIGN).mark, FOREIGN);
+    assert_eq!(n.client_sends(&direct, FOREIGN).mark, FOREIGN);
     let to_client = n.h.run_at(Hook::Egress, &reply(40000), CLIENT_IF, FOREIGN);
     assert_eq!(to_client.mark, FOREIGN);
 }
@@ -399,13 +399,13 @@ fn foreign_mark_bits_survive() {
 fn a_stale_revision_rejudges_against_the_resolved_backend() {
     let mut n = node("stale", ENDPOINT_EGRESS_ISOLATED);
     for sport in [40000, 40001] {
-        let m = n.from_client(&sent(sport, TCP_SYN), 0).mark;
+        let m = n.client_sends(&sent(sport, TCP_SYN), 0).mark;
         n.h.run_at(Hook::Egress, &dnat(sport, GOOD_IP), BACKEND_IF, m);
     }
     // Still allowed under the new revision: on to DNAT.
     n.bump_client();
     assert_eq!(
-        n.from_client(&sent(40000, TCP_ACK), 0),
+        n.client_sends(&sent(40000, TCP_ACK), 0),
         run(Verdict::Pass, pending(), &[(Reason::PassService, EGRESS)])
     );
     assert_eq!(n.ct(40000).unwrap().revision, 2);
@@ -413,12 +413,12 @@ fn a_stale_revision_rejudges_against_the_resolved_backend() {
     n.h.state.policy.clear();
     n.bump_client();
     assert_eq!(
-        n.from_client(&sent(40000, TCP_ACK), 0),
+        n.client_sends(&sent(40000, TCP_ACK), 0),
         run(Verdict::Drop, 0, &[(Reason::DropPolicyChanged, EGRESS)])
     );
     assert!(n.ct(40000).is_none() && n.flow(40000).is_none());
     assert_eq!(
-        n.to_client(&reply(40001)),
+        n.client_gets(&reply(40001)),
         run(Verdict::Drop, 0, &[(Reason::DropPolicyChanged, INGRESS)])
     );
     assert!(n.ct(40001).is_none() && n.flow(40001).is_none());
@@ -429,14 +429,14 @@ fn a_flow_whose_backend_is_unknown_is_judged_after_dnat_again() {
     let mut n = node("unknown", ENDPOINT_EGRESS_ISOLATED);
     // The verdict never came back (the marked packet went nowhere a hook
     // sees), and the revision moved.
-    let m = n.from_client(&sent(40000, TCP_SYN), 0).mark;
+    let m = n.client_sends(&sent(40000, TCP_SYN), 0).mark;
     n.bump_client();
     assert_eq!(
-        n.to_client(&reply(40000)),
+        n.client_gets(&reply(40000)),
         run(Verdict::Pass, 0, &[(Reason::AllowReply, INGRESS)])
     );
     assert_eq!(
-        n.from_client(&sent(40000, TCP_ACK), 0),
+        n.client_sends(&sent(40000, TCP_ACK), 0),
         run(Verdict::Pass, m, &[(Reason::PassService, EGRESS)])
     );
     assert_ne!(n.ct(40000).unwrap().flags & CT_FLAG_PENDING, 0);
@@ -446,11 +446,11 @@ fn a_flow_whose_backend_is_unknown_is_judged_after_dnat_again() {
     n.evict_flow(40000);
     n.bump_client();
     assert_eq!(
-        n.to_client(&reply(40000)),
+        n.client_gets(&reply(40000)),
         run(Verdict::Pass, 0, &[(Reason::AllowReply, INGRESS)])
     );
     assert_eq!(
-        n.from_client(&sent(40000, TCP_ACK), 0),
+        n.client_sends(&sent(40000, TCP_ACK), 0),
         run(Verdict::Pass, m, &[(Reason::PassService, EGRESS)])
     );
     assert_eq!(
@@ -482,33 +482,33 @@ fn a_verdict_after_dnat_lands_only_on_its_own_flow() {
     // never reaches a hook after DNAT (a TTL of 1, an MTU too small).
     let good = sent_to(FRONTEND, 5000, TCP_SYN);
     let bad = sent_to(OTHER_FRONTEND, 5000, TCP_SYN);
-    let m = n.from_client(&good, 0).mark;
+    let m = n.client_sends(&good, 0).mark;
     // Another frontend from the same port, while the first lives: refused.
     assert_eq!(
-        n.from_client(&bad, 0),
+        n.client_sends(&bad, 0),
         run(Verdict::Drop, 0, &[(Reason::DropPolicy, EGRESS)])
     );
     // The first flow's verdict is its own.
     n.h.run_at(Hook::Egress, &dnat(5000, GOOD_IP), BACKEND_IF, m);
     assert!(n.ct_to(OTHER_FRONTEND, 5000).is_none());
-    assert_eq!(n.from_client(&bad, 0).verdict, Verdict::Drop);
+    assert_eq!(n.client_sends(&bad, 0).verdict, Verdict::Drop);
 
     // The key forgotten (evicted) while the first flow waits: a second
     // frontend takes it; the first flow's packets then are new, refused
     // while the second lives, and never decide the second.
     let good = sent_to(FRONTEND, 6000, TCP_SYN);
     let bad = sent_to(OTHER_FRONTEND, 6000, TCP_SYN);
-    n.from_client(&good, 0);
+    n.client_sends(&good, 0);
     n.evict_flow(6000);
-    assert_eq!(n.from_client(&bad, 0).mark, m);
+    assert_eq!(n.client_sends(&bad, 0).mark, m);
     assert_eq!(
-        n.from_client(&good, 0),
+        n.client_sends(&good, 0),
         run(Verdict::Drop, 0, &[(Reason::DropPolicy, EGRESS)])
     );
     assert!(n.ct_to(FRONTEND, 6000).is_none());
     let flow = n.flow(6000).unwrap();
     assert_eq!(flow.frontend, bytes16(OTHER_FRONTEND));
-    let again = n.from_client(&bad, 0);
+    let again = n.client_sends(&bad, 0);
     assert_eq!(
         (again.verdict, again.mark),
         (Verdict::Pass, m),
@@ -525,7 +525,7 @@ fn an_icmp_error_about_a_stale_flow_is_judged_against_the_backend() {
     let world = PolicyKey::new(CLIENT, EGRESS, WORLD, TCP, 16, 80);
     n.h.allow(world);
     n.h.sync();
-    let m = n.from_client(&sent(40000, TCP_SYN), 0).mark;
+    let m = n.client_sends(&sent(40000, TCP_SYN), 0).mark;
     n.h.run_at(Hook::Egress, &dnat(40000, GOOD_IP), BACKEND_IF, m);
     let quoted = Packet::tcp(ip(CLIENT_IP), 40000, ip(FRONTEND), 80, TCP_SYN);
     let error = Packet::new(
@@ -537,17 +537,17 @@ fn an_icmp_error_about_a_stale_flow_is_judged_against_the_backend() {
     )
     .frame();
     assert_eq!(
-        n.to_client(&error),
+        n.client_gets(&error),
         run(Verdict::Pass, 0, &[(Reason::AllowRelated, INGRESS)])
     );
     n.h.state.policy.retain(|k, _| *k == world);
     n.bump_client();
     assert_eq!(
-        n.to_client(&error),
+        n.client_gets(&error),
         run(Verdict::Drop, 0, &[(Reason::DropPolicyChanged, INGRESS)])
     );
     assert_eq!(
-        n.from_client(&sent(40000, TCP_ACK), 0),
+        n.client_sends(&sent(40000, TCP_ACK), 0),
         run(Verdict::Pass, m, &[(Reason::PassService, EGRESS)])
     );
 }
