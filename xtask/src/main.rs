@@ -50,11 +50,11 @@ enum Task {
     /// Run every benchmark (root) and write docs/BENCHMARKS.md and
     /// docs/benchmarks.json.
     Bench {
-        /// Run only these benchmarks (datapath, system, control_plane,
-        /// compile, cni) and regenerate only their blocks.
-        #[arg(long)]
+        /// Run only these benchmarks (the others' last results in
+        /// target/bench-results are rendered as they are).
+        #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
-        /// Regenerate the blocks from the results already in
+        /// Render the blocks from the results already in
         /// target/bench-results, without running anything.
         #[arg(long)]
         no_run: bool,
