@@ -212,7 +212,7 @@ fn a_drop_of_an_unenforced_peer_is_reported() {
 fn cost_of_the_catchall() {
     use aya::programs::{TestRun as _, TestRunOptions};
     let mut h = node(true);
-    let mut ns = |h: &mut Harness, frame: &[u8]| -> f64 {
+    let ns = |h: &mut Harness, frame: &[u8]| -> f64 {
         let prog = h.dp.program(Hook::Ingress).unwrap();
         let mut v: Vec<f64> = (0..15)
             .map(|_| {
