@@ -308,7 +308,10 @@ impl Run {
                 icmp_type,
                 hop_limit: 64,
                 quoted: None,
+                mark: 0,
             })
+            .judgement
+            .expect("an unmarked packet at a pod's hook is judged")
             .reason
     }
 

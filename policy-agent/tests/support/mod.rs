@@ -6,3 +6,4 @@ pub mod conformance;
 pub mod fake_apiserver;
 pub mod harness;
 pub mod netfilter;
+pub mod testns;

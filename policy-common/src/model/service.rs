@@ -13,11 +13,15 @@
 //!    a marked packet is the client's egress to where it landed: judged
 //!    there ([`Datapath::after_dnat`]); allowed, the client's flow learns
 //!    the backend and is no longer pending; denied, the flow is forgotten
-//!    and the packet dropped. The mark is cleared either way.
+//!    and the packet dropped. A packet of a judged flow that lands on the
+//!    backend the flow learnt is established there. The mark is cleared
+//!    either way.
 //! 3. Later packets of the flow at the client ([`Datapath::service_hit`]):
 //!    while pending, what the client sends is deferred again and what
-//!    reaches it is a reply; once judged, established and reply as any
-//!    flow. On a revision change the flow is judged again against the
+//!    reaches it is a reply; once judged, what the client sends is still
+//!    sent on with the mark (DNAT may choose anew: kube-proxy deletes a
+//!    UDP flow's conntrack entry when its endpoint leaves) and a reply
+//!    passes. On a revision change the flow is judged again against the
 //!    backend it landed on; if that is not known, its packets are judged
 //!    after DNAT again (a reply passes). A pending or stale flow whose key
 //!    now names another frontend, or none, is forgotten: its packet is
@@ -98,6 +102,20 @@ impl Datapath {
             // The client is gone: nothing to judge its egress by.
             return verdict(Reason::DropPolicy);
         };
+        let key = ServiceKey {
+            ifindex: client,
+            src: pkt.src,
+            sport: pkt.sport,
+            protocol: pkt.protocol,
+        };
+        if self
+            .services
+            .get(&key)
+            .is_some_and(|s| s.backend == Some((pkt.dst, pkt.dport)))
+        {
+            // Where it was judged (at the client, on a policy change).
+            return verdict(Reason::AllowEstablished);
+        }
         let judged = self.maps.judge(
             &ep,
             direction::EGRESS,
@@ -105,12 +123,6 @@ impl Datapath {
             pkt.protocol,
             pkt.policy_port(),
         );
-        let key = ServiceKey {
-            ifindex: client,
-            src: pkt.src,
-            sport: pkt.sport,
-            protocol: pkt.protocol,
-        };
         if let Some(state) = self.services.get_mut(&key) {
             let flow = Flow {
                 ifindex: client,
@@ -247,7 +259,10 @@ impl Datapath {
         if closing && let Some(st) = self.flows.get_mut(&flow) {
             st.closing = true;
         }
-        Some(verdict(hit))
+        // Judged, yet DNAT may send it elsewhere (kube-proxy deletes a UDP
+        // flow's conntrack entry when its endpoint leaves; a reused tuple
+        // meets a new choice): checked after DNAT again.
+        Some(verdict(if forward { Reason::PassService } else { hit }))
     }
 
     /// An ICMP error about a Service flow: related while pending or still

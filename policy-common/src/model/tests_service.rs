@@ -202,13 +202,33 @@ fn allowed_after_dnat_the_flow_is_established() {
         protocol: proto::TCP,
     };
     assert_eq!(dp.services[&key].backend, Some((good(), 8080)));
+    // Judged: still checked after DNAT, established on its backend.
     let out = dp.classify(&sent(40000, TCP_ACK));
-    assert_eq!(out.reason(), Some(Reason::AllowEstablished));
-    assert_eq!(out.mark, 0, "a judged flow is not marked");
+    assert_eq!(out.reason(), Some(Reason::PassService));
+    assert_eq!(out.mark, m, "a judged flow is still marked");
+    let out = dp.classify(&dnat(40000, good(), m));
+    assert_eq!(
+        out.after_dnat.map(|j| j.reason),
+        Some(Reason::AllowEstablished)
+    );
     assert_eq!(
         dp.classify(&reply(40000)).reason(),
         Some(Reason::AllowReply)
     );
+}
+
+/// kube-proxy deletes a UDP flow's conntrack entry when its endpoint
+/// leaves, and the next datagram meets a new choice: a judged flow that
+/// lands elsewhere is judged there.
+#[test]
+fn a_judged_flow_that_lands_on_another_backend_is_judged_again() {
+    let mut dp = setup(ENDPOINT_EGRESS_ISOLATED);
+    let m = dp.classify(&sent(40000, TCP_SYN)).mark;
+    dp.classify(&dnat(40000, good(), m));
+    assert_eq!(dp.classify(&sent(40000, TCP_ACK)).mark, m);
+    let out = dp.uplink(&dnat(40000, bad(), m));
+    assert_eq!(out.reason(), Some(Reason::DropPolicy));
+    assert!(dp.flows.is_empty() && dp.services.is_empty());
 }
 
 #[test]
@@ -249,6 +269,10 @@ fn the_uplink_judges_marked_packets_only() {
     assert_eq!(out.mark, 0);
     assert_eq!(
         dp.classify(&sent(40000, TCP_ACK)).reason(),
+        Some(Reason::PassService)
+    );
+    assert_eq!(
+        dp.uplink(&dnat(40000, good(), m)).reason(),
         Some(Reason::AllowEstablished)
     );
 }
@@ -264,12 +288,13 @@ fn a_revision_change_rejudges_against_the_backend() {
         let ep = dp.maps.endpoints.get_mut(&CLIENT_IF).unwrap();
         ep.revision += 1;
     };
-    // Still allowed: established, under the new revision.
+    // Still allowed: on to DNAT, under the new revision.
     bump(&mut dp);
     assert_eq!(
         dp.classify(&sent(40000, TCP_ACK)).reason(),
-        Some(Reason::AllowEstablished)
+        Some(Reason::PassService)
     );
+    assert_eq!(dp.flows[&Flow::of(&sent(40000, TCP_ACK))].revision, 2);
     // The backend is no longer allowed: the reply is cut, and the flow.
     dp.maps.policy.clear();
     bump(&mut dp);
@@ -361,7 +386,8 @@ fn a_second_frontend_on_one_source_port_is_refused_while_the_first_lives() {
     assert_eq!(dp.classify(&second).reason(), Some(Reason::DropPolicy));
     // ...and the verdict on the first is the first's.
     dp.classify(&dnat(40000, good(), m));
-    assert_eq!(dp.classify(&first).reason(), Some(Reason::AllowEstablished));
+    assert_eq!(dp.classify(&first).reason(), Some(Reason::PassService));
+    assert!(!dp.flows[&Flow::of(&first)].pending);
     assert_eq!(dp.classify(&second).reason(), Some(Reason::DropPolicy));
     // Once the first is gone, the second may go.
     dp.flows.clear();
