@@ -25,7 +25,9 @@ use super::{
 };
 use crate::{
     cluster::{ObjectKind, PodRef, Problem},
-    datapath::{self, Datapath, Desired, Interface, InterfaceCache, SyncReport},
+    datapath::{
+        self, Datapath, Desired, Interface, InterfaceCache, SyncReport, resolve_interfaces,
+    },
     identity::IdentityAllocator,
     mapstate::{MapOp, MapState, assign_revisions, diff},
     metrics::MetricsSource,
@@ -68,13 +70,20 @@ impl BpfDriver {
     ) -> Result<SyncReport, Error> {
         let t = std::time::Instant::now();
         let mut report = SyncReport::default();
+        let links_changed = self.interfaces.take_links_changed();
+        let link_writes = if links_changed && self.last.is_some() {
+            link_ops(&self.interfaces, desired)
+        } else {
+            Vec::new()
+        };
         let incremental = self.last.is_some() && !self.interfaces.needs_full_pass();
         if incremental {
-            let ops: Vec<MapOp<PodRef>> = ops
+            let mut ops: Vec<MapOp<PodRef>> = ops
                 .iter()
                 .filter(|op| !touches_range(op, &self.service_ranges))
                 .cloned()
                 .collect();
+            ops.extend(link_writes);
             sync_ops(
                 &mut self.dp,
                 &mut self.last,
@@ -84,6 +93,14 @@ impl BpfDriver {
                 &ops,
                 &mut report,
             )?;
+            if links_changed && let Some(state) = &self.last {
+                // A new interface that is no pod's carries the uplink
+                // classifiers from now on; one that became a pod's loses
+                // them.
+                let pods: BTreeSet<u32> = state.endpoints.keys().copied().collect();
+                let ingress = !self.enforcement.ranges().is_empty();
+                sync_uplinks(&mut self.dp, &pods, ingress, false, &mut report);
+            }
         } else {
             sync_full(
                 &mut self.dp,
@@ -136,7 +153,7 @@ impl Datapath for BpfDriver {
     }
 
     fn links_changed(&mut self) {
-        self.interfaces.clear();
+        self.interfaces.links_changed();
     }
 
     /// The drop log is retried until it runs; the kernel log follower is
@@ -174,6 +191,34 @@ impl Datapath for BpfDriver {
 /// of the same prefix are left out.
 fn touches_range<K>(op: &MapOp<K>, ranges: &[ipnet::IpNet]) -> bool {
     matches!(op, MapOp::UpsertService(net, _) | MapOp::DeleteService(net) if ranges.contains(net))
+}
+
+/// After a link or pod-route event, without a full pass: every local
+/// pod's interface is looked up again (one route lookup per address, no
+/// map read or state diff), and the endpoint writes follow what moved: a
+/// pod whose interface changed or went loses its entry (and the old
+/// interface its classifiers), then a pod with an interface it did not
+/// have gets its entry and is attached as any new endpoint. The periodic
+/// resync re-verifies every attachment.
+fn link_ops(cache: &InterfaceCache, desired: &Desired<'_>) -> Vec<MapOp<PodRef>> {
+    let (current, _) = resolve_interfaces(desired.local_pods);
+    let mut deletes = Vec::new();
+    let mut upserts = Vec::new();
+    for pod in desired.local_pods.keys() {
+        let now = current.get(pod);
+        let cached = cache.get(pod);
+        if cached == now {
+            continue;
+        }
+        if cached.is_some() {
+            deletes.push(MapOp::DeleteEndpoint(pod.clone()));
+        }
+        if let (Some(_), Some(info)) = (now, desired.maps.endpoints.get(pod)) {
+            upserts.push(MapOp::UpsertEndpoint(pod.clone(), *info));
+        }
+    }
+    deletes.extend(upserts);
+    deletes
 }
 
 /// What a full pass writes: the compiled state and the driver's own
