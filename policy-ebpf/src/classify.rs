@@ -542,10 +542,10 @@ pub fn uplink(ctx: &TcContext) -> i32 {
     };
     // SAFETY: this CPU's slot; programs do not nest on one CPU.
     let s = unsafe { &mut *scratch };
-    if after_dnat(ctx, s, config_flags()) {
-        PASS
-    } else {
+    if !after_dnat(ctx, s, config_flags()) || crate::catchall::uplink_out_unenforced(ctx, s) {
         DROP
+    } else {
+        PASS
     }
 }
 
@@ -641,6 +641,9 @@ fn decide(
         if addr_eq(&pkt.src, &pkt.dst) {
             return (Reason::AllowSelf, unknown);
         }
+    }
+    if crate::catchall::peer_unenforced(pkt, dir) {
+        return (Reason::DropUnenforced, unknown);
     }
     if pkt.frag == FRAG_LATER {
         fill_frag_key(&mut s.frag, ifindex, pkt);

@@ -26,7 +26,8 @@ enum Task {
     /// Install what this machine lacks (apt packages, nightly rust-src,
     /// bpf-linker with LLVM 22). Idempotent; a second run takes seconds.
     Setup,
-    /// Build the agent (with the embedded eBPF object), release profile.
+    /// Build the agent (with the embedded eBPF object) and the CNI plugin,
+    /// release profile.
     Build,
     /// Set up, check formatting and lints, and run every test, the root
     /// kernel tests included.
@@ -53,6 +54,10 @@ enum Task {
         /// target/bench-results are rendered as they are).
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
+        /// Render the blocks from the results already in
+        /// target/bench-results, without running anything.
+        #[arg(long)]
+        no_run: bool,
     },
     /// Create a kind cluster (docker, kind and kubectl needed), deploy the
     /// agent as a DaemonSet and run a smoke check.
@@ -148,7 +153,14 @@ fn main() -> anyhow::Result<()> {
         Task::Setup => setup(),
         Task::Build => {
             setup()?;
-            run(cargo().args(["build", "--release", "-p", "policy-agent"]))
+            run(cargo().args([
+                "build",
+                "--release",
+                "-p",
+                "policy-agent",
+                "-p",
+                "policy-cni",
+            ]))
         }
         Task::Test { no_lint, args } => {
             // The suite CI runs is always the whole suite: switches that
@@ -219,10 +231,12 @@ fn main() -> anyhow::Result<()> {
             }
             std::process::exit(out.status)
         }
-        Task::Bench { only } => {
-            setup()?;
-            require_root("the benchmarks")?;
-            bench::run(&root(), &only)
+        Task::Bench { only, no_run } => {
+            if !no_run {
+                setup()?;
+                require_root("the benchmarks")?;
+            }
+            bench::run(&root(), &only, !no_run)
         }
         Task::Demo { manifests, node } => {
             setup()?;

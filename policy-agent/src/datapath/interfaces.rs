@@ -157,6 +157,11 @@ impl InterfaceCache {
         self.found.get(pod).map(|(_, i)| i)
     }
 
+    /// The addresses `pod`'s interface was last found for.
+    pub fn ips(&self, pod: &PodRef) -> Option<&[IpAddr]> {
+        self.found.get(pod).map(|(ips, _)| ips.as_slice())
+    }
+
     /// Drops a pod that is gone, returning the interface it had.
     pub fn forget(&mut self, pod: &PodRef) -> Option<Interface> {
         self.found.remove(pod).map(|(_, i)| i)
