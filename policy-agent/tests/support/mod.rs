@@ -6,4 +6,5 @@ pub mod conformance;
 pub mod fake_apiserver;
 pub mod harness;
 pub mod netfilter;
+pub mod services;
 pub mod testns;
