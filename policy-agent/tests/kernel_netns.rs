@@ -5,6 +5,8 @@
 //! Needs root.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use std::{
     collections::BTreeMap,
     net::{IpAddr, SocketAddr},
@@ -28,10 +30,12 @@ use policy_common::{
     policy::{PolicyEntry, PolicyKey},
     proto::TCP,
 };
+use support::deadline::scaled;
 
 const A: u32 = 300;
 const B: u32 = 301;
 const C: u32 = 302;
+/// How long the probes of one matrix wait, on the host ([`scaled`]).
 const TIMEOUT: Duration = Duration::from_millis(400);
 
 fn ip(s: &str) -> IpAddr {
@@ -203,7 +207,7 @@ fn probe_everything(node: &SimNode) -> Results {
         })
         .collect();
     let per_source: Vec<Vec<Probe>> = sources.iter().map(|_| targets.clone()).collect();
-    let raw = matrix(&sources, &per_source, TIMEOUT).unwrap();
+    let raw = matrix(&sources, &per_source, scaled(TIMEOUT)).unwrap();
     raw.into_iter()
         .map(|((i, p), o)| ((names[i].clone(), p.to, p.transport), o))
         .collect()

@@ -10,13 +10,18 @@ use std::{
     time::{Duration, Instant},
 };
 
+use super::deadline::scaled;
 use policy_agent::{
     datapath::bpf::PinLayout,
     sim::{Matrix, NODE_ROW, Outcome, Servers, SimNode, SimPod, Target, Transport, cleanup_prefix},
 };
 
 pub const AGENT: &str = env!("CARGO_BIN_EXE_policy-agent");
+/// How long the probes of one matrix wait, together, on the host (see
+/// [`scaled`]): a cell is open only if its reply came within it.
 pub const PROBE_TIMEOUT: Duration = Duration::from_millis(350);
+/// How long `run` may take to be ready, on the host.
+pub const DAEMON_READY: Duration = Duration::from_secs(20);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
@@ -311,7 +316,7 @@ impl Conformance {
             .unwrap();
         self.daemon = Some(child);
         // Ready once the first sync is enforced.
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + scaled(DAEMON_READY);
         while Instant::now() < deadline {
             if self.http_get(port, "/readyz").starts_with("HTTP/1.1 200") {
                 return;
@@ -362,7 +367,9 @@ impl Conformance {
     }
 
     pub fn matrix(&self) -> Matrix {
-        self.node().probe_matrix(PROBE_TIMEOUT, true).unwrap()
+        self.node()
+            .probe_matrix(scaled(PROBE_TIMEOUT), true)
+            .unwrap()
     }
 
     /// Compares the whole matrix with `expect(from, to, port, transport)`
@@ -378,13 +385,15 @@ impl Conformance {
         );
     }
 
-    /// Re-checks until the matrix matches (for `run` mode), up to `within`.
+    /// Re-checks until the matrix matches (for `run` mode), up to `within`
+    /// ([`scaled`]).
     pub fn eventually(
         &self,
         what: &str,
         within: Duration,
         expect: impl Fn(&str, &str, u16, Transport) -> bool,
     ) -> Duration {
+        let within = scaled(within);
         let start = Instant::now();
         loop {
             let m = self.matrix();

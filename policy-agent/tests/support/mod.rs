@@ -2,5 +2,6 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 pub mod conformance;
+pub mod deadline;
 pub mod fake_apiserver;
 pub mod harness;
