@@ -51,9 +51,9 @@ pub enum Accel {
 pub struct VmOutput {
     /// The command's exit status (128 + N for signal N).
     pub status: i32,
-    // Read by callers that capture (`cargo xtask vm` streams instead).
-    #[allow(dead_code)]
+    /// What the command wrote (also when streamed).
     pub stdout: String,
+    // Read by callers that capture (none yet).
     #[allow(dead_code)]
     pub stderr: String,
     /// `uname -r` in the guest.
