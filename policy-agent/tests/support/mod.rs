@@ -5,3 +5,4 @@ pub mod conformance;
 pub mod deadline;
 pub mod fake_apiserver;
 pub mod harness;
+pub mod map_reset;
