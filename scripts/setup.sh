@@ -4,8 +4,9 @@
 set -euo pipefail
 
 need_apt=()
-# qemu-system-x86, busybox-static, kmod and xz-utils: the test VM (`cargo xtask vm`).
-for pkg in llvm-22-dev bpftool iptables ipset conntrack iproute2 iputils-ping iperf3 \
+# qemu-system-x86, busybox-static, kmod and xz-utils: the test VM (`cargo xtask vm`);
+# nftables: the kube-proxy stand-in's nftables mode.
+for pkg in llvm-22-dev bpftool iptables ipset conntrack nftables iproute2 iputils-ping iperf3 \
   qemu-system-x86 busybox-static kmod xz-utils; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need_apt+=("$pkg")
 done

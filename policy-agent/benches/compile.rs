@@ -5,13 +5,17 @@
 //!
 //! Before the timings it prints the size of the compiled state (entries,
 //! bytes by entry size, and live heap bytes measured by a counting
-//! allocator) for 1,000 to 10,000 pods.
+//! allocator) for 1,000 to 10,000 pods. Everything it prints, and
+//! criterion's medians, go to target/bench-results/compile.json, from
+//! which `cargo xtask bench` writes the compiler tables of
+//! docs/BENCHMARKS.md.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::{
     alloc::{GlobalAlloc, Layout, System},
     hint::black_box,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    path::Path,
     sync::atomic::{AtomicIsize, Ordering},
     time::{Duration, Instant},
 };
@@ -222,11 +226,12 @@ fn measure(pods: usize, options: CompileOptions) -> Size {
     size
 }
 
-fn report() {
+fn report() -> Vec<serde_json::Value> {
     println!(
         "| pods | policies | local endpoints | policy entries | ipcache entries | identities | entries × size | live heap (compiler) | one full compile |"
     );
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut rows = Vec::new();
     for (pods, options) in [
         (1_000, CompileOptions::default()),
         (2_000, CompileOptions::default()),
@@ -246,6 +251,7 @@ fn report() {
         ),
     ] {
         let s = measure(pods, options);
+        let mib = |b: f64| b / (1 << 20) as f64;
         println!(
             "| {}{} | {} | {} | {} | {} | {} | {:.1} MiB | {:.1} MiB | {:.0} ms |",
             s.pods,
@@ -259,15 +265,22 @@ fn report() {
             s.policy,
             s.ipcache,
             s.identities,
-            s.entry_bytes as f64 / (1 << 20) as f64,
-            s.heap_bytes as f64 / (1 << 20) as f64,
+            mib(s.entry_bytes as f64),
+            mib(s.heap_bytes as f64),
             s.compile.as_secs_f64() * 1e3,
         );
+        rows.push(serde_json::json!({
+            "pods": s.pods, "all_local": options.all_pods_local, "policies": s.pods / 10,
+            "local_endpoints": s.local, "policy_entries": s.policy, "ipcache_entries": s.ipcache,
+            "identities": s.identities, "entries_mib": mib(s.entry_bytes as f64),
+            "heap_mib": mib(s.heap_bytes as f64), "one_compile_ms": s.compile.as_secs_f64() * 1e3,
+        }));
     }
+    rows
 }
 
 /// One local relabel at 10k pods: incremental vs recompiling and diffing.
-fn report_relabel() {
+fn report_relabel() -> serde_json::Value {
     let mut state = cluster(10_000, 7);
     let mut ids = IdentityAllocator::new();
     let mut compiler = Compiler::build(&state, &mut ids, CompileOptions::default());
@@ -290,6 +303,29 @@ fn report_relabel() {
         incremental.as_secs_f64() * 1e3,
         recompile.as_secs_f64() * 1e3
     );
+    serde_json::json!({
+        "ops": ops.len(), "incremental_ms": incremental.as_secs_f64() * 1e3,
+        "full_compile_and_diff_ms": recompile.as_secs_f64() * 1e3,
+    })
+}
+
+/// Criterion's median of one benchmark, in ms (None if it did not run
+/// since `since`).
+fn criterion_median_ms(group: &str, name: &str, since: std::time::SystemTime) -> Option<f64> {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    let path = target
+        .join("criterion")
+        .join(group)
+        .join(name)
+        .join("new/estimates.json");
+    if std::fs::metadata(&path).ok()?.modified().ok()? < since {
+        return None;
+    }
+    let text = std::fs::read_to_string(path).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    Some(v["median"]["point_estimate"].as_f64()? / 1e6)
 }
 
 /// A pod of `state` on the local node (or not), for the relabel benchmark.
@@ -406,15 +442,45 @@ fn bench_policy_update(c: &mut Criterion) {
     g.finish();
 }
 
+/// Every benchmark: (criterion group, name).
+const BENCHES: [(&str, &str); 7] = [
+    ("full_compile", "1k_pods"),
+    ("full_compile", "10k_pods_500_local"),
+    ("full_compile", "10k_pods_all_local"),
+    ("relabel_one_pod_diff", "10k_pods_local_pod"),
+    ("relabel_one_pod_diff", "10k_pods_remote_pod"),
+    ("relabel_one_pod_diff", "10k_pods_all_local"),
+    ("policy_update_diff", "10k_pods_one_policy_no_new_cidr"),
+];
+
 fn main() {
     let mut c = Criterion::default().configure_from_args();
     // `cargo test --benches` runs this in test mode: skip the long report.
-    if !std::env::args().any(|a| a == "--test" || a == "--list") {
-        report();
-        report_relabel();
+    let full = !std::env::args().any(|a| a == "--test" || a == "--list");
+    let mut json = serde_json::json!({});
+    let started = std::time::SystemTime::now();
+    if full {
+        json["sizes"] = serde_json::Value::Array(report());
+        json["relabel"] = report_relabel();
     }
     bench_full(&mut c);
     bench_relabel(&mut c);
     bench_policy_update(&mut c);
     c.final_summary();
+    if full {
+        let mut medians = serde_json::Map::new();
+        for (group, name) in BENCHES {
+            if let Some(ms) = criterion_median_ms(group, name, started) {
+                medians.insert(format!("{group}/{name}"), serde_json::json!(ms));
+            }
+        }
+        json["median_ms"] = serde_json::Value::Object(medians);
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-results");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("compile.json"),
+            serde_json::to_string_pretty(&json).unwrap(),
+        )
+        .unwrap();
+    }
 }

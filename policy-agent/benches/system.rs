@@ -2,13 +2,21 @@
 //! and first-packet latency of new connections between two pods, with no
 //! program, through the BPF classifiers, and through the iptables
 //! fallback, at 10, 100 and 1,000 policies over 10,000 pods; and the time
-//! the iptables fallback takes to render and apply 1,000 policies. Needs
-//! root and iperf3. `cargo bench -p policy-agent --bench system`.
+//! each takes to apply. Needs root and iperf3.
+//! `cargo bench -p policy-agent --bench system`.
+//!
+//! Measured in rounds: in every round, each configuration is measured
+//! right after a baseline with nothing installed (the same warm-up before
+//! both), so every ratio is taken within a round and the figures are
+//! medians over rounds; a shared machine drifts by more between minutes
+//! than between neighbouring measurements. The policy is checked in force
+//! (a third pod's connection is refused by it, the client's passes) before
+//! and after each measurement.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::{
     fmt::Write as _,
-    io::{Read as _, Write as _},
+    io::Read as _,
     net::{IpAddr, SocketAddr, TcpStream},
     path::Path,
     process::Stdio,
@@ -22,13 +30,20 @@ const PREFIX: &str = "bsys";
 const PINS: &str = "/sys/fs/bpf/policy-agent-bench-sys";
 const REMOTE_PODS: usize = 10_000;
 const CONNECTS: usize = 1500;
-const IPERF_SECONDS: &str = "4";
+/// Connections made (and not measured) before every measurement.
+const WARM_CONNECTS: usize = 200;
+const IPERF_SECONDS: &str = "2";
+const ROUNDS: usize = 5;
 
 fn client_ip() -> IpAddr {
     "10.244.0.10".parse().unwrap()
 }
 fn server_ip() -> IpAddr {
     "10.244.0.11".parse().unwrap()
+}
+/// A pod the server's policy does not allow.
+fn intruder_ip() -> IpAddr {
+    "10.244.0.12".parse().unwrap()
 }
 
 /// Namespaces, the two local pods, 10,000 remote pods, and `policies`
@@ -42,7 +57,11 @@ fn manifests(policies: usize) -> String {
             ns % 10
         );
     }
-    for (name, ip) in [("client", client_ip()), ("server", server_ip())] {
+    for (name, ip) in [
+        ("client", client_ip()),
+        ("server", server_ip()),
+        ("intruder", intruder_ip()),
+    ] {
         let _ = write!(
             out,
             "---\napiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: ns000, labels: {{app: {name}}}}}\nspec: {{nodeName: node-1, containers: [{{name: c, image: x}}]}}\nstatus: {{podIPs: [{{ip: {ip}}}]}}\n"
@@ -94,18 +113,25 @@ fn agent(node: &SimNode, args: &[&str]) -> Duration {
 }
 
 /// Sequential new connections (connect and read the greeting): the
-/// first-packet path of every connection, both directions.
+/// first-packet path of every connection, both directions. The first
+/// `WARM_CONNECTS` are not measured. (mean, p50, p99) in µs.
 fn connect_latency(client: &NetNs, to: SocketAddr) -> (f64, f64, f64) {
     let handle = client
         .spawn(move || {
             let mut samples = Vec::with_capacity(CONNECTS);
             let mut buf = [0u8; 3];
-            for _ in 0..CONNECTS {
+            for i in 0..WARM_CONNECTS + CONNECTS {
                 let t = Instant::now();
                 let mut s = TcpStream::connect_timeout(&to, Duration::from_secs(2)).unwrap();
                 s.read_exact(&mut buf).unwrap();
-                samples.push(t.elapsed());
-                let _ = s.write_all(b"");
+                if i >= WARM_CONNECTS {
+                    samples.push(t.elapsed());
+                }
+                // Closed with a reset: tens of thousands of connections to
+                // one server port would otherwise fill the ephemeral ports
+                // with TIME_WAIT, and connect() would slow down searching
+                // for a free one (then fail).
+                let _ = socket2::SockRef::from(&s).set_linger(Some(Duration::ZERO));
             }
             samples
         })
@@ -119,6 +145,44 @@ fn connect_latency(client: &NetNs, to: SocketAddr) -> (f64, f64, f64) {
         us(samples[samples.len() / 2]),
         us(samples[samples.len() * 99 / 100]),
     )
+}
+
+/// Whether a TCP connection from `from` to the server's port 80 is
+/// answered within 300 ms.
+fn connects(from: &NetNs, to: SocketAddr) -> bool {
+    from.spawn(move || {
+        TcpStream::connect_timeout(&to, Duration::from_millis(300))
+            .and_then(|mut s| {
+                let mut buf = [0u8; 3];
+                s.set_read_timeout(Some(Duration::from_millis(300)))?;
+                s.read_exact(&mut buf)
+            })
+            .is_ok()
+    })
+    .unwrap()
+    .join()
+    .unwrap()
+    .unwrap()
+}
+
+/// The server's policy is in force: the client gets through, the
+/// intruder does not (no policy: both do).
+fn assert_enforced(node: &SimNode, to: SocketAddr, enforced: bool, when: &str) {
+    assert!(
+        connects(&node.pods[0].netns, to),
+        "{when}: the client is refused"
+    );
+    assert_eq!(
+        connects(&node.pods[2].netns, to),
+        !enforced,
+        "{when}: the intruder is {}",
+        if enforced { "let in" } else { "refused" }
+    );
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 fn iperf(node: &SimNode) -> f64 {
@@ -146,6 +210,11 @@ fn iperf(node: &SimNode) -> f64 {
         .output()
         .unwrap();
     let _ = srv.wait();
+    assert!(
+        out.status.success(),
+        "iperf3: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("iperf3 JSON");
     v["end"]["sum_received"]["bits_per_second"]
         .as_f64()
@@ -153,23 +222,39 @@ fn iperf(node: &SimNode) -> f64 {
         / 1e9
 }
 
+/// One measurement: connection latency (mean, p50, p99 in µs) and, if
+/// asked, iperf3 throughput (Gbit/s). Warmed the same way every time.
+#[derive(Clone, Copy)]
+struct Sample {
+    mean: f64,
+    p50: f64,
+    p99: f64,
+    gbps: Option<f64>,
+}
+
+fn measure(node: &SimNode, to: SocketAddr, with_iperf: bool) -> Sample {
+    let (mean, p50, p99) = connect_latency(&node.pods[0].netns, to);
+    Sample {
+        mean,
+        p50,
+        p99,
+        gbps: with_iperf.then(|| iperf(node)),
+    }
+}
+
 fn main() {
     cleanup_prefix(PREFIX);
+    let pod = |name: &str, ip: IpAddr, tcp: Vec<u16>| SimPod {
+        namespace: "ns000".into(),
+        name: name.into(),
+        ips: vec![ip],
+        tcp_ports: tcp,
+        udp_ports: vec![],
+    };
     let pods = vec![
-        SimPod {
-            namespace: "ns000".into(),
-            name: "client".into(),
-            ips: vec![client_ip()],
-            tcp_ports: vec![],
-            udp_ports: vec![],
-        },
-        SimPod {
-            namespace: "ns000".into(),
-            name: "server".into(),
-            ips: vec![server_ip()],
-            tcp_ports: vec![80],
-            udp_ports: vec![],
-        },
+        pod("client", client_ip(), vec![]),
+        pod("server", server_ip(), vec![80]),
+        pod("intruder", intruder_ip(), vec![]),
     ];
     let node = SimNode::create(PREFIX, &pods).unwrap();
     let _servers = Servers::start(&node).unwrap();
@@ -178,20 +263,18 @@ fn main() {
     std::fs::create_dir_all(&dir).unwrap();
     let dir_s = dir.to_str().unwrap().to_owned();
     let to = SocketAddr::new(server_ip(), 80);
-    let mut results = serde_json::Map::new();
-    let mut report = String::new();
-
-    let (mean, p50, p99) = connect_latency(&node.pods[0].netns, to);
-    let base_gbps = iperf(&node);
-    let _ = writeln!(
-        report,
-        "no program: {base_gbps:.2} Gbit/s; new connection mean {mean:.0} us, p50 {p50:.0} us, p99 {p99:.0} us"
-    );
-    results.insert("none".into(), serde_json::json!({"iperf_gbps": base_gbps, "connect_mean_us": mean, "connect_p50_us": p50, "connect_p99_us": p99}));
-
-    for datapath in ["bpf", "iptables"] {
-        for policies in [10usize, 100, 1000] {
-            std::fs::write(dir.join("cluster.yaml"), manifests(policies)).unwrap();
+    let configs: Vec<(&str, usize)> = ["bpf", "iptables"]
+        .into_iter()
+        .flat_map(|d| [10usize, 100, 1000].map(|p| (d, p)))
+        .collect();
+    // Per configuration: (apply ms, baseline sample, measured sample) per round.
+    let mut samples: Vec<Vec<(f64, Sample, Sample)>> = vec![Vec::new(); configs.len()];
+    for round in 0..ROUNDS {
+        for (i, (datapath, policies)) in configs.iter().enumerate() {
+            let with_iperf = *policies == 1000;
+            assert_enforced(&node, to, false, "baseline");
+            let none = measure(&node, to, with_iperf);
+            std::fs::write(dir.join("cluster.yaml"), manifests(*policies)).unwrap();
             let took = agent(
                 &node,
                 &[
@@ -204,46 +287,90 @@ fn main() {
                     datapath,
                 ],
             );
-            // Warm: the first connection resolves neighbours.
-            let _ = connect_latency_once(&node.pods[0].netns, to);
-            let (mean, p50, p99) = connect_latency(&node.pods[0].netns, to);
-            let mut entry = serde_json::json!({"apply_ms": took.as_secs_f64() * 1000.0, "connect_mean_us": mean, "connect_p50_us": p50, "connect_p99_us": p99});
-            let mut line = format!(
-                "{datapath} @ {policies} policies: apply {:.0} ms; new connection mean {mean:.0} us ({:.2}x), p50 {p50:.0} us, p99 {p99:.0} us",
-                took.as_secs_f64() * 1000.0,
-                mean / results["none"]["connect_mean_us"].as_f64().unwrap()
-            );
-            if policies == 1000 {
-                let gbps = iperf(&node);
-                entry["iperf_gbps"] = serde_json::json!(gbps);
-                entry["iperf_ratio_to_none"] = serde_json::json!(gbps / base_gbps);
-                let _ = write!(
-                    line,
-                    "; iperf3 {gbps:.2} Gbit/s ({:.1}% of no program)",
-                    100.0 * gbps / base_gbps
-                );
-            }
-            let _ = writeln!(report, "{line}");
-            results.insert(format!("{datapath}_{policies}"), entry);
+            assert_enforced(&node, to, true, "before the measurement");
+            let measured = measure(&node, to, with_iperf);
+            assert_enforced(&node, to, true, "after the measurement");
             agent(&node, &["reset"]);
+            eprintln!(
+                "round {round}: {datapath} @ {policies}: connect {:.0} us vs {:.0} us with nothing installed{}",
+                measured.mean,
+                none.mean,
+                match (measured.gbps, none.gbps) {
+                    (Some(a), Some(b)) => format!("; iperf3 {a:.2} vs {b:.2} Gbit/s"),
+                    _ => String::new(),
+                }
+            );
+            samples[i].push((took.as_secs_f64() * 1000.0, none, measured));
         }
     }
+
+    let mut results = serde_json::Map::new();
+    let mut report = String::new();
+    let all_none: Vec<Sample> = samples.iter().flatten().map(|(_, n, _)| *n).collect();
+    let none_gbps: Vec<f64> = all_none.iter().filter_map(|s| s.gbps).collect();
+    let none = serde_json::json!({
+        "connect_mean_us": median(all_none.iter().map(|s| s.mean).collect()),
+        "connect_p50_us": median(all_none.iter().map(|s| s.p50).collect()),
+        "connect_p99_us": median(all_none.iter().map(|s| s.p99).collect()),
+        "iperf_gbps": median(none_gbps.clone()),
+        "measurements": all_none.len(), "iperf_runs": none_gbps.len(),
+    });
+    let _ = writeln!(
+        report,
+        "nothing installed ({} measurements): new connection mean {:.0} us, p99 {:.0} us; iperf3 {:.2} Gbit/s ({} runs)",
+        all_none.len(),
+        none["connect_mean_us"].as_f64().unwrap(),
+        none["connect_p99_us"].as_f64().unwrap(),
+        none["iperf_gbps"].as_f64().unwrap(),
+        none_gbps.len()
+    );
+    results.insert("none".into(), none);
+    for ((datapath, policies), rounds) in configs.iter().zip(&samples) {
+        let m = |f: fn(&Sample) -> f64| median(rounds.iter().map(|(_, _, s)| f(s)).collect());
+        let ratio = median(rounds.iter().map(|(_, n, s)| s.mean / n.mean).collect());
+        let mut entry = serde_json::json!({
+            "apply_ms": median(rounds.iter().map(|(a, _, _)| *a).collect()),
+            "connect_mean_us": m(|s| s.mean), "connect_p50_us": m(|s| s.p50), "connect_p99_us": m(|s| s.p99),
+            "connect_ratio_to_none": ratio, "rounds": rounds.len(),
+        });
+        let mut line = format!(
+            "{datapath} @ {policies} policies: apply {:.0} ms; new connection mean {:.0} us ({ratio:.2}x nothing installed, median of per-round ratios), p99 {:.0} us",
+            entry["apply_ms"].as_f64().unwrap(),
+            entry["connect_mean_us"].as_f64().unwrap(),
+            entry["connect_p99_us"].as_f64().unwrap(),
+        );
+        let pairs: Vec<(f64, f64)> = rounds
+            .iter()
+            .filter_map(|(_, n, s)| Some((s.gbps?, n.gbps?)))
+            .collect();
+        if !pairs.is_empty() {
+            let gbps = median(pairs.iter().map(|(s, _)| *s).collect());
+            let r = median(pairs.iter().map(|(s, n)| s / n).collect());
+            entry["iperf_gbps"] = serde_json::json!(gbps);
+            entry["iperf_ratio_to_none"] = serde_json::json!(r);
+            entry["iperf_runs"] = serde_json::json!(pairs.len());
+            let _ = write!(
+                line,
+                "; iperf3 {gbps:.2} Gbit/s ({:.1}% of nothing installed, median of {} per-round ratios)",
+                100.0 * r,
+                pairs.len()
+            );
+        }
+        let _ = writeln!(report, "{line}");
+        results.insert(format!("{datapath}_{policies}"), entry);
+    }
     print!("{report}");
+    let mut json = serde_json::Value::Object(results);
+    json["rounds"] = serde_json::json!(ROUNDS);
+    json["connects"] = serde_json::json!(CONNECTS);
+    json["warm_connects"] = serde_json::json!(WARM_CONNECTS);
+    json["iperf_seconds"] = serde_json::json!(IPERF_SECONDS.parse::<f64>().unwrap());
     let out_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-results");
     std::fs::create_dir_all(&out_dir).unwrap();
     std::fs::write(
         out_dir.join("system.json"),
-        serde_json::to_string_pretty(&serde_json::Value::Object(results)).unwrap(),
+        serde_json::to_string_pretty(&json).unwrap(),
     )
     .unwrap();
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-fn connect_latency_once(client: &NetNs, to: SocketAddr) -> bool {
-    client
-        .spawn(move || TcpStream::connect_timeout(&to, Duration::from_secs(2)).is_ok())
-        .unwrap()
-        .join()
-        .unwrap()
-        .unwrap()
 }

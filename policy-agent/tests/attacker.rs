@@ -280,3 +280,8 @@ fn suite(prefix: &'static str, backend: Backend) {
 fn an_attacker_pod_reaches_nothing_its_victims_policy_forbids_bpf() {
     suite("atkb", Backend::Bpf);
 }
+
+#[test]
+fn an_attacker_pod_reaches_nothing_its_victims_policy_forbids_iptables() {
+    suite("atki", Backend::Iptables);
+}

@@ -8,11 +8,38 @@ mod support;
 
 use std::time::Duration;
 
-use policy_agent::sim::{Outcome, Transport, connect, echo};
+use policy_agent::sim::{Outcome, Transport, Verdict, connect, echo};
 use support::{
     conformance::{Backend, Conformance, is_node, labels, name_of, ns_of, same_ns, socket},
     deadline::scaled,
 };
+
+/// The metrics a daemon serves, by series ("name{labels}").
+struct Metrics {
+    text: String,
+}
+
+impl Metrics {
+    fn read(c: &Conformance, port: u16) -> Self {
+        let text = c.http_get(port, "/metrics");
+        assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+        Self { text }
+    }
+
+    /// The value of one series; a missing series fails the test.
+    fn get(&self, series: &str) -> f64 {
+        self.text
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(series)?
+                    .strip_prefix(' ')?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or_else(|| panic!("no series {series} in:\n{}", self.text))
+    }
+}
 
 /// Self traffic and the node are always allowed.
 fn always(from: &str, to: &str) -> bool {
@@ -153,19 +180,35 @@ macro_rules! conformance_suite {
             }
 
             #[test]
-            fn empty_lists_are_not_absent_lists() {
+            fn empty_peer_lists_mean_every_peer() {
                 let c = env(concat!($p, "empty"));
-                // from: [] allows nothing; {} allows everything; absent ports allow ICMP too.
+                // "If this field is empty or missing, this rule matches all
+                // sources": from: [] and to: [] mean what absent means (the
+                // API server drops empty lists); absent ports allow ICMP too.
                 c.write_policies(
-                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: none, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress: [{from: []}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: all, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: api}}\n  ingress: [{}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: port80, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  ingress: [{ports: [{port: 80}]}]\n",
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: empty, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress: [{from: [], ports: [{port: 80}]}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: all, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: api}}\n  ingress: [{}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: port80, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  ingress: [{ports: [{port: 80}]}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: out, namespace: beta}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  policyTypes: [Egress]\n  egress: [{to: []}]\n",
                 );
                 c.apply_ok();
                 c.check("empty vs absent", |f, t, port, tr| match t {
                     _ if always(f, t) => true,
-                    "alpha/web" => false,
+                    "alpha/web" | "alpha/db" => tr == Transport::Tcp && port == 80,
                     "alpha/api" => true,
-                    "alpha/db" => tr == Transport::Tcp && port == 80,
+                    // beta/web's egress is isolated by a rule that allows every destination.
                     _ => true,
+                });
+            }
+
+            #[test]
+            fn an_ipv4_block_opens_no_ipv6() {
+                let c = env(concat!($p, "family"));
+                // IPv4 pods only, both ways: the IPv6 half stays closed,
+                // and 0.0.0.0/0 is not the IPv6 world.
+                c.write_policies(
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: v4in, namespace: beta}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress: [{from: [{ipBlock: {cidr: 10.244.0.0/16}}]}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: v4out, namespace: beta}\nspec:\n  podSelector: {matchLabels: {app: api}}\n  policyTypes: [Egress]\n  egress: [{to: [{ipBlock: {cidr: 0.0.0.0/0}}]}]\n",
+                );
+                c.apply_ok();
+                c.check_by_family("IPv4 blocks", |f, t, _, _, v6| {
+                    always(f, t) || !v6 || (t != "beta/web" && f != "beta/api")
                 });
             }
 
@@ -244,13 +287,18 @@ macro_rules! conformance_suite {
                 }
                 c.write_cluster();
                 c.apply_ok();
-                // From the reused address, web must not reach db.
+                // From the reused addresses, web must not reach db, in
+                // either family: nothing arrives, nothing comes back.
                 let m = c.matrix();
-                for (from, target, _) in m.cells.keys() {
+                let mut seen = [false; 2];
+                for cell in m.cells.keys() {
+                    let (from, target, v6) = cell;
                     if from == "alpha/web" && target.pod == "alpha/db" {
-                        assert_ne!(m.cells[&(from.clone(), target.clone(), false)], Outcome::Open, "reused IP kept api's access: {target}");
+                        seen[usize::from(*v6)] = true;
+                        assert_eq!(m.verdict(cell), Verdict::Blocked, "reused IP kept api's access: {target} (IPv6: {v6})");
                     }
                 }
+                assert_eq!(seen, [true, true], "both families probed");
                 c.check("after reuse", |f, t, _, _| always(f, t) || t != "alpha/db");
             }
 
@@ -268,8 +316,16 @@ macro_rules! conformance_suite {
                     "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: db, namespace: alpha}\nspec: {podSelector: {matchLabels: {app: db}}, policyTypes: [Ingress]}\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: api, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: api}}\n  ingress: [{from: [{namespaceSelector: {matchLabels: {team: b}}}]}]\n",
                 );
                 c.apply_ok();
+                let servers = c.servers.as_ref().unwrap();
+                servers.arrivals().unwrap();
                 assert_eq!(echo(&mut cut, b"two", scaled(Duration::from_millis(600))), Outcome::Blocked, "the denied connection must be cut");
                 assert_eq!(echo(&mut kept, b"two", scaled(Duration::from_secs(1))), Outcome::Open, "the still-allowed connection survives");
+                // Judged where it arrives: the cut connection's data never
+                // reached its server, the kept one's did.
+                let seen = servers.arrivals().unwrap();
+                let data = |s: &std::net::TcpStream| seen.tcp_data(s.local_addr().unwrap(), s.peer_addr().unwrap());
+                assert!(!data(&cut).windows(3).any(|w| w == b"two"), "the cut connection's data reached the server");
+                assert!(data(&kept).windows(3).any(|w| w == b"two"), "the kept connection's data must arrive");
             }
 
             #[test]
@@ -331,11 +387,12 @@ macro_rules! conformance_suite {
             }
 
             #[test]
-            fn run_mode_applies_manifest_changes_within_a_second() {
+            fn run_mode_enforces_manifest_changes_within_2500_ms() {
                 let port = 19400 + (u16::from($backend == Backend::Iptables));
                 let mut c = env(concat!($p, "daemon"));
                 c.start_daemon(port);
                 c.check("daemon, no policy", |_, _, _, _| true);
+                let first = Metrics::read(&c, port);
                 c.write_policies(
                     "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny, namespace: gamma}\nspec: {podSelector: {}, policyTypes: [Ingress]}\n",
                 );
@@ -343,17 +400,55 @@ macro_rules! conformance_suite {
                     always(f, t) || ns_of(t) != "gamma"
                 });
                 assert!(took < scaled(Duration::from_millis(2500)), "took {took:?}");
-                c.ns_mut("beta").labels.insert("team".into(), "c".into());
-                c.write_policies(
-                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny, namespace: gamma}\nspec:\n  podSelector: {}\n  ingress: [{from: [{namespaceSelector: {matchLabels: {team: c}}}]}]\n",
-                );
-                c.write_cluster();
-                c.eventually("daemon follows a namespace relabel", Duration::from_secs(3), |f, t, _, _| {
-                    always(f, t) || ns_of(t) != "gamma" || ns_of(f) == "gamma" || ns_of(f) == "beta"
-                });
-                let metrics = c.http_get(port, "/metrics");
-                assert!(metrics.contains("policy_agent_syncs_total{result=\"ok\"}"), "{metrics}");
-                assert!(metrics.contains("policy_agent_sync_duration_seconds_bucket"), "{metrics}");
+                let applied = Metrics::read(&c, port);
+                assert!(applied.get("policy_agent_syncs_total{result=\"ok\"}") > first.get("policy_agent_syncs_total{result=\"ok\"}"), "a sync is counted:\n{}", applied.text);
+                assert!(applied.get("policy_agent_map_writes_total") > first.get("policy_agent_map_writes_total"), "the writes are counted:\n{}", applied.text);
+                assert!(applied.get("policy_agent_sync_duration_seconds_count") > first.get("policy_agent_sync_duration_seconds_count"), "the sync is timed:\n{}", applied.text);
+                // The verdict counters move with the traffic: every blocked
+                // probe into gamma is one drop at least, every open one from
+                // a pod of beta or gamma one policy allow at least.
+                let before = Metrics::read(&c, port);
+                let m = c.check("gamma isolated", |f, t, _, _| always(f, t) || ns_of(t) != "gamma");
+                let after = Metrics::read(&c, port);
+                if $backend == Backend::Bpf {
+                    let blocked = m.cells.keys().filter(|cell| ns_of(&cell.1.pod) == "gamma" && m.verdict(cell) == Verdict::Blocked).count() as f64;
+                    let drops = "policy_agent_packets_total{reason=\"drop_policy\",direction=\"ingress\"}";
+                    assert!(blocked > 0.0);
+                    assert!(after.get(drops) - before.get(drops) >= blocked, "{blocked} blocked probes, drops moved from {} to {}", before.get(drops), after.get(drops));
+                    assert!(after.get("policy_agent_drops_total{reason=\"drop_policy\"}") - before.get("policy_agent_drops_total{reason=\"drop_policy\"}") >= blocked);
+                    c.ns_mut("beta").labels.insert("team".into(), "c".into());
+                    c.write_policies(
+                        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny, namespace: gamma}\nspec:\n  podSelector: {}\n  ingress: [{from: [{namespaceSelector: {matchLabels: {team: c}}}]}]\n",
+                    );
+                    c.write_cluster();
+                    c.eventually("daemon follows a namespace relabel", Duration::from_secs(3), |f, t, _, _| {
+                        always(f, t) || ns_of(t) != "gamma" || ns_of(f) == "gamma" || ns_of(f) == "beta"
+                    });
+                    let before = Metrics::read(&c, port);
+                    let m = c.check("gamma open to beta", |f, t, _, _| always(f, t) || ns_of(t) != "gamma" || ns_of(f) == "gamma" || ns_of(f) == "beta");
+                    let after = Metrics::read(&c, port);
+                    let allowed = m.cells.keys().filter(|(f, t, _)| {
+                        ns_of(&t.pod) == "gamma" && f.as_str() != t.pod && (ns_of(f) == "gamma" || ns_of(f) == "beta")
+                    }).count() as f64;
+                    let allows = "policy_agent_packets_total{reason=\"allow_policy\",direction=\"ingress\"}";
+                    assert!(allowed > 0.0);
+                    assert!(after.get(allows) - before.get(allows) >= allowed, "{allowed} allowed new flows, allows moved from {} to {}", before.get(allows), after.get(allows));
+                } else {
+                    assert_eq!(after.get("policy_agent_syncs_total{result=\"error\"}"), 0.0, "{}", after.text);
+                    let _ = m;
+                    c.ns_mut("beta").labels.insert("team".into(), "c".into());
+                    c.write_policies(
+                        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny, namespace: gamma}\nspec:\n  podSelector: {}\n  ingress: [{from: [{namespaceSelector: {matchLabels: {team: c}}}]}]\n",
+                    );
+                    c.write_cluster();
+                    c.eventually("daemon follows a namespace relabel", Duration::from_secs(3), |f, t, _, _| {
+                        always(f, t) || ns_of(t) != "gamma" || ns_of(f) == "gamma" || ns_of(f) == "beta"
+                    });
+                }
+                let last = Metrics::read(&c, port);
+                assert!(last.get("policy_agent_syncs_total{result=\"ok\"}") > applied.get("policy_agent_syncs_total{result=\"ok\"}"), "the relabel's sync is counted:\n{}", last.text);
+                assert!(last.get("policy_agent_sync_duration_seconds_bucket{le=\"+Inf\"}") >= last.get("policy_agent_syncs_total{result=\"ok\"}"), "{}", last.text);
+                assert_eq!(last.get("policy_agent_ready"), 1.0);
                 assert!(c.http_get(port, "/healthz").starts_with("HTTP/1.1 200"));
             }
         }

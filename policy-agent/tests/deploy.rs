@@ -128,8 +128,9 @@ fn the_daemonset_runs_everywhere_with_least_privilege() {
 }
 
 #[test]
-fn rbac_grants_only_reads_and_events() {
+fn rbac_grants_reads_of_exactly_what_is_watched_and_events() {
     let role: ClusterRole = serde_yaml::from_value(docs("rbac.yaml").remove(1)).unwrap();
+    let mut read = std::collections::BTreeSet::new();
     for rule in role.rules.unwrap() {
         let resources = rule.resources.unwrap_or_default();
         let verbs = rule.verbs;
@@ -137,6 +138,19 @@ fn rbac_grants_only_reads_and_events() {
             assert_eq!(verbs, ["create", "patch"]);
         } else {
             assert_eq!(verbs, ["get", "list", "watch"], "{resources:?}");
+            for group in rule.api_groups.unwrap_or_default() {
+                for r in &resources {
+                    read.insert((group.clone(), r.clone()));
+                }
+            }
         }
     }
+    let watched: std::collections::BTreeSet<(String, String)> = policy_agent::source::kube::WATCHED
+        .iter()
+        .map(|(g, r)| (g.to_string(), r.to_string()))
+        .collect();
+    assert_eq!(
+        read, watched,
+        "a watch without its grant never syncs; a grant without a watch is more than needed"
+    );
 }

@@ -1,23 +1,32 @@
-//! The iptables fallback: golden renderings of the tricky cases, and on a
-//! real (namespaced) netfilter: nothing-changed syncs write nothing, reset
-//! removes exactly what was added, both the nf_tables and the legacy
-//! backend work, and `--datapath auto` falls back when BPF cannot be used.
-//! Set UPDATE_GOLDEN=1 to rewrite the golden files after a reviewed change.
+//! The iptables fallback: golden renderings of the tricky cases, each
+//! also evaluated (the rendered sets and chains, read as netfilter reads
+//! them) on every flow against the independent spec evaluator, so a golden
+//! file cannot bless a wrong rule; and on a real (namespaced) netfilter:
+//! nothing-changed syncs write nothing, reset removes exactly what was
+//! added, both the nf_tables and the legacy backend work, and `--datapath
+//! auto` falls back when BPF cannot be used. Set UPDATE_GOLDEN=1 to
+//! rewrite the golden files after a reviewed change (refused under CI).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod prop_oracle;
 mod support;
 
-use std::{collections::BTreeMap, path::Path};
+use std::{collections::BTreeMap, net::IpAddr, path::Path};
 
 use policy_agent::{
     cluster::PodRef,
-    datapath::iptables::{DEFAULT_MARK, RenderInput, render},
+    datapath::iptables::{DEFAULT_MARK, NAME_BITS, RenderInput, render},
     identity::IdentityAllocator,
     policy,
     sim::NetNs,
     source::manifests::{LoadedManifests, load_text},
 };
-use support::conformance::{AGENT, Backend, Conformance, ns_of};
+use policy_common::proto;
+use support::{
+    ci::local_switch,
+    conformance::{AGENT, Backend, Conformance, ns_of},
+    netfilter::{Netfilter, Packet},
+};
 
 const GOLDEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/iptables");
 
@@ -43,18 +52,107 @@ fn golden(case: &str) {
         interfaces: &interfaces,
         rules: &compiled.rules,
         mark: DEFAULT_MARK,
+        name_bits: NAME_BITS,
     });
     let text = ruleset.render_text();
     let path = dir.join(format!("{case}.expected"));
-    if std::env::var_os("UPDATE_GOLDEN").is_some() {
+    if local_switch("UPDATE_GOLDEN").is_some() {
         std::fs::write(&path, &text).unwrap();
     }
+    // What the text does, flow by flow, whatever the golden file says.
+    rules_agree_with_the_spec(case, &text, &state, &interfaces);
     let want = std::fs::read_to_string(&path)
         .unwrap_or_else(|_| panic!("missing {}; run with UPDATE_GOLDEN=1", path.display()));
     assert_eq!(
         text, want,
         "rendering of {case} changed (UPDATE_GOLDEN=1 to accept after review)"
     );
+}
+
+/// Every new flow between the cluster's addresses (and a few others),
+/// through the rendered rules as netfilter would run them, equals the spec
+/// evaluator's verdict. Node traffic never crosses FORWARD (INPUT/OUTPUT),
+/// nor does a pod's traffic to itself.
+fn rules_agree_with_the_spec(
+    case: &str,
+    text: &str,
+    state: &policy_agent::cluster::ClusterState,
+    interfaces: &BTreeMap<PodRef, String>,
+) {
+    let nf = Netfilter::parse(text);
+    let world = prop_oracle::World::new(state, false);
+    let iface: BTreeMap<IpAddr, &String> = state
+        .pods
+        .iter()
+        .filter_map(|(p, info)| interfaces.get(p).map(|i| (info, i)))
+        .flat_map(|(info, i)| info.ips.iter().map(move |ip| (*ip, i)))
+        .collect();
+    let mut addrs: Vec<IpAddr> = state.pods.values().flat_map(|p| p.ips.clone()).collect();
+    addrs.extend(
+        [
+            "10.1.0.99",
+            "10.1.5.5",
+            "10.3.0.1",
+            "10.200.0.1",
+            "8.8.8.8",
+            "fd00::99",
+            "2001:db8::1",
+        ]
+        .map(|a| a.parse::<IpAddr>().unwrap()),
+    );
+    let mut flows: Vec<(u8, u16)> = [
+        53, 79, 80, 81, 7999, 8000, 8063, 8064, 8095, 8096, 8099, 8100, 8101, 8080, 9000,
+    ]
+    .iter()
+    .map(|p| (proto::TCP, *p))
+    .collect();
+    flows.extend([
+        (proto::UDP, 53),
+        (proto::UDP, 80),
+        (proto::SCTP, 9000),
+        (proto::SCTP, 9001),
+        (proto::ICMP, 0),
+    ]);
+    let uplink = "uplink0".to_owned();
+    let mut checked = 0;
+    let mut wrong = Vec::new();
+    for s in &addrs {
+        for d in addrs
+            .iter()
+            .filter(|d| d.is_ipv4() == s.is_ipv4() && *d != s)
+        {
+            for (p, port) in &flows {
+                let protocol = if *p == proto::ICMP && s.is_ipv6() {
+                    proto::ICMPV6
+                } else {
+                    *p
+                };
+                let packet = Packet {
+                    in_if: iface.get(s).copied().unwrap_or(&uplink).clone(),
+                    out_if: iface.get(d).copied().unwrap_or(&uplink).clone(),
+                    src: *s,
+                    dst: *d,
+                    protocol,
+                    dport: if proto::has_ports(*p) { *port } else { 0 },
+                };
+                let got = nf.forward(&packet);
+                let want = world.allows(*s, *d, *p, *port);
+                checked += 1;
+                if got != want {
+                    wrong.push(format!(
+                        "  {s} -> {d} proto {p} port {port}: rules {got}, spec {want}"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{case}: the rendered rules disagree with the spec on {} of {checked} flows:\n{}\n{text}",
+        wrong.len(),
+        wrong.join("\n")
+    );
+    assert!(checked > 1000, "{case}: only {checked} flows");
 }
 
 #[test]
@@ -101,13 +199,19 @@ fn backend_round_trip(prefix: &'static str, flavour: &str) {
     } else {
         ("iptables-nft-save", "iptables-nft")
     };
-    // Someone else's chain, rule and set, present before the agent.
-    node.exec(ipt, &["-N", "FOREIGN"]).unwrap();
-    node.exec(ipt, &["-A", "FOREIGN", "-s", "192.0.2.1", "-j", "DROP"])
-        .unwrap();
-    node.exec(ipt, &["-A", "FORWARD", "-j", "FOREIGN"]).unwrap();
-    node.exec("ipset", &["create", "foreign-set", "hash:ip"])
-        .unwrap();
+    // Someone else's chains, rules and sets, present before the agent,
+    // some named like the agent's objects of old (`PA…`, even the exact
+    // shape of that naming, without its PA-FORWARD).
+    for chain in ["FOREIGN", "PA-LOCAL", "PA-I-0123abcd"] {
+        node.exec(ipt, &["-N", chain]).unwrap();
+        node.exec(ipt, &["-A", chain, "-s", "192.0.2.1", "-j", "DROP"])
+            .unwrap();
+        node.exec(ipt, &["-A", "FORWARD", "-j", chain]).unwrap();
+    }
+    let foreign_sets = ["PAI-0123abcd-v4", "PAYROLL", "foreign-set"];
+    for set in foreign_sets {
+        node.exec("ipset", &["create", set, "hash:ip"]).unwrap();
+    }
     let before = saved(node, save);
 
     c.write_policies(deny_gamma());
@@ -142,9 +246,16 @@ fn backend_round_trip(prefix: &'static str, flavour: &str) {
     c.check(&format!("{flavour}: deny gamma"), |f, t, _, _| {
         f == t || f == "(node)" || ns_of(t) != "gamma"
     });
-    // Nothing changed: nothing written.
+    // Nothing changed: nothing written; the foreign sets are untouched.
     apply(Some(" 0 write(s)"));
-    assert!(saved(node, save).contains("-j PA-FORWARD"));
+    assert!(saved(node, save).contains("-j pa-agent:FORWARD"));
+    let sets = node.exec("ipset", &["list", "-n"]).unwrap();
+    for set in foreign_sets {
+        assert!(
+            sets.lines().any(|l| l == set),
+            "{set} survives apply: {sets}"
+        );
+    }
 
     let out = node
         .command(AGENT)
@@ -169,7 +280,9 @@ fn backend_round_trip(prefix: &'static str, flavour: &str) {
         "reset must restore the table exactly"
     );
     let sets = node.exec("ipset", &["list", "-n"]).unwrap();
-    assert_eq!(sets.trim(), "foreign-set", "only the foreign set remains");
+    let mut sets: Vec<&str> = sets.lines().collect();
+    sets.sort_unstable();
+    assert_eq!(sets, foreign_sets, "only the foreign sets remain");
     c.check(&format!("{flavour}: after reset"), |f, t, _, _| {
         // The foreign rule only drops 192.0.2.1, which never sends here.
         let _ = (f, t);

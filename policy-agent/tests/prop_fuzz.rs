@@ -2,6 +2,12 @@
 //!
 //! - arbitrary JSON shaped loosely like a NetworkPolicy, and raw or
 //!   mutated YAML, deserialized and compiled (full and incremental);
+//! - structured manifests: valid NetworkPolicy documents (of the spec
+//!   evaluator's generator) with fields removed, extra fields, values of
+//!   the wrong type, huge lists and deep nesting, written as block or flow
+//!   YAML (in a `List` sometimes), read by the agent's manifest loader; a
+//!   floor on how many reach the compiler keeps the fuzzer from testing
+//!   the YAML parser alone;
 //! - the corpus (tests/corpus/policies/*.yaml): every tricky or invalid
 //!   case found, replayed; `invalid_*.yaml` must report the field named on
 //!   their first line (`# field: ...`), the others must compile cleanly,
@@ -13,6 +19,7 @@ mod prop_oracle;
 use std::{collections::BTreeMap, fs, net::IpAddr, path::PathBuf};
 
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use policy_agent::source::manifests::{LoadedManifests, load_text};
 use policy_agent::{
     cluster::{Change, ClusterState, ContainerPort, NamespaceInfo, ObjectRef, PodInfo},
     identity::IdentityAllocator,
@@ -20,7 +27,10 @@ use policy_agent::{
 };
 use policy_common::{direction, model::has_ports, proto};
 use prop_oracle::{World, policy_valid};
-use proptest::prelude::*;
+use proptest::{
+    prelude::*,
+    test_runner::{Config, TestRunner},
+};
 use serde_json::{Value, json};
 
 /// A cluster for the corpus: pods in three namespaces, both families,
@@ -438,4 +448,234 @@ proptest! {
             compile_checked(np)?;
         }
     }
+}
+
+// ------------------------------------------------------ structured manifests
+
+/// One change to a valid document.
+#[derive(Clone, Debug)]
+enum Mutation {
+    /// Remove the field at this (wrapping) position among all map entries.
+    Remove(usize),
+    /// Add an unknown field (possibly deeply nested) to the map here.
+    Extra(usize, Value),
+    /// Replace the value here with one of another type.
+    WrongType(usize, Value),
+    /// Grow the list here to this many items (repeating its first).
+    Huge(usize, usize),
+    /// Replace the value here with a deep nest of lists and maps.
+    Deep(usize, usize),
+}
+
+/// Every (container, key) path in `v`: map entries by key, list items by
+/// index.
+fn paths(v: &Value, at: &mut Vec<PathStep>, out: &mut Vec<Vec<PathStep>>) {
+    match v {
+        Value::Object(m) => {
+            for (k, child) in m {
+                at.push(PathStep::Key(k.clone()));
+                out.push(at.clone());
+                paths(child, at, out);
+                at.pop();
+            }
+        }
+        Value::Array(a) => {
+            for (i, child) in a.iter().enumerate() {
+                at.push(PathStep::Index(i));
+                out.push(at.clone());
+                paths(child, at, out);
+                at.pop();
+            }
+        }
+        _ => {}
+    }
+}
+
+#[derive(Clone, Debug)]
+enum PathStep {
+    Key(String),
+    Index(usize),
+}
+
+fn get_mut<'a>(v: &'a mut Value, path: &[PathStep]) -> Option<&'a mut Value> {
+    path.iter().try_fold(v, |v, step| match step {
+        PathStep::Key(k) => v.get_mut(k.as_str()),
+        PathStep::Index(i) => v.get_mut(*i),
+    })
+}
+
+fn nest(depth: usize) -> Value {
+    (0..depth).fold(json!("bottom"), |inner, i| {
+        if i % 2 == 0 {
+            json!([inner])
+        } else {
+            json!({ "n": inner })
+        }
+    })
+}
+
+fn mutate(doc: &mut Value, m: &Mutation) {
+    let mut all = Vec::new();
+    paths(doc, &mut Vec::new(), &mut all);
+    if all.is_empty() {
+        return;
+    }
+    let pick = |i: usize| all[i % all.len()].clone();
+    match m {
+        Mutation::Remove(i) => {
+            let path = pick(*i);
+            if let Some((PathStep::Key(k), parent)) = path.split_last()
+                && let Some(Value::Object(map)) = get_mut(doc, parent)
+            {
+                map.remove(k);
+            }
+        }
+        Mutation::Extra(i, value) => {
+            let path = pick(*i);
+            if let Some(Value::Object(map)) = get_mut(doc, &path[..path.len() - 1]) {
+                map.insert(format!("unknownField{i}"), value.clone());
+            }
+        }
+        Mutation::WrongType(i, value) => {
+            if let Some(slot) = get_mut(doc, &pick(*i)) {
+                // Another type than it had.
+                let same = std::mem::discriminant(slot) == std::mem::discriminant(value);
+                *slot = if same {
+                    json!({"wrong": [1, "two"]})
+                } else {
+                    value.clone()
+                };
+            }
+        }
+        Mutation::Huge(i, n) => {
+            let lists: Vec<Vec<PathStep>> = all
+                .iter()
+                .filter(|p| matches!(get_mut(&mut doc.clone(), p), Some(Value::Array(a)) if !a.is_empty()))
+                .cloned()
+                .collect();
+            if lists.is_empty() {
+                return;
+            }
+            if let Some(Value::Array(a)) = get_mut(doc, &lists[i % lists.len()]) {
+                let first = a[0].clone();
+                a.resize(*n, first);
+            }
+        }
+        Mutation::Deep(i, depth) => {
+            if let Some(slot) = get_mut(doc, &pick(*i)) {
+                *slot = nest(*depth);
+            }
+        }
+    }
+}
+
+fn mutation() -> impl Strategy<Value = Mutation> {
+    let wrong = prop_oneof![
+        Just(json!(80)),
+        Just(json!("80")),
+        Just(json!(-1)),
+        Just(json!(1.5)),
+        Just(json!(true)),
+        Just(Value::Null),
+        Just(json!("")),
+        Just(json!([])),
+        Just(json!({})),
+        Just(json!(["TCP", 80])),
+        Just(json!({"port": "http"})),
+        Just(json!(18446744073709551615u64)),
+    ];
+    prop_oneof![
+        3 => any::<usize>().prop_map(Mutation::Remove),
+        3 => (any::<usize>(), prop_oneof![Just(json!("x")), Just(json!({"a": {"b": [1, 2, {"c": null}]}})), (1usize..130).prop_map(nest)])
+            .prop_map(|(i, v)| Mutation::Extra(i, v)),
+        3 => (any::<usize>(), wrong).prop_map(|(i, v)| Mutation::WrongType(i, v)),
+        1 => (any::<usize>(), prop_oneof![Just(100usize), Just(500)]).prop_map(|(i, n)| Mutation::Huge(i, n)),
+        1 => (any::<usize>(), prop_oneof![Just(20usize), Just(64), Just(130)]).prop_map(|(i, d)| Mutation::Deep(i, d)),
+    ]
+}
+
+/// A NetworkPolicy manifest: a valid document of the spec evaluator's
+/// generator, changed by 0-3 mutations, as block or flow YAML, alone or
+/// inside a `List`.
+fn manifest() -> impl Strategy<Value = String> {
+    (
+        prop_oracle::policy(&["default", "alice", "prod"]),
+        proptest::collection::vec(mutation(), 0..=3),
+        any::<bool>(),
+        prop_oneof![4 => Just(false), 1 => Just(true)],
+    )
+        .prop_map(|(np, mutations, flow, in_list)| {
+            let mut doc = serde_json::to_value(&np).unwrap();
+            doc["apiVersion"] = json!("networking.k8s.io/v1");
+            doc["kind"] = json!("NetworkPolicy");
+            for m in &mutations {
+                mutate(&mut doc, m);
+            }
+            if in_list {
+                doc = json!({"apiVersion": "v1", "kind": "List", "items": [doc]});
+            }
+            // JSON is flow-style YAML.
+            if flow {
+                serde_json::to_string(&doc).unwrap()
+            } else {
+                serde_yaml::to_string(&doc).unwrap()
+            }
+        })
+}
+
+/// Structured manifests go through the agent's loader; whatever it reads
+/// as a NetworkPolicy is compiled (full and incremental) and checked
+/// against the spec evaluator, and enough of them must get that far.
+#[test]
+fn structured_manifests_reach_the_compiler() {
+    const CASES: u32 = 256;
+    let reached = std::sync::atomic::AtomicU32::new(0);
+    let mut runner = TestRunner::new(Config {
+        cases: CASES,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    runner
+        .run(&manifest(), |text| {
+            let mut loaded = LoadedManifests::default();
+            load_text(std::path::Path::new("fuzz.yaml"), &text, &mut loaded);
+            // One document, one outcome at most (a List whose items were
+            // mutated away holds nothing).
+            prop_assert!(
+                loaded.policies.len() + loaded.errors.len() <= 1,
+                "one document, one outcome: {:?} {:?}",
+                loaded.policies,
+                loaded.errors
+            );
+            for (_, np) in &loaded.policies {
+                let mut np = np.clone();
+                // The corpus cluster's namespaces, named.
+                np.metadata.name = Some("fuzz".into());
+                let state = with_policy(np.clone());
+                let c = compile_checked(np)?;
+                // The spec evaluator walks every rule per flow: huge
+                // documents are compiled and checked for errors only.
+                if text.len() < 20_000 {
+                    prop_assert!(
+                        agrees_with_spec(&state, &c).is_ok(),
+                        "{:?}",
+                        agrees_with_spec(&state, &c)
+                    );
+                }
+                reached.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            // The whole loader path too: no panic, problems named.
+            let state = loaded.cluster_state("node-a", vec!["192.168.0.1".parse().unwrap()]);
+            let _ = policy::compile(&state, &mut IdentityAllocator::new());
+            Ok(())
+        })
+        .unwrap();
+    let reached = reached.into_inner();
+    // About half of the documents survive their mutations; a generator
+    // that stopped producing parseable policies would test the parser only.
+    assert!(
+        reached >= CASES * 4 / 10,
+        "only {reached} of {CASES} structured manifests reached the compiler"
+    );
+    eprintln!("{reached} of {CASES} structured manifests reached the compiler");
 }

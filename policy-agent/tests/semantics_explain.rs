@@ -253,3 +253,89 @@ fn identity_addresses_cover_pods_classes_and_world() {
     assert_eq!(sets[&class8].exclude, vec!["10.0.0.0/16".parse().unwrap()]);
     assert_eq!(sets[&WORLD].exclude, vec!["10.0.0.0/8".parse().unwrap()]);
 }
+
+/// A Service with two backends, one of which the client's egress allows:
+/// explained per backend, on each backend's own target port.
+#[test]
+fn a_service_flow_is_explained_per_backend_after_dnat() {
+    use policy_agent::cluster::{Endpoint, EndpointSliceInfo, ServiceInfo, ServicePort, SlicePort};
+    let mut w = World::new();
+    w.pod("default/client", &[("app", "client")], &["10.0.0.11"]);
+    w.pod(
+        "default/db-a",
+        &[("app", "db"), ("tier", "a")],
+        &["10.0.0.20"],
+    );
+    w.pod(
+        "default/db-b",
+        &[("app", "db"), ("tier", "b")],
+        &["10.0.0.21"],
+    );
+    w.policy("metadata: {name: client-out}\nspec:\n  podSelector: {matchLabels: {app: client}}\n  policyTypes: [Egress]\n  egress:\n  - to: [{podSelector: {matchLabels: {tier: a}}}]\n    ports: [{port: 5432}]");
+    let svc = obj("default/db");
+    w.state.services.insert(
+        svc.clone(),
+        ServiceInfo {
+            cluster_ips: vec![ip("10.96.0.50")],
+            ports: vec![ServicePort {
+                name: "pg".into(),
+                protocol: TCP,
+                port: 80,
+                node_port: None,
+            }],
+            ..ServiceInfo::default()
+        },
+    );
+    let endpoint = |addr: &str, pod: &str| Endpoint {
+        address: ip(addr),
+        ready: true,
+        serving: true,
+        terminating: false,
+        node: Some(NODE.into()),
+        pod: Some(obj(pod)),
+    };
+    w.state.endpoint_slices.insert(
+        obj("default/db-1"),
+        EndpointSliceInfo {
+            service: Some(svc.clone()),
+            ports: vec![SlicePort {
+                name: "pg".into(),
+                protocol: TCP,
+                port: 5432,
+            }],
+            endpoints: vec![
+                endpoint("10.0.0.20", "default/db-a"),
+                endpoint("10.0.0.21", "default/db-b"),
+            ],
+        },
+    );
+    let run = w.compile_all_local();
+    let q = policy::ServiceQuery {
+        src: FlowEnd::Pod(obj("default/client")),
+        service: svc.clone(),
+        protocol: TCP,
+        port: 80,
+    };
+    let e = policy::explain_service(&run.state, &run.compiled, &q).unwrap();
+    let verdicts: Vec<(String, u16, bool)> = e
+        .backends
+        .iter()
+        .map(|b| (b.address.to_string(), b.port, b.explanation.allowed))
+        .collect();
+    assert_eq!(
+        verdicts,
+        [
+            ("10.0.0.20".to_owned(), 5432, true),
+            ("10.0.0.21".to_owned(), 5432, false)
+        ],
+        "judged on each backend at the target port, not on the ClusterIP at the Service port"
+    );
+    assert!(e.allowed_any && !e.allowed_all);
+    let text = e.to_string();
+    assert!(text.contains("ALLOWED on some backends only"), "{text}");
+    let wrong_port = policy::ServiceQuery { port: 81, ..q };
+    assert!(matches!(
+        policy::explain_service(&run.state, &run.compiled, &wrong_port),
+        Err(policy::ServiceExplainError::NoSuchPort { .. })
+    ));
+}

@@ -177,18 +177,22 @@ fn from_absent_allows_every_peer_but_ports_restrict() {
 }
 
 #[test]
-fn from_present_but_empty_allows_nothing() {
+fn from_empty_allows_every_source() {
+    // "If this field is empty or missing, this rule matches all sources."
     let mut w = world();
-    w.policy("metadata: {name: p}\nspec:\n  podSelector: {matchLabels: {app: a}}\n  ingress:\n  - from: []");
+    w.policy("metadata: {name: p}\nspec:\n  podSelector: {matchLabels: {app: a}}\n  ingress:\n  - from: []\n    ports: [{port: 80}]");
     let run = w.compile();
+    assert!(run.isolated("default/a", INGRESS));
     run.check(&[
-        ("pod denied", "default/b", "default/a", TCP, 80, DENY),
-        ("outside denied", OUTSIDE, "default/a", ICMP, 0, DENY),
+        ("pod on the port", "other/c", "default/a", TCP, 80, ALLOW),
+        ("outside on the port", OUTSIDE, "default/a", TCP, 80, ALLOW),
+        ("other port", "other/c", "default/a", TCP, 81, DENY),
+        ("outside icmp", OUTSIDE, "default/a", ICMP, 0, DENY),
     ]);
 }
 
 #[test]
-fn to_present_but_empty_allows_nothing() {
+fn to_empty_allows_every_destination() {
     let mut w = world();
     w.policy(
         "metadata: {name: p}\nspec:\n  podSelector: {matchLabels: {app: a}}\n  egress:\n  - to: []",
@@ -199,8 +203,9 @@ fn to_present_but_empty_allows_nothing() {
         "a non-empty egress list makes it an egress policy"
     );
     run.check(&[
-        ("pod denied", "default/a", "default/b", TCP, 80, DENY),
-        ("outside denied", "default/a", OUTSIDE, TCP, 80, DENY),
+        ("pod allowed", "default/a", "default/b", TCP, 80, ALLOW),
+        ("outside allowed", "default/a", OUTSIDE, TCP, 80, ALLOW),
+        ("outside icmp allowed", "default/a", OUTSIDE, ICMP, 0, ALLOW),
     ]);
 }
 
@@ -432,7 +437,23 @@ fn a_pod_may_always_talk_to_itself() {
         "metadata: {name: deny-all}\nspec:\n  podSelector: {}\n  policyTypes: [Ingress, Egress]",
     );
     let run = w.compile();
-    run.check(&[("self", "default/a", "default/a", TCP, 80, ALLOW)]);
+    run.check(&[
+        ("self", "default/a", "default/a", TCP, 80, ALLOW),
+        ("self, UDP", "default/a", "default/a", UDP, 53, ALLOW),
+        ("self, ping", "default/a", "default/a", ICMP, 0, ALLOW),
+        // The same pod is isolated both ways for anyone else.
+        ("others in", "default/b", "default/a", TCP, 80, DENY),
+        ("others out", "default/a", "default/b", TCP, 80, DENY),
+    ]);
+    // Passed by the datapath's own rule, in both directions, not by a
+    // policy entry.
+    let a = ip("10.0.0.1");
+    for dir in [INGRESS, policy_common::direction::EGRESS] {
+        assert_eq!(
+            run.classify("default/a", dir, a, a, TCP, 80),
+            policy_common::verdict::Reason::AllowSelf
+        );
+    }
 }
 
 #[test]

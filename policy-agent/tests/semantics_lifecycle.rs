@@ -331,19 +331,94 @@ fn rule_refs_map_back_to_their_rules() {
     }
 }
 
+/// The lookup bits an endpoint needs, worked out here from the policy
+/// keys alone (not with the agent's `finalize`/`lookup_bits`): every port
+/// prefix length in use, any-protocol, any-peer.
+fn expected_bits(
+    policy: &std::collections::BTreeMap<
+        policy_common::policy::PolicyKey,
+        policy_common::policy::PolicyEntry,
+    >,
+    identity: u32,
+    dir: u8,
+) -> u32 {
+    use policy_common::endpoint::lookups;
+    let mut bits = 0;
+    for k in policy
+        .keys()
+        .filter(|k| k.endpoint_identity == identity && k.direction == dir)
+    {
+        bits |= if k.protocol == policy_common::proto::ANY {
+            lookups::ANY_PROTOCOL
+        } else {
+            lookups::port_prefix(k.port_prefix_len)
+        };
+        if k.peer_identity == policy_common::identity::ANY {
+            bits |= lookups::ANY_PEER;
+        }
+    }
+    bits
+}
+
+fn assert_bits(maps: &policy_agent::mapstate::MapState<policy_agent::cluster::PodRef>, when: &str) {
+    use policy_common::direction::EGRESS;
+    for (pod, ep) in &maps.endpoints {
+        assert_eq!(
+            (ep.ingress_lookups, ep.egress_lookups),
+            (
+                expected_bits(&maps.policy, ep.identity, INGRESS),
+                expected_bits(&maps.policy, ep.identity, EGRESS)
+            ),
+            "{when}: lookup bits of {pod}"
+        );
+    }
+}
+
+/// Shapes come and go (one port, a range, a protocol's every port, every
+/// protocol, any peer); after each change the incremental compiler's
+/// endpoints equal an independent full compile of the final state, and
+/// both carry exactly the bits their keys need.
 #[test]
-fn endpoint_lookup_bits_are_finalized() {
-    let run = world().compile();
-    let mut again = run.compiled.maps.clone();
-    again.finalize();
-    assert_eq!(again, run.compiled.maps);
-    assert!(
-        run.compiled
-            .maps
-            .endpoints
-            .values()
-            .all(|e| e.revision == 0)
-    );
+fn endpoint_lookup_bits_follow_the_shapes_in_use() {
+    let mut w = world();
+    let mut ids = IdentityAllocator::new();
+    let mut c = Compiler::build(&w.state, &mut ids, CompileOptions::default());
+    assert_bits(c.maps(), "start");
+    let web = obj("default/web");
+    let shapes = [
+        "  ingress:\n  - from: [{podSelector: {matchLabels: {role: friend}}}]\n    ports: [{port: 80}]",
+        "  ingress:\n  - from: [{podSelector: {matchLabels: {role: friend}}}]\n    ports: [{port: 8000, endPort: 8100}, {protocol: UDP}]",
+        "  ingress:\n  - from: [{podSelector: {matchLabels: {role: friend}}}]",
+        "  ingress:\n  - ports: [{port: 80}]",
+        "  ingress:\n  - {}",
+        "  policyTypes: [Ingress, Egress]\n  egress:\n  - ports: [{protocol: SCTP, port: 9}]",
+        "  ingress:\n  - from: [{podSelector: {matchLabels: {role: friend}}}]\n    ports: [{port: 80}]",
+    ];
+    for (i, spec) in shapes.iter().enumerate() {
+        w.policy(&format!(
+            "metadata: {{name: web}}\nspec:\n  podSelector: {{matchLabels: {{app: web}}}}\n{spec}"
+        ));
+        let np = w.state.policies[&web].clone();
+        let mut full_ids = ids.clone();
+        c.apply([Change::UpsertPolicy(web.clone(), Box::new(np))], &mut ids);
+        let full = policy::compile(&w.state, &mut full_ids);
+        assert_eq!(c.maps(), &full.maps, "step {i}: incremental vs full");
+        assert_bits(&full.maps, &format!("step {i}, full compile"));
+        assert!(
+            full.maps.endpoints.values().all(|e| e.revision == 0),
+            "revisions are the datapath's, not the compiler's"
+        );
+        // And a compile from scratch (a new allocator) agrees on the bits.
+        let fresh = policy::compile(&w.state, &mut IdentityAllocator::new());
+        let bits = |m: &policy_agent::mapstate::MapState<policy_agent::cluster::PodRef>| {
+            m.endpoints
+                .iter()
+                .map(|(p, e)| (p.clone(), e.ingress_lookups, e.egress_lookups))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(bits(&fresh.maps), bits(c.maps()), "step {i}: fresh compile");
+    }
+    assert!(c.maps().endpoints[&web].ingress_lookups != 0);
 }
 
 #[test]

@@ -87,6 +87,12 @@ pub const fn ct_lookups(protocol: u8, icmp_type: u8) -> u8 {
 pub const CT_FLAG_CLOSING: u8 = 1 << 0;
 /// Only a SYN has been seen so far.
 pub const CT_FLAG_SYN_ONLY: u8 = 1 << 1;
+/// A flow to a Service frontend: its egress is judged after DNAT, where
+/// the backend is known (see [`crate::service`]).
+pub const CT_FLAG_SERVICE: u8 = 1 << 2;
+/// Of a service flow: not judged yet (the verdict after DNAT has not come
+/// back, or the revision moved and the backend is unknown here).
+pub const CT_FLAG_PENDING: u8 = 1 << 3;
 
 /// Established TCP lifetime without traffic.
 pub const CT_TCP_TIMEOUT_NS: u64 = 6 * 3600 * 1_000_000_000;

@@ -115,6 +115,11 @@ pub const ATTACH_TCX: u32 = 1 << 0;
 pub const ATTACH_NETLINK: u32 = 1 << 1;
 /// [`EndpointMeta::attach`]: the agent created the clsact qdisc.
 pub const ATTACH_CREATED_CLSACT: u32 = 1 << 2;
+/// [`EndpointMeta::attach`]: the pod classifiers are attached (a local
+/// endpoint's interface).
+pub const ATTACH_POD: u32 = 1 << 3;
+/// [`EndpointMeta::attach`]: the uplink classifier is attached at egress.
+pub const ATTACH_UPLINK: u32 = 1 << 4;
 
 /// Value of `ENDPOINT_META` (userspace only): who the endpoint is and how
 /// the agent attached to it, so `dump` can name it and `reset` can undo

@@ -18,6 +18,7 @@ pub mod identity;
 pub mod ipcache;
 pub mod maps;
 pub mod policy;
+pub mod service;
 pub mod verdict;
 
 #[cfg(feature = "user")]

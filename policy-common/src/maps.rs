@@ -22,6 +22,12 @@ pub const POLICY: &str = "POLICY";
 pub const CONNTRACK: &str = "CONNTRACK";
 /// [`crate::conntrack::FragKey`] → [`crate::conntrack::FragEntry`] (LRU hash).
 pub const FRAGMENTS: &str = "FRAGMENTS";
+/// [`crate::service::ServiceAddr`] prefix → [`crate::service::ServiceEntry`]:
+/// the Service frontend addresses and ranges (LPM trie, both families).
+pub const SERVICES: &str = "SERVICES";
+/// [`crate::service::ServiceFlowKey`] → [`crate::service::ServiceFlow`]
+/// (LRU hash): clients' flows to frontends and the backends they reached.
+pub const SERVICE_FLOWS: &str = "SERVICE_FLOWS";
 /// Verdict counters, per CPU, indexed by [`crate::verdict::counter_index`].
 pub const COUNTERS: &str = "COUNTERS";
 /// Ring buffer of [`crate::event::DropEvent`].
@@ -35,7 +41,7 @@ pub const IDENTITY_NAMES: &str = "IDENTITY_NAMES";
 pub const ENDPOINT_META: &str = "ENDPOINT_META";
 
 /// Every map the agent pins, in the order `dump` prints them.
-pub const ALL: [&str; 12] = [
+pub const ALL: [&str; 14] = [
     CONFIG,
     ENDPOINT_SLOTS,
     ENDPOINTS,
@@ -44,7 +50,9 @@ pub const ALL: [&str; 12] = [
     IPCACHE_V6,
     IDENTITY_NAMES,
     POLICY,
+    SERVICES,
     CONNTRACK,
+    SERVICE_FLOWS,
     FRAGMENTS,
     COUNTERS,
     DROP_EVENTS,
@@ -60,6 +68,8 @@ pub mod capacity {
     pub const CONNTRACK: u32 = 131_072;
     pub const FRAGMENTS: u32 = 8192;
     pub const IDENTITIES: u32 = 65536;
+    pub const SERVICES: u32 = 65536;
+    pub const SERVICE_FLOWS: u32 = 65536;
     /// Bytes of the drop-event ring buffer (a power of two, page multiple).
     pub const DROP_EVENTS_BYTES: u32 = 1 << 18;
 }
@@ -70,4 +80,7 @@ pub mod programs {
     pub const FROM_POD: &str = "from_pod";
     /// Attached at host-veth egress: judges what reaches the pod (ingress).
     pub const TO_POD: &str = "to_pod";
+    /// Attached at the egress of the node's uplinks: judges a pod's egress
+    /// to a Service whose backend is on another node, after DNAT.
+    pub const TO_UPLINK: &str = "to_uplink";
 }

@@ -26,6 +26,9 @@ pub enum Reason {
     AllowFragment = 10,
     /// The interface has no endpoint entry (being set up or torn down).
     PassNoEndpoint = 11,
+    /// To a Service frontend: passed on, judged after DNAT where the
+    /// backend is known.
+    PassService = 12,
     /// No policy entry allows the flow.
     DropPolicy = 32,
     /// A tracked flow judged again after a policy change, and denied.
@@ -62,7 +65,7 @@ pub const fn counter_index(reason: Reason, direction: u8) -> u32 {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 19] = [
+    pub const ALL: [Reason; 20] = [
         Reason::AllowPolicy,
         Reason::AllowEstablished,
         Reason::AllowReply,
@@ -74,6 +77,7 @@ impl Reason {
         Reason::AllowNeighborDiscovery,
         Reason::AllowFragment,
         Reason::PassNoEndpoint,
+        Reason::PassService,
         Reason::DropPolicy,
         Reason::DropPolicyChanged,
         Reason::DropMalformed,
@@ -111,6 +115,7 @@ impl Reason {
             9 => Reason::AllowNeighborDiscovery,
             10 => Reason::AllowFragment,
             11 => Reason::PassNoEndpoint,
+            12 => Reason::PassService,
             32 => Reason::DropPolicy,
             33 => Reason::DropPolicyChanged,
             34 => Reason::DropMalformed,
@@ -137,6 +142,7 @@ impl Reason {
             Reason::AllowNeighborDiscovery => "allow_neighbor_discovery",
             Reason::AllowFragment => "allow_fragment",
             Reason::PassNoEndpoint => "pass_no_endpoint",
+            Reason::PassService => "pass_service",
             Reason::DropPolicy => "drop_policy",
             Reason::DropPolicyChanged => "drop_policy_changed",
             Reason::DropMalformed => "drop_malformed",

@@ -13,8 +13,8 @@ use policy_common::{
     addr_eq,
     config::{CONFIG_DEBUG_LOG, CONFIG_NO_DROP_EVENTS},
     conntrack::{
-        CT_FLAG_CLOSING, CT_FLAG_SYN_ONLY, CT_LOOKUP_FORWARD, CT_LOOKUP_REPLY, CT_REFRESH_NS,
-        CtEntry, CtKey, FragEntry, FragKey, ct_lookups,
+        CT_FLAG_CLOSING, CT_FLAG_PENDING, CT_FLAG_SERVICE, CT_FLAG_SYN_ONLY, CT_LOOKUP_FORWARD,
+        CT_LOOKUP_REPLY, CT_REFRESH_NS, CtEntry, CtKey, FragEntry, FragKey, ct_lookups,
     },
     direction,
     endpoint::{ENDPOINT_SLOT_USED, EndpointInfo, lookups},
@@ -23,13 +23,14 @@ use policy_common::{
     ipcache::IpcacheEntry,
     policy::PolicyKey,
     proto,
+    service::{SERVICE_FLOW_RESOLVED, ServiceFlow, mark, service_addr, service_prefix_len},
     verdict::{Reason, counter_index},
 };
 
 use crate::{
     maps::{
         CONFIG, CONNTRACK, COUNTERS, DROP_EVENTS, ENDPOINT_SLOTS, ENDPOINTS, FRAGMENTS, IPCACHE_V4,
-        IPCACHE_V6, POLICY, SCRATCH, Scratch,
+        IPCACHE_V6, POLICY, SCRATCH, SERVICE_FLOWS, SERVICES, Scratch,
     },
     parse::{FRAG_FIRST, FRAG_LATER, IP, IpPacket, MALFORMED, parse, quoted_flow},
 };
@@ -64,16 +65,18 @@ fn config_flags() -> u32 {
 /// reaches that far (the writer never puts such an ifindex in the hash),
 /// the overflow hash otherwise.
 #[inline(always)]
-fn endpoint(ifindex: u32) -> Option<EndpointInfo> {
+fn endpoint(ifindex: u32) -> Option<&'static EndpointInfo> {
     if let Some(slot) = ENDPOINT_SLOTS.get(ifindex) {
         return if slot.flags & ENDPOINT_SLOT_USED != 0 {
-            Some(*slot)
+            Some(slot)
         } else {
             None
         };
     }
-    // SAFETY: map value pointer, valid for this run; copied out at once.
-    ENDPOINTS.get_ptr(ifindex).map(|ep| unsafe { *ep })
+    // SAFETY: a map value pointer, valid for this program run (the entry
+    // is read, never written, by the classifier; not copied: the stack is
+    // 512 bytes for the whole call chain).
+    ENDPOINTS.get_ptr(ifindex).map(|ep| unsafe { &*ep })
 }
 
 #[inline(always)]
@@ -235,6 +238,233 @@ fn fill_frag_key(key: &mut FragKey, ifindex: u32, pkt: &IpPacket) {
     key._pad = 0;
 }
 
+/// Whether `addr` is a Service frontend (or in a Service range). Out of
+/// line: its key gets a frame of its own.
+#[inline(never)]
+fn is_frontend(fam: u8, addr: &[u8; 16]) -> bool {
+    let key = aya_ebpf::btf_maps::lpm_trie::Key::new(
+        service_prefix_len(if fam == family::IPV4 { 32 } else { 128 }),
+        service_addr(fam, addr),
+    );
+    SERVICES.get(&key).is_some()
+}
+
+/// A conntrack hit on a flow to a Service frontend, at the client (the
+/// entry's key is the pre-DNAT tuple). `forward`: the client sends (its
+/// egress hook); else a reply reaches it. Its verdict is the one taken
+/// after DNAT: pending → sent on to be judged there (a reply passes: the
+/// request was let through to the backend, which alone answers); on a
+/// stale revision the flow is judged again against the backend it landed
+/// on (`SERVICE_FLOWS`), or, unknown here, after DNAT again.
+#[inline(always)]
+fn service_hit(
+    entry: &mut CtEntry,
+    key: &CtKey,
+    flow: &mut policy_common::service::ServiceFlowKey,
+    ep: &EndpointInfo,
+    pkt: &IpPacket,
+    now: u64,
+    forward: bool,
+) -> (Reason, IpcacheEntry) {
+    let unknown = IpcacheEntry::UNKNOWN;
+    let hit = if forward {
+        Reason::AllowEstablished
+    } else {
+        Reason::AllowReply
+    };
+    if now.wrapping_sub(entry.last_seen_ns) > CT_REFRESH_NS {
+        entry.last_seen_ns = now;
+    }
+    if entry.flags & CT_FLAG_PENDING != 0 {
+        return if forward {
+            (Reason::PassService, unknown)
+        } else {
+            (hit, unknown)
+        };
+    }
+    if entry.revision != ep.revision {
+        flow.ifindex = key.ifindex;
+        flow.src = key.src;
+        flow.sport = key.sport;
+        flow.protocol = key.protocol;
+        flow.family = key.family;
+        let resolved = SERVICE_FLOWS
+            .get_ptr(&*flow)
+            // SAFETY: a pointer to the map value, valid for this run.
+            .map(|f| unsafe { &*f })
+            .filter(|f| f.flags & SERVICE_FLOW_RESOLVED != 0);
+        match resolved {
+            Some(f) => {
+                let port = proto::policy_port(key.protocol, f.backend_port);
+                let (reason, peer) = judge(
+                    ep,
+                    direction::EGRESS,
+                    key.family,
+                    &f.backend,
+                    key.protocol,
+                    port,
+                );
+                if reason.is_drop() {
+                    let _ = CONNTRACK.remove(key);
+                    let _ = SERVICE_FLOWS.remove(&*flow);
+                    return (Reason::DropPolicyChanged, peer);
+                }
+                entry.revision = ep.revision;
+            }
+            None if forward => {
+                entry.flags |= CT_FLAG_PENDING;
+                return (Reason::PassService, unknown);
+            }
+            None => return (hit, unknown),
+        }
+    }
+    if pkt.protocol == proto::TCP && pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
+        entry.flags |= CT_FLAG_CLOSING;
+    }
+    (hit, unknown)
+}
+
+/// A new flow of an egress-isolated pod to a Service frontend: tracked as
+/// pending (its pre-DNAT tuple, and the frontend by the client's source)
+/// and sent on with the mark, to be judged after DNAT.
+#[inline(always)]
+fn defer(s: &mut Scratch, ifindex: u32, ep: &EndpointInfo, now: u64) -> Reason {
+    if mark::pending(ifindex).is_none() {
+        // The mark cannot carry this interface: the backend cannot be
+        // judged, so the flow is refused (stay closed where unsure).
+        return Reason::DropPolicy;
+    }
+    let pkt = &s.pkt;
+    fill_ct_key(&mut s.ct, ifindex, direction::EGRESS, pkt);
+    let mut flags = CT_FLAG_SERVICE | CT_FLAG_PENDING;
+    if syn_only(pkt) {
+        flags |= CT_FLAG_SYN_ONLY;
+    }
+    let entry = CtEntry {
+        last_seen_ns: now,
+        revision: ep.revision,
+        direction: direction::EGRESS,
+        flags,
+        _pad: 0,
+    };
+    if CONNTRACK.insert(&s.ct, &entry, BPF_ANY as u64).is_err() {
+        count(Reason::CtCreateFailed, direction::EGRESS);
+    }
+    s.flow.ifindex = ifindex;
+    s.flow.src = pkt.src;
+    s.flow.sport = pkt.sport;
+    s.flow.protocol = pkt.protocol;
+    s.flow.family = pkt.family;
+    let flow = ServiceFlow {
+        frontend: pkt.dst,
+        backend: [0; 16],
+        frontend_port: pkt.dport,
+        backend_port: 0,
+        flags: 0,
+    };
+    let _ = SERVICE_FLOWS.insert(&s.flow, &flow, BPF_ANY as u64);
+    Reason::PassService
+}
+
+/// After DNAT (`s.pkt` is the rewritten packet): the egress of the client
+/// at interface `client` is judged against the backend it reached, and
+/// the client's waiting flow learns the verdict and the backend. Out of
+/// line: small frame, and the programs share it.
+#[inline(never)]
+fn judge_service(s: &mut Scratch, client: u32, flags: u32) -> u32 {
+    let Some(ep) = endpoint(client) else {
+        // The client is gone: nothing to judge its egress by.
+        count(Reason::DropPolicy, direction::EGRESS);
+        return 0;
+    };
+    let pkt = &s.pkt;
+    let (reason, peer) = judge(
+        ep,
+        direction::EGRESS,
+        pkt.family,
+        &pkt.dst,
+        pkt.protocol,
+        proto::policy_port(pkt.protocol, pkt.dport),
+    );
+    s.flow.ifindex = client;
+    s.flow.src = pkt.src;
+    s.flow.sport = pkt.sport;
+    s.flow.protocol = pkt.protocol;
+    s.flow.family = pkt.family;
+    if let Some(f) = SERVICE_FLOWS.get_ptr_mut(&s.flow) {
+        // SAFETY: a pointer to the map value, valid for this run.
+        let f = unsafe { &mut *f };
+        s.ct.ifindex = client;
+        s.ct.src = pkt.src;
+        s.ct.dst = f.frontend;
+        s.ct.sport = pkt.sport;
+        s.ct.dport = f.frontend_port;
+        s.ct.protocol = pkt.protocol;
+        s.ct.family = pkt.family;
+        s.ct.direction = direction::EGRESS;
+        s.ct._pad = 0;
+        if reason.is_drop() {
+            let _ = CONNTRACK.remove(&s.ct);
+            let _ = SERVICE_FLOWS.remove(&s.flow);
+        } else {
+            f.backend = pkt.dst;
+            f.backend_port = pkt.dport;
+            f.flags |= SERVICE_FLOW_RESOLVED;
+            if let Some(e) = CONNTRACK.get_ptr_mut(&s.ct) {
+                // SAFETY: as above.
+                let e = unsafe { &mut *e };
+                e.flags &= !CT_FLAG_PENDING;
+                e.revision = ep.revision;
+            }
+        }
+    }
+    count(reason, direction::EGRESS);
+    if reason.is_drop() {
+        if flags & CONFIG_NO_DROP_EVENTS == 0 {
+            emit_drop(
+                ep,
+                (u64::from(client) << 16) | ((reason as u64) << 8) | u64::from(direction::EGRESS),
+                Some(&s.pkt),
+                &peer,
+            );
+        }
+        return 0;
+    }
+    1
+}
+
+/// A packet marked at a client's veth, at the first hook after DNAT:
+/// judges the client's egress (see [`judge_service`]) and clears the mark.
+/// False: drop. Out of line: only marked packets take it.
+#[inline(never)]
+fn after_dnat(ctx: &TcContext, s: &mut Scratch, flags: u32) -> bool {
+    // SAFETY: the context pointer is the kernel's __sk_buff for this run.
+    let m = unsafe { (*ctx.skb.skb).mark };
+    let Some(client) = mark::client(m) else {
+        return true;
+    };
+    ctx.set_mark(m & !mark::MASK);
+    if parse(ctx, &mut s.pkt) != IP {
+        return true;
+    }
+    judge_service(s, client, flags) != 0
+}
+
+/// The uplink's egress: a pod's packet to a Service whose backend is on
+/// another node, judged after DNAT; anything else passes.
+pub fn uplink(ctx: &TcContext) -> i32 {
+    let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
+        return PASS;
+    };
+    // SAFETY: this CPU's slot; programs do not nest on one CPU.
+    let s = unsafe { &mut *scratch };
+    if after_dnat(ctx, s, config_flags()) {
+        PASS
+    } else {
+        DROP
+    }
+}
+
 /// An ICMP error about a flow of this endpoint (its quoted header is in
 /// `s.pkt.quoted_off`): it must travel back to the quoted packet's sender,
 /// the quoted packet must belong to a flow tracked here (it went the other
@@ -357,6 +587,9 @@ fn decide(
         // SAFETY: a pointer to the map value, valid for this program run.
         let entry = unsafe { &mut *entry };
         if usable(entry, pkt, now) {
+            if entry.flags & CT_FLAG_SERVICE != 0 {
+                return service_hit(entry, &s.ct, &mut s.flow, ep, pkt, now, true);
+            }
             return on_ct_hit(
                 entry,
                 &s.ct,
@@ -376,6 +609,9 @@ fn decide(
         // SAFETY: as above.
         let entry = unsafe { &mut *entry };
         if usable(entry, pkt, now) {
+            if entry.flags & CT_FLAG_SERVICE != 0 {
+                return service_hit(entry, &s.ct, &mut s.flow, ep, pkt, now, false);
+            }
             // A reply: judged again (if stale) as its opener was, with the
             // opener's destination port, which is this packet's source.
             return on_ct_hit(
@@ -393,6 +629,20 @@ fn decide(
     if pkt.protocol == proto::TCP && pkt.tcp_flags & TCP_SYN == 0 {
         count(Reason::CtMidstreamMiss, dir);
     }
+    // To a Service frontend: the backend is chosen after us (DNAT), so the
+    // egress is judged there.
+    if dir == direction::EGRESS && ep.isolated(direction::EGRESS) && proto::has_ports(pkt.protocol)
+    {
+        if is_frontend(pkt.family, &pkt.dst) {
+            return (defer(s, ifindex, ep, now), unknown);
+        }
+    }
+    let pkt = &s.pkt;
+    let peer_addr = if dir == direction::EGRESS {
+        &pkt.dst
+    } else {
+        &pkt.src
+    };
 
     let (reason, peer) = judge(ep, dir, pkt.family, peer_addr, pkt.protocol, port);
     // Only a packet the pod sent (its source checked above) or one it
@@ -468,10 +718,6 @@ fn emit_drop(ep: &EndpointInfo, meta: u64, pkt: Option<&IpPacket>, peer: &Ipcach
 pub fn classify(ctx: &TcContext, dir: u8) -> i32 {
     // SAFETY: the context pointer is the kernel's __sk_buff for this run.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    let Some(ep) = endpoint(ifindex) else {
-        count(Reason::PassNoEndpoint, dir);
-        return PASS;
-    };
     let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
         // Cannot happen (a one-slot array); refuse rather than guess.
         count(Reason::DropMalformed, dir);
@@ -480,11 +726,19 @@ pub fn classify(ctx: &TcContext, dir: u8) -> i32 {
     // SAFETY: this CPU's slot; programs do not nest on one CPU.
     let s = unsafe { &mut *scratch };
     let flags = config_flags();
+    // First the egress of a client whose packet DNAT brought here.
+    if dir == direction::INGRESS && !after_dnat(ctx, s, flags) {
+        return DROP;
+    }
+    let Some(ep) = endpoint(ifindex) else {
+        count(Reason::PassNoEndpoint, dir);
+        return PASS;
+    };
 
     let parsed = parse(ctx, &mut s.pkt);
     let (reason, peer) = match parsed {
         IP => {
-            let (reason, peer) = decide(ctx, s, ifindex, &ep, dir);
+            let (reason, peer) = decide(ctx, s, ifindex, ep, dir);
             if s.pkt.frag == FRAG_FIRST && !reason.is_drop() {
                 fill_frag_key(&mut s.frag, ifindex, &s.pkt);
                 let entry = FragEntry {
@@ -519,10 +773,17 @@ pub fn classify(ctx: &TcContext, dir: u8) -> i32 {
             reason as u8
         );
     }
+    if reason == Reason::PassService
+        && let Some(m) = mark::pending(ifindex)
+    {
+        // SAFETY: the context pointer is the kernel's __sk_buff for this run.
+        let old = unsafe { (*ctx.skb.skb).mark };
+        ctx.set_mark((old & !mark::MASK) | m);
+    }
     if reason.is_drop() {
         if flags & CONFIG_NO_DROP_EVENTS == 0 {
             emit_drop(
-                &ep,
+                ep,
                 (u64::from(ifindex) << 16) | ((reason as u64) << 8) | u64::from(dir),
                 pkt,
                 &peer,

@@ -32,6 +32,12 @@ mod programs {
     pub fn to_pod(ctx: TcContext) -> i32 {
         classify(&ctx, direction::INGRESS)
     }
+
+    /// Uplink egress: a pod's egress to a Service backend on another node.
+    #[classifier]
+    pub fn to_uplink(ctx: TcContext) -> i32 {
+        crate::classify::uplink(&ctx)
+    }
 }
 
 #[cfg(target_arch = "bpf")]

@@ -15,6 +15,7 @@ use policy_common::{
     ipcache::{IpcacheEntry, Ipv4Bytes, Ipv6Bytes},
     maps::capacity,
     policy::{PolicyEntry, PolicyKey},
+    service::{ServiceAddr, ServiceEntry, ServiceFlow, ServiceFlowKey},
     verdict::COUNTER_SLOTS,
 };
 
@@ -30,6 +31,7 @@ pub struct Scratch {
     pub pkt: IpPacket,
     pub ct: CtKey,
     pub frag: FragKey,
+    pub flow: ServiceFlowKey,
 }
 
 #[btf_map]
@@ -58,6 +60,17 @@ pub static POLICY: HashMap<PolicyKey, PolicyEntry, { capacity::POLICY as usize }
 #[btf_map]
 pub static CONNTRACK: LruHashMap<CtKey, CtEntry, { capacity::CONNTRACK as usize }> =
     LruHashMap::new();
+
+#[btf_map]
+pub static SERVICES: LpmTrie<ServiceAddr, ServiceEntry, { capacity::SERVICES as usize }> =
+    LpmTrie::new();
+
+#[btf_map]
+pub static SERVICE_FLOWS: LruHashMap<
+    ServiceFlowKey,
+    ServiceFlow,
+    { capacity::SERVICE_FLOWS as usize },
+> = LruHashMap::new();
 
 #[btf_map]
 pub static FRAGMENTS: LruHashMap<FragKey, FragEntry, { capacity::FRAGMENTS as usize }> =

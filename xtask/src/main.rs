@@ -163,6 +163,15 @@ fn main() -> anyhow::Result<()> {
             vm_suites,
             args,
         } => {
+            // The suite CI runs is always the whole suite: switches that
+            // rewrite golden files or replay one seed are for `cargo test`.
+            for switch in ["UPDATE_GOLDEN", "DIFF_SEED"] {
+                if std::env::var_os(switch).is_some() {
+                    bail!(
+                        "{switch} is set: it rewrites or narrows what the tests check; unset it (use plain `cargo test` for that)"
+                    );
+                }
+            }
             setup()?;
             require_root("the kernel tests")?;
             test::run(

@@ -85,6 +85,13 @@ pub struct DatapathArgs {
     /// Attach with netlink clsact filters even where TCX is available.
     #[arg(long)]
     pub force_netlink: bool,
+    /// The cluster's Service range(s) (kube-apiserver's
+    /// --service-cluster-ip-range; repeatable, one per family). Every
+    /// address in them is a frontend from the start, before its Service
+    /// is seen: an isolated pod's egress to it is judged after DNAT, on
+    /// the backend (BPF datapath).
+    #[arg(long = "service-cidr", value_name = "CIDR")]
+    pub service_cidrs: Vec<ipnet::IpNet>,
 }
 
 /// The node the agent enforces on.
@@ -149,6 +156,12 @@ impl EnforceArgs {
             layout: self.pins.layout(),
             load: LoadOptions {
                 force_netlink: self.datapath.force_netlink,
+                service_ranges: self
+                    .datapath
+                    .service_cidrs
+                    .iter()
+                    .map(|n| n.trunc())
+                    .collect(),
                 capacities: Sizing {
                     max_pods: self.sizing.max_pods,
                     cluster_pods: self.sizing.cluster_pods,

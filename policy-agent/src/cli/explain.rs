@@ -3,9 +3,11 @@ use std::process::ExitCode;
 
 use anyhow::{Context as _, bail};
 use policy_agent::{
-    cluster::ObjectRef,
+    cluster::{ClusterState, ObjectRef},
     identity::IdentityAllocator,
-    policy::{CompileOptions, ExplainQuery, FlowEnd, compile_with, explain},
+    policy::{
+        CompileOptions, ExplainQuery, FlowEnd, ServiceQuery, compile_with, explain, explain_service,
+    },
     source,
 };
 
@@ -19,10 +21,12 @@ pub struct Args {
     /// Source: NAMESPACE/POD or an IP address.
     #[arg(long)]
     pub from: String,
-    /// Destination: NAMESPACE/POD or an IP address.
+    /// Destination: NAMESPACE/POD, an IP address, or service/NAMESPACE/NAME.
+    /// A Service (named, or by one of its addresses) is answered per
+    /// backend kube-proxy may pick, as the datapath judges after DNAT.
     #[arg(long)]
     pub to: String,
-    /// Destination port.
+    /// Destination port (of the Service, for a Service).
     #[arg(long)]
     pub port: u16,
     /// TCP, UDP or SCTP.
@@ -43,6 +47,34 @@ fn flow_end(s: &str) -> anyhow::Result<FlowEnd> {
         }
         _ => bail!("{s:?} is neither NAMESPACE/POD nor an IP address"),
     }
+}
+
+/// The Service `to` names: `service/NAMESPACE/NAME`, or an address that is
+/// a Service frontend (a ClusterIP, external or load-balancer IP).
+fn service_target(to: &str, state: &ClusterState) -> anyhow::Result<Option<ObjectRef>> {
+    if let Some(service) = to.strip_prefix("service/") {
+        let Some((ns, name)) = service
+            .split_once('/')
+            .filter(|(n, m)| !n.is_empty() && !m.is_empty())
+        else {
+            bail!("{to:?}: expected service/NAMESPACE/NAME");
+        };
+        return Ok(Some(ObjectRef::new(ns, name)));
+    }
+    let Ok(ip) = to.parse::<std::net::IpAddr>() else {
+        return Ok(None);
+    };
+    Ok(state
+        .services
+        .iter()
+        .find(|(_, s)| {
+            s.cluster_ips
+                .iter()
+                .chain(&s.external_ips)
+                .chain(&s.load_balancer_ips)
+                .any(|a| *a == ip)
+        })
+        .map(|(name, _)| name.clone()))
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -66,6 +98,21 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             all_pods_local: true,
         },
     );
+    if let Some(service) = service_target(&args.to, &state)? {
+        let query = ServiceQuery {
+            src: flow_end(&args.from)?,
+            service,
+            protocol,
+            port: args.port,
+        };
+        let explanation = explain_service(&state, &compiled, &query).context("explaining")?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&explanation)?);
+        } else {
+            print!("{explanation}");
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let query = ExplainQuery {
         src: flow_end(&args.from)?,
         dst: flow_end(&args.to)?,

@@ -22,6 +22,16 @@ pub struct Args {
     /// Quiet time (ms) that ends a burst of changes.
     #[arg(long, default_value_t = 20)]
     pub debounce_ms: u64,
+    /// Accept pods from the chained CNI plugin (`policy-cni`) on this unix
+    /// socket: a new pod is enforced before its CNI ADD returns. The
+    /// DaemonSet uses /run/policy-agent/cni.sock.
+    #[arg(long, value_name = "PATH")]
+    pub cni_socket: Option<PathBuf>,
+    /// Longest an ADD waits for its pod to be enforced before it fails
+    /// (the kubelet retries the sandbox). The plugin's own timeout is
+    /// usually shorter.
+    #[arg(long, default_value_t = 30)]
+    pub cni_wait_secs: u64,
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -29,6 +39,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     config.listen = args.listen;
     config.datapath = args.enforce.open_options();
     config.debounce = Duration::from_millis(args.debounce_ms);
+    config.cni_socket = args.cni_socket.clone();
+    config.cni_wait = Duration::from_secs(args.cni_wait_secs);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

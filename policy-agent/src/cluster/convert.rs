@@ -129,6 +129,7 @@ pub fn pod_info(pod: &Pod) -> Result<(ObjectRef, PodInfo), ConvertError> {
             .as_ref()
             .map(|t| t.0.as_second())
             .unwrap_or(0),
+        uid: pod.metadata.uid.clone(),
     };
     Ok((key, info))
 }

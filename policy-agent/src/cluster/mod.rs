@@ -83,6 +83,9 @@ pub struct PodInfo {
     /// `metadata.creationTimestamp` (seconds): when two live pods claim one
     /// IP, the newer one holds it.
     pub created: i64,
+    /// `metadata.uid`: tells a sandbox's pod from an older one of the same
+    /// name (the CNI hand-off names both).
+    pub uid: Option<String>,
 }
 
 /// Everything the compiler reads.

@@ -48,9 +48,11 @@ pub struct ServiceInfo {
 }
 
 impl ServiceInfo {
-    /// Whether the node's Service implementation proxies it at all.
+    /// Whether the node's Service implementation proxies it at all
+    /// (kube-proxy skips a Service without a ClusterIP, external IPs or
+    /// not).
     pub fn proxied(&self) -> bool {
-        !self.cluster_ips.is_empty() || !self.external_ips.is_empty()
+        !self.cluster_ips.is_empty()
     }
 }
 

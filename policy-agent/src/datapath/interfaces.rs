@@ -152,6 +152,11 @@ impl InterfaceCache {
         }
     }
 
+    /// The interface last found for `pod`.
+    pub fn get(&self, pod: &PodRef) -> Option<&Interface> {
+        self.found.get(pod).map(|(_, i)| i)
+    }
+
     /// Drops a pod that is gone, returning the interface it had.
     pub fn forget(&mut self, pod: &PodRef) -> Option<Interface> {
         self.found.remove(pod).map(|(_, i)| i)

@@ -56,6 +56,9 @@ pub struct SyncReport {
     pub incomplete: bool,
     /// Entries not written, by map.
     pub map_failures: BTreeMap<&'static str, usize>,
+    /// Something the sync could not finish although what it wrote is in
+    /// place (iptables: a conntrack deletion failed): sync again soon.
+    pub retry: bool,
 }
 
 /// Errors of either datapath.
@@ -110,6 +113,11 @@ pub trait Datapath: Send {
     fn metrics(&self) -> Option<MetricsSource> {
         None
     }
+
+    /// The interface (ifindex) on which `pod` is enforced now: its entry
+    /// written and its programs attached (BPF, read back from the kernel),
+    /// or its rules installed by the last sync (iptables). None: not (yet).
+    fn enforced(&self, pod: &PodRef) -> Option<u32>;
 }
 
 /// Which datapath to use.

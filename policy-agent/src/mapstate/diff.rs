@@ -1,7 +1,8 @@
 //! The ordered difference between two map states.
 //!
 //! Order (fixed, so no pod is opened or closed wrongly in between):
-//! 1. identity names added or changed;
+//! 1. identity names and Service frontends added or changed (a frontend
+//!    only sends flows to be judged after DNAT, which is never more open);
 //! 2. policy entries added or changed: new allows exist before anything
 //!    refers to them;
 //! 3. endpoints added or changed: isolation flips, identity and lookup bits
@@ -9,7 +10,8 @@
 //! 4. ipcache entries added or changed: an address changes identity only
 //!    once the entries that allow its new identity exist;
 //! 5. policy entries removed: old allows go only after nothing needs them;
-//! 6. ipcache entries removed; 7. endpoints removed; 8. identity names removed;
+//! 6. ipcache entries removed; 7. endpoints removed; 8. identity names and
+//!    Service frontends removed;
 //! 9. new revisions of existing endpoints (step 3 writes them with their
 //!    old revision): conntrack entries are judged again only once the maps
 //!    hold the whole new state.
@@ -24,6 +26,7 @@ use policy_common::{
     identity::IdentityName,
     ipcache::IpcacheEntry,
     policy::{PolicyEntry, PolicyKey},
+    service::ServiceEntry,
 };
 
 use super::MapState;
@@ -39,6 +42,8 @@ pub enum MapOp<K> {
     DeleteIpcache(IpNet),
     DeleteEndpoint(K),
     DeleteIdentity(u32),
+    UpsertService(IpNet, ServiceEntry),
+    DeleteService(IpNet),
 }
 
 fn upserts<'a, K: Ord + Clone, V: PartialEq + Clone>(
@@ -64,6 +69,7 @@ pub fn diff<K: Ord + Clone>(old: &MapState<K>, new: &MapState<K>) -> Vec<MapOp<K
         upserts(&old.identities, &new.identities)
             .map(|(k, v)| MapOp::UpsertIdentity(k, Box::new(v))),
     );
+    ops.extend(upserts(&old.services, &new.services).map(|(k, v)| MapOp::UpsertService(k, v)));
     ops.extend(upserts(&old.policy, &new.policy).map(|(k, v)| MapOp::UpsertPolicy(k, v)));
     // Existing endpoints keep their old revision here; the new one is
     // written last (below).
@@ -83,6 +89,7 @@ pub fn diff<K: Ord + Clone>(old: &MapState<K>, new: &MapState<K>) -> Vec<MapOp<K
     ops.extend(removals(&old.ipcache, &new.ipcache).map(MapOp::DeleteIpcache));
     ops.extend(removals(&old.endpoints, &new.endpoints).map(MapOp::DeleteEndpoint));
     ops.extend(removals(&old.identities, &new.identities).map(MapOp::DeleteIdentity));
+    ops.extend(removals(&old.services, &new.services).map(MapOp::DeleteService));
     ops.extend(revision_bumps(old, new));
     ops
 }

@@ -20,6 +20,7 @@ use policy_common::{
     identity::IdentityName,
     ipcache::IpcacheEntry,
     policy::{PolicyEntry, PolicyKey},
+    service::ServiceEntry,
 };
 
 pub(crate) use self::names::fnv1a64;
@@ -41,6 +42,10 @@ pub struct MapState<K: Ord> {
     pub policy: BTreeMap<PolicyKey, PolicyEntry>,
     /// What each identity in use stands for.
     pub identities: BTreeMap<u32, IdentityName>,
+    /// Service frontend addresses and ranges: an isolated pod's egress to
+    /// them is judged after DNAT (only the BPF datapath needs them; the
+    /// iptables one judges in netfilter, after DNAT anyway).
+    pub services: BTreeMap<IpNet, ServiceEntry>,
 }
 
 impl<K: Ord> Default for MapState<K> {
@@ -50,6 +55,7 @@ impl<K: Ord> Default for MapState<K> {
             ipcache: BTreeMap::new(),
             policy: BTreeMap::new(),
             identities: BTreeMap::new(),
+            services: BTreeMap::new(),
         }
     }
 }
@@ -97,6 +103,7 @@ impl<K: Ord + Clone> MapState<K> {
             ipcache: self.ipcache.clone(),
             policy: self.policy.clone(),
             identities: self.identities.clone(),
+            services: self.services.clone(),
         }
     }
 
@@ -164,6 +171,12 @@ impl<K: Ord + Clone> MapState<K> {
             }
             MapOp::DeleteIdentity(k) => {
                 self.identities.remove(k);
+            }
+            MapOp::UpsertService(k, v) => {
+                self.services.insert(*k, *v);
+            }
+            MapOp::DeleteService(k) => {
+                self.services.remove(k);
             }
         }
     }

@@ -148,19 +148,39 @@ pub fn links() -> Result<Vec<Link>, Error> {
         .collect())
 }
 
-/// The namespace's own unicast addresses, loopback and link-local left
-/// out: the node's addresses, always allowed to reach its pods.
+/// The interface kube-proxy's IPVS mode binds every Service address to.
+pub const IPVS_DUMMY: &str = "kube-ipvs0";
+
+/// Whether an address on `interface` is one of the node's own. kube-proxy
+/// (IPVS mode) puts every ClusterIP on a dummy interface: taken for the
+/// node's, they would be "always allowed", and the backends behind them
+/// with them.
+pub fn is_node_address_interface(interface: &str) -> bool {
+    interface != IPVS_DUMMY
+}
+
+/// The namespace's own unicast addresses, loopback, link-local and the
+/// IPVS Service addresses left out: the node's addresses, always allowed
+/// to reach its pods.
 pub fn local_addresses() -> Result<Vec<IpAddr>, Error> {
     let replies = request(
         "address dump",
         RouteNetlinkMessage::GetAddress(AddressMessage::default()),
         NLM_F_REQUEST | NLM_F_DUMP,
     )?;
+    let excluded: Vec<u32> = links()?
+        .into_iter()
+        .filter(|l| !is_node_address_interface(&l.name))
+        .map(|l| l.index)
+        .collect();
     let mut out = Vec::new();
     for r in replies {
         let RouteNetlinkMessage::NewAddress(a) = r else {
             continue;
         };
+        if excluded.contains(&a.header.index) {
+            continue;
+        }
         for attr in &a.attributes {
             let ip = match attr {
                 AddressAttribute::Local(ip) => *ip,

@@ -15,7 +15,8 @@ use crate::identity::LabelKey;
 /// Which peers of a rule match a peer: by index in `from`/`to`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PeersMatch {
-    /// `from`/`to` absent: "this rule matches all sources" (destinations).
+    /// `from`/`to` absent or empty: "this rule matches all sources"
+    /// (destinations).
     pub all: bool,
     /// Selector peers (podSelector / namespaceSelector) that select the
     /// peer pod.

@@ -35,8 +35,9 @@ pub use self::{
     compiler::{CompileOptions, Compiler},
     error::{PolicyError, PolicyErrorKind},
     explain::{
-        DirectionReport, ExplainError, ExplainQuery, Explanation, FlowEnd, KeyReport, PeerReport,
-        PolicyReport, RuleMatch, explain,
+        BackendReport, DirectionReport, ExplainError, ExplainQuery, Explanation, FlowEnd,
+        KeyReport, PeerReport, PolicyReport, RuleMatch, ServiceExplainError, ServiceExplanation,
+        ServiceQuery, explain, explain_service,
     },
     parse::{ParsedPolicy, Peers, Rule, rule_ref},
     peer::{IpBlock, Namespaces, Peer},

@@ -27,11 +27,13 @@ use crate::{
 /// The peers of one rule.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Peers {
-    /// `from`/`to` absent: "this rule matches all sources" (destinations),
-    /// the node and the world included.
+    /// `from`/`to` absent or empty: "If this field is empty or missing,
+    /// this rule matches all sources" (destinations), the node and the
+    /// world included. The API server drops empty lists, so in cluster mode
+    /// `from: []` arrives as absent; manifests mean the same.
     All,
-    /// Present: "traffic is allowed if it matches at least one item in the
-    /// list" (so a present, empty list matches nothing).
+    /// Present with at least one item: "this rule allows traffic only if
+    /// the traffic matches at least one item in the from list".
     List(Vec<Peer>),
 }
 
@@ -139,7 +141,9 @@ fn parse_rule(
     let field = format!("spec.{}[{index}]", direction::name(dir));
     let peer_field = peer_field(dir);
     let peers = match peers {
+        // "empty or missing": the same, as for ports below.
         None => Peers::All,
+        Some(list) if list.is_empty() => Peers::All,
         Some(list) => Peers::List(
             list.iter()
                 .enumerate()

@@ -1,9 +1,13 @@
 //! The full pod-to-pod connectivity matrix of a simulated node: every
 //! source (each pod and the node) to every pod's every served port, over
-//! IPv4 and IPv6, probed in parallel.
+//! IPv4 and IPv6, probed in parallel. Probed with the pods' [`Servers`],
+//! each cell also records whether its request reached the destination
+//! pod, and [`Matrix::mismatches`] judges a cell at both ends: open means
+//! the request arrived and its reply came back, blocked means nothing
+//! arrived.
 use std::{collections::BTreeMap, fmt, net::SocketAddr, time::Duration};
 
-use super::{Error, NetNs, Outcome, Probe, SimNode, Transport, probe::matrix};
+use super::{Error, NetNs, Outcome, Probe, Servers, SimNode, Transport, probe::matrix};
 
 /// One column: a destination pod's port.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -22,20 +26,33 @@ impl fmt::Display for Target {
     }
 }
 
+/// A cell: (source, target, is_ipv6).
+pub type Cell = (String, Target, bool);
+
 /// Results: (source, target, is_ipv6) → outcome.
 #[derive(Clone, Debug, Default)]
 pub struct Matrix {
     pub sources: Vec<String>,
     pub targets: Vec<Target>,
-    pub cells: BTreeMap<(String, Target, bool), Outcome>,
+    pub cells: BTreeMap<Cell, Outcome>,
+    /// Whether each probe's request reached the destination pod (only
+    /// when probed with the pods' servers, see [`SimNode::probe_matrix_at`]).
+    pub arrived: BTreeMap<Cell, bool>,
 }
 
 /// The name the node row has.
 pub const NODE_ROW: &str = "(node)";
 
+/// What to probe: sources (name, namespace), columns, and every probe
+/// (column, family, probe).
+struct Plan<'a> {
+    sources: Vec<(String, &'a NetNs)>,
+    targets: Vec<Target>,
+    probes: Vec<(Target, bool, Probe)>,
+}
+
 impl SimNode {
-    /// Probes everything. `ping` adds an ICMP echo column per pod.
-    pub fn probe_matrix(&self, timeout: Duration, ping: bool) -> Result<Matrix, Error> {
+    fn plan(&self, ping: bool) -> Plan<'_> {
         let mut targets = Vec::new();
         let mut probes = Vec::new();
         for p in &self.pods {
@@ -72,26 +89,137 @@ impl SimNode {
         let mut sources: Vec<(String, &NetNs)> =
             self.pods.iter().map(|p| (p.pod.id(), &p.netns)).collect();
         sources.push((NODE_ROW.to_owned(), &self.node));
-        let namespaces: Vec<&NetNs> = sources.iter().map(|(_, n)| *n).collect();
-        let lists: Vec<Vec<Probe>> = sources
+        Plan {
+            sources,
+            targets,
+            probes,
+        }
+    }
+
+    /// Probes everything. `ping` adds an ICMP echo column per pod. Only
+    /// the senders' view: see [`Self::probe_matrix_at`].
+    pub fn probe_matrix(&self, timeout: Duration, ping: bool) -> Result<Matrix, Error> {
+        self.probe(None, ping, timeout, &|_| true)
+    }
+
+    /// Probes everything and records, from the pods' captures, whether
+    /// each request reached its destination.
+    pub fn probe_matrix_at(
+        &self,
+        servers: &Servers,
+        timeout: Duration,
+        ping: bool,
+    ) -> Result<Matrix, Error> {
+        self.probe(Some(servers), ping, timeout, &|_| true)
+    }
+
+    /// Probes only `cells` again (with the receivers' view).
+    pub fn reprobe(
+        &self,
+        servers: &Servers,
+        cells: &[Cell],
+        timeout: Duration,
+    ) -> Result<Matrix, Error> {
+        let ping = cells.iter().any(|(_, t, _)| t.transport == Transport::Ping);
+        let wanted: std::collections::BTreeSet<&Cell> = cells.iter().collect();
+        self.probe(Some(servers), ping, timeout, &|c| wanted.contains(c))
+    }
+
+    fn probe(
+        &self,
+        servers: Option<&Servers>,
+        ping: bool,
+        timeout: Duration,
+        wanted: &dyn Fn(&Cell) -> bool,
+    ) -> Result<Matrix, Error> {
+        let plan = self.plan(ping);
+        let namespaces: Vec<&NetNs> = plan.sources.iter().map(|(_, n)| *n).collect();
+        let lists: Vec<Vec<Probe>> = plan
+            .sources
             .iter()
-            .map(|_| probes.iter().map(|(_, _, p)| *p).collect())
+            .map(|(name, _)| {
+                plan.probes
+                    .iter()
+                    .filter(|(t, v6, _)| wanted(&(name.clone(), t.clone(), *v6)))
+                    .map(|(_, _, p)| *p)
+                    .collect()
+            })
             .collect();
+        // What arrived before this round is no part of it.
+        if let Some(s) = servers {
+            s.arrivals()?;
+        }
         let raw = matrix(&namespaces, &lists, timeout)?;
+        let arrivals = servers.map(Servers::arrivals).transpose()?;
         let mut cells = BTreeMap::new();
-        for (i, (name, _)) in sources.iter().enumerate() {
-            for (target, v6, probe) in &probes {
-                if let Some(o) = raw.get(&(i, *probe)) {
-                    cells.insert((name.clone(), target.clone(), *v6), *o);
+        let mut arrived = BTreeMap::new();
+        for (i, (name, _)) in plan.sources.iter().enumerate() {
+            for (target, v6, probe) in &plan.probes {
+                if let Some(sent) = raw.get(&(i, *probe)) {
+                    let cell = (name.clone(), target.clone(), *v6);
+                    if let Some(a) = &arrivals {
+                        let reached = sent
+                            .from
+                            .is_some_and(|f| a.request_arrived(f, probe.to, probe.transport));
+                        arrived.insert(cell.clone(), reached);
+                    }
+                    cells.insert(cell, sent.outcome);
                 }
             }
         }
         Ok(Matrix {
-            sources: sources.into_iter().map(|(n, _)| n).collect(),
-            targets,
+            sources: plan.sources.into_iter().map(|(n, _)| n).collect(),
+            targets: plan.targets,
             cells,
+            arrived,
         })
     }
+
+    /// Probes everything and compares each cell with `expect(source,
+    /// target, is_ipv6)` (true: open), judged at both ends (see
+    /// [`Matrix::mismatches`]). A cell expected open that failed is
+    /// probed again up to `retries` times with `retry_timeout` (a slow
+    /// answer on a loaded machine is not a verdict); a cell expected
+    /// blocked is never retried. Returns the matrix and the cells still
+    /// wrong.
+    pub fn judge_matrix(
+        &self,
+        servers: &Servers,
+        ping: bool,
+        timeout: Duration,
+        retry_timeout: Duration,
+        retries: usize,
+        expect: &dyn Fn(&str, &Target, bool) -> bool,
+    ) -> Result<(Matrix, Vec<String>), Error> {
+        let mut m = self.probe_matrix_at(servers, timeout, ping)?;
+        for _ in 0..retries {
+            let again: Vec<Cell> = m
+                .cells
+                .keys()
+                .filter(|c| expect(&c.0, &c.1, c.2) && m.verdict(c) != Verdict::Open)
+                .cloned()
+                .collect();
+            if again.is_empty() {
+                break;
+            }
+            let retried = self.reprobe(servers, &again, retry_timeout)?;
+            m.merge(retried);
+        }
+        let wrong = m.mismatches(expect);
+        Ok((m, wrong))
+    }
+}
+
+/// A cell judged at both ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// The request arrived and its reply came back.
+    Open,
+    /// Nothing arrived, and nothing came back.
+    Blocked,
+    /// Anything else: say a request that arrived without a reply coming
+    /// back, or a reset/unreachable.
+    Other,
 }
 
 impl Matrix {
@@ -99,6 +227,61 @@ impl Matrix {
         self.cells
             .get(&(from.to_owned(), target.clone(), v6))
             .copied()
+    }
+
+    /// Whether the request of a cell reached its destination (None if
+    /// not known: probed without the receivers' view).
+    pub fn arrived(&self, from: &str, target: &Target, v6: bool) -> Option<bool> {
+        self.arrived
+            .get(&(from.to_owned(), target.clone(), v6))
+            .copied()
+    }
+
+    /// A cell judged at both ends (the sender's view only when the
+    /// receivers' is not known).
+    pub fn verdict(&self, cell: &Cell) -> Verdict {
+        let arrived = self.arrived.get(cell).copied();
+        match (self.cells.get(cell), arrived) {
+            (Some(Outcome::Open), Some(true) | None) => Verdict::Open,
+            (Some(Outcome::Blocked), Some(false) | None) => Verdict::Blocked,
+            _ => Verdict::Other,
+        }
+    }
+
+    /// Cells judged differently from `expect(source, target, is_ipv6)`
+    /// (true: open), described.
+    pub fn mismatches(&self, expect: &dyn Fn(&str, &Target, bool) -> bool) -> Vec<String> {
+        let mut wrong = Vec::new();
+        for (cell, outcome) in &self.cells {
+            let (from, target, v6) = cell;
+            let want = expect(from, target, *v6);
+            let verdict = self.verdict(cell);
+            let ok = if want {
+                verdict == Verdict::Open
+            } else {
+                verdict == Verdict::Blocked
+            };
+            if ok {
+                continue;
+            }
+            let fam = if *v6 { "IPv6" } else { "IPv4" };
+            let seen = match self.arrived.get(cell) {
+                Some(true) => "; the request reached the receiver",
+                Some(false) => "; the request never reached the receiver",
+                None => "",
+            };
+            wrong.push(format!(
+                "  {from} -> {target} {fam}: expected {}, the sender saw {outcome:?}{seen}",
+                if want { "open" } else { "blocked" },
+            ));
+        }
+        wrong
+    }
+
+    /// Replaces the cells `other` holds.
+    pub fn merge(&mut self, other: Matrix) {
+        self.cells.extend(other.cells);
+        self.arrived.extend(other.arrived);
     }
 
     /// Cells where IPv4 and IPv6 disagree.

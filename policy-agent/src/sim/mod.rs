@@ -6,6 +6,18 @@
 //! [`packet`], crafted frames for BPF_PROG_TEST_RUN); built only with the
 //! `sim` feature, so it is no part of the agent a cluster runs. It only
 //! ever creates, and sends traffic between, namespaces it made itself.
+//!
+//! For Services: [`SimCluster`] (two linked nodes), [`kube_proxy`] (a
+//! kube-proxy stand-in per node, iptables or nftables mode),
+//! [`manifests`] (Pods, Services and their EndpointSlices as YAML, one
+//! source of truth for the agent and the stand-in), [`backend`] (servers
+//! that answer with their pod's name, and a client counting who answered)
+//! and [`dns`] (a kube-dns stand-in and a resolver).
+pub mod backend;
+mod cluster;
+pub mod dns;
+pub mod kube_proxy;
+pub mod manifests;
 mod matrix;
 mod netns;
 mod node;
@@ -14,11 +26,15 @@ mod probe;
 mod serve;
 
 pub use self::{
-    matrix::{Matrix, NODE_ROW, Target},
+    cluster::{
+        CLUSTER_CIDR_V4, CLUSTER_CIDR_V6, ClusterNode, KubeProxies, SERVICE_CIDR_V4,
+        SERVICE_CIDR_V6, SimCluster, UPLINK, node_ips, pod_cidrs, pod_ips,
+    },
+    matrix::{Cell, Matrix, NODE_ROW, Target, Verdict},
     netns::{NetNs, run},
     node::{NODE_V4, NODE_V6, PodNet, SimNode, SimPod, cleanup_prefix, pods_from_manifests},
-    probe::{Outcome, Probe, Transport, connect, echo, matrix},
-    serve::Servers,
+    probe::{Outcome, Probe, Sent, Transport, connect, echo, matrix},
+    serve::{Arrival, Arrivals, Servers},
 };
 
 /// Errors of the simulated node.

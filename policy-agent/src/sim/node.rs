@@ -33,8 +33,32 @@ pub struct PodNet {
 pub struct SimNode {
     pub prefix: String,
     pub pods: Vec<PodNet>,
+    /// How its namespaces and interfaces are named and its uplink made.
+    layout: Layout,
     /// Declared last so it is deleted after the pods.
     pub node: NetNs,
+}
+
+/// Names of what a node creates, and whether it makes its own stand-in
+/// uplink (a node of a [`super::SimCluster`] is given a link instead).
+#[derive(Clone, Debug)]
+struct Layout {
+    /// The node namespace.
+    node_ns: String,
+    /// Pod namespaces are `<pod_ns><index>`.
+    pod_ns: String,
+    /// Host-side interfaces are `<host_if><index>`.
+    host_if: String,
+    stub_uplink: bool,
+}
+
+fn check_prefix(prefix: &str) -> Result<(), Error> {
+    if prefix.len() > 9 || prefix.is_empty() || !prefix.chars().all(|c| c.is_ascii_alphanumeric()) {
+        return Err(Error::Invalid(format!(
+            "sim prefix {prefix:?} must be 1-9 alphanumerics"
+        )));
+    }
+    Ok(())
 }
 
 /// The node's own addresses (on a stand-in uplink in the node namespace).
@@ -49,18 +73,43 @@ impl SimNode {
     /// parallel tests apart: at most 9 characters (interface names are
     /// `<prefix>h<index>`, 15 characters at most).
     pub fn create(prefix: &str, pods: &[SimPod]) -> Result<Self, Error> {
-        if prefix.len() > 9
-            || prefix.is_empty()
-            || !prefix.chars().all(|c| c.is_ascii_alphanumeric())
-        {
-            return Err(Error::Invalid(format!(
-                "sim prefix {prefix:?} must be 1-9 alphanumerics"
-            )));
+        check_prefix(prefix)?;
+        let layout = Layout {
+            node_ns: format!("{prefix}-node"),
+            pod_ns: format!("{prefix}-p"),
+            host_if: format!("{prefix}h"),
+            stub_uplink: true,
+        };
+        Self::build(prefix, layout, pods)
+    }
+
+    /// Node `index` (1-9) of a cluster: `<prefix>-node<index>`, pods
+    /// `<prefix>-n<index>p<i>` behind `<prefix><index>h<i>`, and no
+    /// uplink (the cluster links the nodes).
+    pub(super) fn create_cluster_node(
+        prefix: &str,
+        index: u8,
+        pods: &[SimPod],
+    ) -> Result<Self, Error> {
+        check_prefix(prefix)?;
+        if !(1..=9).contains(&index) {
+            return Err(Error::Invalid(format!("node index {index} is not 1-9")));
         }
-        let node = NetNs::create(&format!("{prefix}-node"))?;
+        let layout = Layout {
+            node_ns: format!("{prefix}-node{index}"),
+            pod_ns: format!("{prefix}-n{index}p"),
+            host_if: format!("{prefix}{index}h"),
+            stub_uplink: false,
+        };
+        Self::build(prefix, layout, pods)
+    }
+
+    fn build(prefix: &str, layout: Layout, pods: &[SimPod]) -> Result<Self, Error> {
+        let node = NetNs::create(&layout.node_ns)?;
         let mut this = Self {
             prefix: prefix.to_owned(),
             pods: Vec::new(),
+            layout,
             node,
         };
         this.setup_node()?;
@@ -76,6 +125,9 @@ impl SimNode {
         self.node.sysctl("net.ipv6.conf.default.accept_dad", "0")?;
         self.node
             .sysctl("net.ipv4.ping_group_range", "0 2147483647")?;
+        if !self.layout.stub_uplink {
+            return Ok(());
+        }
         self.node.ip_batch(&[
             // The kernel may lack the dummy driver: a veth pair whose far
             // end stays in the node namespace stands in for the uplink.
@@ -92,8 +144,8 @@ impl SimNode {
     }
 
     fn add_pod(&mut self, index: usize, pod: &SimPod) -> Result<(), Error> {
-        let netns = NetNs::create(&format!("{}-p{index}", self.prefix))?;
-        let host_if = format!("{}h{index}", self.prefix);
+        let netns = NetNs::create(&format!("{}{index}", self.layout.pod_ns))?;
+        let host_if = format!("{}{index}", self.layout.host_if);
         netns.sysctl("net.ipv6.conf.all.accept_dad", "0")?;
         netns.sysctl("net.ipv6.conf.default.accept_dad", "0")?;
         // Unprivileged ICMP sockets, so probes can ping without raw sockets.

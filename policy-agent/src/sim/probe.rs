@@ -1,5 +1,8 @@
 //! Connectivity probes: many at once from one pod, each a real TCP
-//! connection (greeting read back), UDP round trip or ICMP echo.
+//! connection (greeting read back), UDP round trip or ICMP echo. Each
+//! probe reports the local address it was sent from (for ICMP, the echo
+//! identifier as the port), so the receiver's capture can tell whether
+//! its request arrived.
 use std::{
     collections::BTreeMap,
     io::{ErrorKind, Read, Write},
@@ -47,6 +50,15 @@ pub struct Probe {
     pub transport: Transport,
 }
 
+/// What the sender of one probe saw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Sent {
+    pub outcome: Outcome,
+    /// The address and port the request left from (ICMP: the echo
+    /// identifier); None if the probe could not be sent.
+    pub from: Option<SocketAddr>,
+}
+
 enum Pending {
     Connecting(Socket),
     Greeting(Socket),
@@ -62,19 +74,23 @@ fn domain(ip: &IpAddr) -> Domain {
     }
 }
 
-fn start(p: &Probe) -> std::io::Result<Pending> {
+fn local(s: &Socket) -> Option<SocketAddr> {
+    s.local_addr().ok().and_then(|a| a.as_socket())
+}
+
+fn start(p: &Probe) -> std::io::Result<(Pending, Option<SocketAddr>)> {
     let addr = SockAddr::from(p.to);
-    match p.transport {
+    let pending = match p.transport {
         Transport::Tcp => {
             let s = Socket::new(domain(&p.to.ip()), Type::STREAM, Some(Protocol::TCP))?;
             s.set_nonblocking(true)?;
             match s.connect(&addr) {
-                Ok(()) => Ok(Pending::Greeting(s)),
-                Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => Ok(Pending::Connecting(s)),
+                Ok(()) => Pending::Greeting(s),
+                Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => Pending::Connecting(s),
                 Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
-                    Ok(Pending::Done(Outcome::Refused))
+                    Pending::Done(Outcome::Refused)
                 }
-                Err(e) => Err(e),
+                Err(e) => return Err(e),
             }
         }
         Transport::Udp => {
@@ -82,7 +98,7 @@ fn start(p: &Probe) -> std::io::Result<Pending> {
             s.set_nonblocking(true)?;
             s.connect(&addr)?;
             (&s).write_all(b"probe")?;
-            Ok(Pending::Waiting(s))
+            Pending::Waiting(s)
         }
         Transport::Ping => {
             let (proto, kind) = if p.to.is_ipv4() {
@@ -95,15 +111,25 @@ fn start(p: &Probe) -> std::io::Result<Pending> {
             s.connect(&SockAddr::from(SocketAddr::new(p.to.ip(), 0)))?;
             // Echo request header; the kernel fills id and checksum.
             (&s).write_all(&[kind, 0, 0, 0, 0, 0, 0, 1])?;
-            Ok(Pending::Waiting(s))
+            Pending::Waiting(s)
         }
-    }
+    };
+    let from = match &pending {
+        Pending::Connecting(s) | Pending::Greeting(s) | Pending::Waiting(s) => local(s),
+        Pending::Done(_) => None,
+    };
+    Ok((pending, from))
 }
 
 /// Runs every probe from the calling thread's namespace, all at once,
 /// within `timeout`.
-pub fn run_probes(probes: &[Probe], timeout: Duration) -> std::io::Result<Vec<Outcome>> {
-    let mut state: Vec<Pending> = probes.iter().map(start).collect::<std::io::Result<_>>()?;
+pub fn run_probes(probes: &[Probe], timeout: Duration) -> std::io::Result<Vec<Sent>> {
+    let (mut state, from): (Vec<Pending>, Vec<Option<SocketAddr>>) = probes
+        .iter()
+        .map(start)
+        .collect::<std::io::Result<Vec<_>>>()?
+        .into_iter()
+        .unzip();
     let deadline = Instant::now() + timeout;
     let mut buf = [0u8; 64];
     loop {
@@ -176,19 +202,24 @@ pub fn run_probes(probes: &[Probe], timeout: Duration) -> std::io::Result<Vec<Ou
     }
     Ok(state
         .into_iter()
-        .map(|s| match s {
-            Pending::Done(o) => o,
-            _ => Outcome::Blocked,
+        .zip(from)
+        .map(|(s, from)| Sent {
+            outcome: match s {
+                Pending::Done(o) => o,
+                _ => Outcome::Blocked,
+            },
+            from,
         })
         .collect())
 }
 
-/// Probes from several namespaces in parallel: (source index, probe) → outcome.
+/// Probes from several namespaces in parallel: (source index, probe) →
+/// what the sender saw.
 pub fn matrix(
     sources: &[&NetNs],
     probes: &[Vec<Probe>],
     timeout: Duration,
-) -> Result<BTreeMap<(usize, Probe), Outcome>, Error> {
+) -> Result<BTreeMap<(usize, Probe), Sent>, Error> {
     let mut handles = Vec::new();
     for (i, (ns, list)) in sources.iter().zip(probes).enumerate() {
         let list = list.clone();

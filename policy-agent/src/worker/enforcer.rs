@@ -35,6 +35,10 @@ impl Enforcer {
         self.datapath.as_mut()
     }
 
+    pub fn datapath_ref(&self) -> &dyn Datapath {
+        self.datapath.as_ref()
+    }
+
     /// What the datapath reports at scrape time.
     pub fn metrics(&self) -> Option<MetricsSource> {
         self.datapath.metrics()

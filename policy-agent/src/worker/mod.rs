@@ -5,6 +5,7 @@
 //! owns the [`Enforcer`] (the compiler and the datapath) and reconciles
 //! after each settled burst; an HTTP server exposes metrics and health.
 mod enforcer;
+mod handoff;
 mod reconcile;
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
@@ -38,6 +39,10 @@ pub struct Config {
     pub poll: Duration,
     /// Full resync (maps read back from the kernel) this often.
     pub resync: Duration,
+    /// Where the chained CNI plugin hands pods over (None: no plugin).
+    pub cni_socket: Option<PathBuf>,
+    /// Longest a CNI ADD waits for its pod to be enforced.
+    pub cni_wait: Duration,
 }
 
 impl Config {
@@ -56,6 +61,8 @@ impl Config {
             settle: Duration::from_millis(20),
             poll: Duration::from_millis(500),
             resync: Duration::from_secs(300),
+            cni_socket: None,
+            cni_wait: Duration::from_secs(30),
         }
     }
 }
@@ -91,6 +98,12 @@ pub enum Error {
     Netlink(#[from] netlink::Error),
     #[error("starting the sync worker: {0}")]
     Worker(#[source] std::io::Error),
+    #[error("listening for the CNI plugin on {path}: {source}")]
+    CniSocket {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Runs until `shutdown` resolves. Enforcement stays in place afterwards.
@@ -108,6 +121,19 @@ pub async fn run(
         })?;
 
     let (tx, rx) = std::sync::mpsc::channel::<Trigger>();
+    // The CNI plugin's socket is bound before anything else can fail late:
+    // a plugin finding no socket fails its ADD (fail closed) and retries.
+    let cni = match &config.cni_socket {
+        Some(path) => {
+            let listener = handoff::bind(path).map_err(|source| Error::CniSocket {
+                path: path.clone(),
+                source,
+            })?;
+            info!(socket = %path.display(), "accepting CNI hand-offs");
+            Some(tokio::spawn(handoff::serve(listener, tx.clone())))
+        }
+        None => None,
+    };
     // In cluster mode, invalid policies become Events on them.
     let (problem_tx, problem_rx) = mpsc::unbounded_channel();
     let events_task = match &sources {
@@ -126,20 +152,16 @@ pub async fn run(
     };
     let worker = reconcile::spawn(context, rx).map_err(Error::Worker)?;
 
-    // New pod interfaces and pod routes: look the interfaces up again at
-    // once, so they are attached.
+    // New interfaces and pod routes: look the interfaces up again at once,
+    // so pods get their classifiers and every other interface the uplink
+    // one.
     let (link_tx, link_rx) = std::sync::mpsc::channel();
     netlink::watch_links(link_tx)?;
     let links_to_worker = tx.clone();
     std::thread::Builder::new()
         .name("link-events".into())
         .spawn(move || {
-            while let Ok(event) = link_rx.recv() {
-                if let netlink::LinkEvent::Changed(link) = &event
-                    && link.kind.as_deref() != Some("veth")
-                {
-                    continue;
-                }
+            while link_rx.recv().is_ok() {
                 if links_to_worker.send(Trigger::Links).is_err() {
                     return;
                 }
@@ -189,6 +211,9 @@ pub async fn run(
         task.abort();
     }
     if let Some(t) = events_task {
+        t.abort();
+    }
+    if let Some(t) = cni {
         t.abort();
     }
     let _ = tx.send(Trigger::Stop);

@@ -16,7 +16,7 @@ use std::{
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{error, info, warn};
 
-use super::{Config, Enforcer};
+use super::{Config, Enforcer, handoff::Handoffs};
 use crate::{
     cluster::{Change, Problem},
     datapath::{self, SyncReport},
@@ -30,6 +30,11 @@ const INCOMPLETE_RETRY: Duration = Duration::from_secs(10);
 /// What wakes the worker.
 pub enum Trigger {
     Update(SourceUpdate),
+    /// The CNI plugin hands a sandbox over (answered on the channel).
+    Handoff(
+        Box<policy_cni::protocol::Request>,
+        tokio::sync::oneshot::Sender<policy_cni::protocol::Response>,
+    ),
     /// A pod interface appeared or changed.
     Links,
     /// Periodic: read the installed state back and sync.
@@ -48,8 +53,8 @@ pub struct Context {
 }
 
 /// What the worker holds between reconciles.
-#[derive(Default)]
 struct State {
+    handoffs: Handoffs,
     enforcer: Option<Enforcer>,
     /// Changes not yet handed to the compiler, in arrival order.
     changes: Vec<Change>,
@@ -62,6 +67,25 @@ struct State {
     /// Problems last reported (they are logged and published on change).
     reported: Vec<Problem>,
     observers_started: bool,
+    /// A sync has run (the CNI plugin's STATUS).
+    synced: bool,
+}
+
+impl State {
+    fn new(config: &Config) -> Self {
+        Self {
+            handoffs: Handoffs::new(config.node.clone(), config.cni_wait),
+            enforcer: None,
+            changes: Vec::new(),
+            source_problems: BTreeMap::new(),
+            heard: BTreeSet::new(),
+            links: false,
+            resync: false,
+            reported: Vec::new(),
+            observers_started: false,
+            synced: false,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -80,6 +104,9 @@ impl Error {
     }
 }
 
+/// When to sync again after a sync that left something undone.
+const RETRY_UNFINISHED: Duration = Duration::from_secs(2);
+
 pub fn spawn(ctx: Context, rx: Receiver<Trigger>) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name("sync".into())
@@ -87,17 +114,27 @@ pub fn spawn(ctx: Context, rx: Receiver<Trigger>) -> std::io::Result<JoinHandle<
 }
 
 fn run(ctx: &Context, rx: &Receiver<Trigger>) {
-    let mut state = State::default();
+    let mut state = State::new(&ctx.config);
     let mut retry_at: Option<Instant> = None;
     loop {
-        let Some(started) = collect(ctx, rx, &mut state, retry_at) else {
+        let wake = match (retry_at, state.handoffs.next_deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        let Some(started) = collect(ctx, rx, &mut state, wake) else {
             return;
         };
         if !ctx.sources.is_subset(&state.heard) {
-            continue; // The first sync waits for every source's first word.
+            // The first sync waits for every source's first word; waiting
+            // hand-offs run out meanwhile.
+            state.handoffs.confirm(None);
+            continue;
         }
         let result = reconcile(ctx, &mut state);
         retry_at = match &result {
+            // What was written stands; what could not be done (a conntrack
+            // deletion) is retried by the datapath on the next sync.
+            Ok(report) if report.retry => Some(Instant::now() + RETRY_UNFINISHED),
             // Short of room or a failed write: safe but not what was asked;
             // the driver reads the maps back on the retry.
             Ok(report) if report.incomplete => Some(Instant::now() + INCOMPLETE_RETRY),
@@ -132,6 +169,9 @@ fn collect(
                 state.heard.insert(update.source);
                 state.changes.extend(update.changes);
                 state.source_problems.insert(update.source, update.problems);
+            }
+            Some(Trigger::Handoff(req, reply)) => {
+                state.handoffs.receive(*req, reply, state.synced);
             }
             Some(Trigger::Links) => state.links = true,
             Some(Trigger::Resync) => state.resync = true,
@@ -168,8 +208,17 @@ fn reconcile(ctx: &Context, state: &mut State) -> Result<SyncReport, Error> {
         enforcer.datapath().links_changed();
     }
     // The changes are the compiler's from here, whatever the datapath does.
-    let changes = std::mem::take(&mut state.changes);
-    let report = enforcer.enforce(changes).map_err(Error::Sync)?;
+    let mut changes = std::mem::take(&mut state.changes);
+    let compiler = enforcer.compiler();
+    state
+        .handoffs
+        .rewrite(&mut changes, |pod| compiler.pod(pod).cloned());
+    let result = enforcer.enforce(changes);
+    // Answered from what the kernel holds, whether the sync went through
+    // or not.
+    state.handoffs.confirm(Some(enforcer.datapath_ref()));
+    let report = result.map_err(Error::Sync)?;
+    state.synced = true;
     if !state.observers_started {
         state.observers_started = enforcer.datapath().start_observers();
     }
@@ -196,6 +245,7 @@ fn record(ctx: &Context, state: &mut State, result: &Result<SyncReport, Error>, 
         Ok(report) => {
             let mut problems: Vec<Problem> =
                 state.source_problems.values().flatten().cloned().collect();
+            problems.extend(state.handoffs.problems().cloned());
             problems.extend(report.problems.iter().cloned());
             ctx.metrics
                 .sync_done(took, report.writes, report.endpoints, problems.len());

@@ -354,7 +354,7 @@ impl<'a> World<'a> {
         // sources"; "If this field is present and contains at least one
         // item, this rule allows traffic only if the traffic matches at
         // least one item in the from list."
-        let (any_peer, by_selector, by_block) = match peers {
+        let (any_peer, by_selector, by_block) = match peers.as_ref().filter(|l| !l.is_empty()) {
             None => (true, false, false),
             Some(list) => {
                 let mut sel = false;
@@ -544,7 +544,7 @@ fn pod() -> impl Strategy<Value = PodInfo> {
             if host_network {
                 ips = vec![NODE_IP.parse().unwrap()];
             }
-            PodInfo { labels, node_name, ips, ports, host_network, terminal, created }
+            PodInfo { labels, node_name, ips, ports, host_network, terminal, created, uid: None }
         })
 }
 
@@ -669,7 +669,9 @@ fn list<T: std::fmt::Debug + Clone>(
     prop_oneof![2 => Just(None), 1 => Just(Some(Vec::new())), 4 => proptest::collection::vec(s, 1..=2).prop_map(Some)]
 }
 
-fn policy(ns: &'static [&'static str]) -> impl Strategy<Value = NetworkPolicy> {
+/// A random policy in one of `ns`, mostly valid (a quarter may hold
+/// invalid choices).
+pub fn policy(ns: &'static [&'static str]) -> impl Strategy<Value = NetworkPolicy> {
     prop_oneof![3 => policy_of(ns, true), 1 => policy_of(ns, false)]
 }
 

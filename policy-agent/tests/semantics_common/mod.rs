@@ -16,7 +16,12 @@ use policy_agent::{
     identity::IdentityAllocator,
     policy::{self, CompileOptions, Compiled, ExplainQuery, FlowEnd},
 };
-use policy_common::{direction, model::Maps, proto, verdict::Reason};
+use policy_common::{
+    direction,
+    model::{Datapath, Maps, Packet, TCP_SYN},
+    proto,
+    verdict::Reason,
+};
 
 #[allow(unused_imports)]
 pub use policy_common::proto::{ICMP, SCTP, TCP, UDP};
@@ -219,7 +224,11 @@ impl Run {
         verdict
     }
 
-    /// The map verdict for the given addresses.
+    /// The map verdict for the given addresses: the first packet of the
+    /// flow classified, as the kernel does (`policy_common::model`), at
+    /// the source's endpoint (its egress) and at the destination's (its
+    /// ingress), each over the compiled maps. Nothing is decided here:
+    /// traffic of a pod to itself passes because the datapath says so.
     pub fn allows_ips(
         &self,
         src: &str,
@@ -229,33 +238,70 @@ impl Run {
         protocol: u8,
         port: u16,
     ) -> bool {
-        if s == d {
-            return true;
-        }
-        let model = self.model();
-        let port = if policy_common::model::has_ports(protocol) {
-            port
-        } else {
-            0
-        };
         let mut ok = true;
         if let FlowEnd::Pod(p) = end(src)
-            && let Some(ep) = self.compiled.maps.endpoints.get(&p)
+            && self.compiled.maps.endpoints.contains_key(&p)
         {
-            ok &= !model
-                .judge(ep, direction::EGRESS, d, protocol, port)
-                .reason
+            ok &= !self
+                .classify(&p.to_string(), direction::EGRESS, s, d, protocol, port)
                 .is_drop();
         }
         if let FlowEnd::Pod(p) = end(dst)
-            && let Some(ep) = self.compiled.maps.endpoints.get(&p)
+            && self.compiled.maps.endpoints.contains_key(&p)
         {
-            ok &= !model
-                .judge(ep, direction::INGRESS, s, protocol, port)
-                .reason
+            ok &= !self
+                .classify(&p.to_string(), direction::INGRESS, s, d, protocol, port)
                 .is_drop();
         }
         ok
+    }
+
+    /// The reason the datapath gives the first packet of a flow `s` → `d`
+    /// at local endpoint `endpoint`'s interface, in `dir` (egress: the
+    /// endpoint sends it; ingress: it receives it).
+    pub fn classify(
+        &self,
+        endpoint: &str,
+        dir: u8,
+        s: IpAddr,
+        d: IpAddr,
+        protocol: u8,
+        port: u16,
+    ) -> Reason {
+        const IFINDEX: u32 = 7;
+        let ep = *self
+            .compiled
+            .maps
+            .endpoints
+            .get(&obj(endpoint))
+            .expect("local endpoint");
+        let mut maps = self.model();
+        maps.endpoints = [(IFINDEX, ep)].into();
+        let (sport, dport, tcp_flags, icmp_type) = match protocol {
+            proto::ICMP => (9, 9, 0, if s.is_ipv4() { 8 } else { 128 }),
+            proto::TCP => (40000, port, TCP_SYN, 0),
+            _ => (40000, port, 0, 0),
+        };
+        let protocol = if protocol == proto::ICMP && s.is_ipv6() {
+            proto::ICMPV6
+        } else {
+            protocol
+        };
+        Datapath::new(maps)
+            .classify(&Packet {
+                ifindex: IFINDEX,
+                direction: dir,
+                src: s,
+                dst: d,
+                protocol,
+                sport,
+                dport,
+                tcp_flags,
+                icmp_type,
+                hop_limit: 64,
+                quoted: None,
+            })
+            .reason
     }
 
     /// The reason of the judgement of one direction at a local endpoint.

@@ -1,7 +1,14 @@
 //! A fake Kubernetes API server on loopback HTTP, enough for the agent's
-//! watchers: list and watch (with resourceVersion) of pods, namespaces and
-//! networkpolicies, bookmarks, `410 Gone` for compacted versions, dropped
-//! connections, an outage switch, slow responses, and Events.
+//! watchers: list and watch of pods, namespaces, networkpolicies, services
+//! and endpointslices with
+//! the API server's resourceVersion semantics (a list returns the version
+//! a watch resumes from; a watch without a version starts with the current
+//! objects as ADDED; `410 Gone` only for versions older than the compacted
+//! history, at the start of a watch or in the middle of an open stream;
+//! BOOKMARK events only for watches that ask with allowWatchBookmarks),
+//! dropped connections, an outage switch, slow responses, and Events.
+//! It records what it served (lists, watches, each event) so tests can
+//! tell which of them delivered a change.
 //! It runs on a thread inside a network namespace (where the agent runs).
 use std::{
     collections::BTreeMap,
@@ -28,16 +35,51 @@ struct Kind {
 struct State {
     rv: u64,
     kinds: BTreeMap<&'static str, Kind>,
-    /// Watches from a version below this get 410 Gone.
+    /// History before this version is gone: a watch from an older version
+    /// gets 410 Gone (one from this version on resumes).
     compacted_before: u64,
     /// Every connection is refused while set.
     down: bool,
     /// Bumped to drop every open watch.
     generation: u64,
+    /// Bumped to end every open watch with 410 Gone.
+    expiry: u64,
     slow: Duration,
     events: Vec<Value>,
     /// Requests served, by path (for assertions).
     requests: Vec<String>,
+    /// What was served, in order.
+    served: Vec<Served>,
+}
+
+/// One thing the server sent, for assertions on how a change arrived.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Served {
+    /// A full list of a kind, at a version.
+    List {
+        kind: &'static str,
+        rv: u64,
+    },
+    /// A watch of a kind started from a version (None: no version given).
+    Watch {
+        kind: &'static str,
+        from: Option<u64>,
+    },
+    /// A watch refused (at its start) or ended (mid-stream) with 410 Gone.
+    Gone {
+        kind: &'static str,
+        mid_stream: bool,
+    },
+    /// An event on a watch stream.
+    Event {
+        kind: &'static str,
+        ty: &'static str,
+        rv: u64,
+    },
+    Bookmark {
+        kind: &'static str,
+        rv: u64,
+    },
 }
 
 pub struct FakeApi {
@@ -52,6 +94,8 @@ fn kind_of(obj: &Value) -> Option<&'static str> {
         "Pod" => Some("pods"),
         "Namespace" => Some("namespaces"),
         "NetworkPolicy" => Some("networkpolicies"),
+        "Service" => Some("services"),
+        "EndpointSlice" => Some("endpointslices"),
         _ => None,
     }
 }
@@ -68,6 +112,8 @@ fn list_meta(kind: &str) -> (&'static str, &'static str) {
     match kind {
         "pods" => ("v1", "PodList"),
         "namespaces" => ("v1", "NamespaceList"),
+        "services" => ("v1", "ServiceList"),
+        "endpointslices" => ("discovery.k8s.io/v1", "EndpointSliceList"),
         _ => ("networking.k8s.io/v1", "NetworkPolicyList"),
     }
 }
@@ -124,8 +170,9 @@ impl FakeApi {
         api
     }
 
-    /// Creates or replaces an object (ADDED or MODIFIED on the watches).
-    pub fn apply(&self, mut obj: Value) {
+    /// Creates or replaces an object (ADDED or MODIFIED on the watches);
+    /// returns its new resourceVersion.
+    pub fn apply(&self, mut obj: Value) -> u64 {
         let kind = kind_of(&obj).expect("a Pod, Namespace or NetworkPolicy");
         let mut st = self.state.lock().unwrap();
         st.rv += 1;
@@ -145,9 +192,11 @@ impl FakeApi {
         k.history.push((rv, ty, obj));
         drop(st);
         let _ = self.notify.send(());
+        rv
     }
 
-    pub fn delete(&self, kind: &'static str, namespace: &str, name: &str) {
+    /// Deletes an object (DELETED on the watches); returns the version.
+    pub fn delete(&self, kind: &'static str, namespace: &str, name: &str) -> u64 {
         let mut st = self.state.lock().unwrap();
         st.rv += 1;
         let rv = st.rv;
@@ -158,6 +207,7 @@ impl FakeApi {
         }
         drop(st);
         let _ = self.notify.send(());
+        rv
     }
 
     /// Outage: drops every open watch and refuses new connections.
@@ -169,14 +219,52 @@ impl FakeApi {
         let _ = self.notify.send(());
     }
 
-    /// Forgets history: open watches are dropped, and resuming from any
-    /// earlier version gets `410 Gone` (the watchers must re-list).
+    /// Forgets the history before the current version: a watch resuming
+    /// from an earlier version gets `410 Gone` (and must re-list); the
+    /// current version (what a list returns now) stays a valid start.
     pub fn compact(&self) {
         let mut st = self.state.lock().unwrap();
-        st.compacted_before = st.rv + 1;
-        st.generation += 1;
+        st.compacted_before = st.rv;
         drop(st);
         let _ = self.notify.send(());
+    }
+
+    /// The watch cache lost its window: every open watch ends with a
+    /// `410 Gone` ERROR event in its stream, and the history before now
+    /// is gone.
+    pub fn expire_watches(&self) {
+        let mut st = self.state.lock().unwrap();
+        st.compacted_before = st.rv;
+        st.expiry += 1;
+        drop(st);
+        let _ = self.notify.send(());
+    }
+
+    /// Everything served so far, in order.
+    pub fn served(&self) -> Vec<Served> {
+        self.state.lock().unwrap().served.clone()
+    }
+
+    /// Asserts that the change of `kind` at version `rv` reached the agent
+    /// through a watch event, with no list of that kind served since
+    /// `since` (an index into [`Self::served`]).
+    pub fn assert_watched(&self, since: usize, kind: &str, rv: u64, what: &str) {
+        let served = self.served();
+        let later = &served[since.min(served.len())..];
+        let lists: Vec<&Served> = later
+            .iter()
+            .filter(|s| matches!(s, Served::List { kind: k, .. } if *k == kind))
+            .collect();
+        assert!(
+            lists.is_empty(),
+            "{what}: {kind} were re-listed ({lists:?}) instead of watched; served since: {later:#?}"
+        );
+        assert!(
+            later.iter().any(
+                |s| matches!(s, Served::Event { kind: k, rv: r, .. } if *k == kind && *r == rv)
+            ),
+            "{what}: no watch event of {kind} at version {rv}; served since: {later:#?}"
+        );
     }
 
     pub fn set_slow(&self, delay: Duration) {
@@ -282,6 +370,8 @@ async fn serve(
         "/api/v1/pods" => Some("pods"),
         "/api/v1/namespaces" => Some("namespaces"),
         "/apis/networking.k8s.io/v1/networkpolicies" => Some("networkpolicies"),
+        "/api/v1/services" => Some("services"),
+        "/apis/discovery.k8s.io/v1/endpointslices" => Some("endpointslices"),
         _ => None,
     };
     if method == "POST" && path.starts_with("/apis/events.k8s.io/v1/namespaces/") {
@@ -298,22 +388,28 @@ async fn serve(
     let (api_version, list_kind) = list_meta(kind);
     if q.get("watch").is_none_or(|w| w != "true" && w != "1") {
         let list = {
-            let st = state.lock().unwrap();
+            let mut st = state.lock().unwrap();
             let items: Vec<Value> = st
                 .kinds
                 .get(kind)
                 .map(|k| k.objects.values().cloned().collect())
                 .unwrap_or_default();
-            json!({"apiVersion": api_version, "kind": list_kind, "metadata": {"resourceVersion": st.rv.to_string()}, "items": items})
+            let rv = st.rv;
+            st.served.push(Served::List { kind, rv });
+            json!({"apiVersion": api_version, "kind": list_kind, "metadata": {"resourceVersion": rv.to_string()}, "items": items})
         };
         return respond(&mut stream, "200 OK", &list).await;
     }
 
-    // A watch: close-delimited stream of JSON events.
-    let from: u64 = q
+    // A watch: close-delimited stream of JSON events. No version (or "0"):
+    // the current objects as ADDED, then changes from now.
+    let from: Option<u64> = q
         .get("resourceVersion")
         .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
+        .filter(|v| *v != 0);
+    let bookmarks = q
+        .get("allowWatchBookmarks")
+        .is_some_and(|v| v == "true" || v == "1");
     let timeout = Duration::from_secs(
         q.get("timeoutSeconds")
             .and_then(|v| v.parse().ok())
@@ -324,41 +420,103 @@ async fn serve(
             b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n",
         )
         .await?;
-    if from < state.lock().unwrap().compacted_before {
-        let gone = json!({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": "too old resource version", "reason": "Expired", "code": 410}});
+    let gone = json!({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": "too old resource version", "reason": "Expired", "code": 410}});
+    let start = {
+        let mut st = state.lock().unwrap();
+        st.served.push(Served::Watch { kind, from });
+        if from.is_some_and(|f| f < st.compacted_before) {
+            st.served.push(Served::Gone {
+                kind,
+                mid_stream: false,
+            });
+            None
+        } else {
+            let initial: Vec<(u64, String)> = if from.is_some() {
+                Vec::new()
+            } else {
+                st.kinds
+                    .get(kind)
+                    .map(|k| {
+                        k.objects
+                            .values()
+                            .map(|o| {
+                                let rv = o["metadata"]["resourceVersion"]
+                                    .as_str()
+                                    .and_then(|v| v.parse().ok())
+                                    .unwrap_or(0);
+                                (rv, json!({"type": "ADDED", "object": o}).to_string())
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default()
+            };
+            for (rv, _) in &initial {
+                st.served.push(Served::Event {
+                    kind,
+                    ty: "ADDED",
+                    rv: *rv,
+                });
+            }
+            Some((from.unwrap_or(st.rv), st.expiry, initial))
+        }
+    };
+    let Some((mut sent, expiry, initial)) = start else {
         stream.write_all(format!("{gone}\n").as_bytes()).await?;
         return stream.shutdown().await;
+    };
+    for (_, line) in initial {
+        stream.write_all(format!("{line}\n").as_bytes()).await?;
     }
     let mut rx = notify.subscribe();
-    let mut sent = from;
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        let (lines, now_rv, dropped) = {
-            let st = state.lock().unwrap();
-            let lines: Vec<(u64, String)> = st
+        let (lines, now_rv, dropped, expired) = {
+            let mut st = state.lock().unwrap();
+            let lines: Vec<(u64, &'static str, String)> = st
                 .kinds
                 .get(kind)
                 .map(|k| {
                     k.history
                         .iter()
                         .filter(|(rv, _, _)| *rv > sent)
-                        .map(|(rv, ty, obj)| (*rv, json!({"type": ty, "object": obj}).to_string()))
+                        .map(|(rv, ty, obj)| {
+                            (*rv, *ty, json!({"type": ty, "object": obj}).to_string())
+                        })
                         .collect()
                 })
                 .unwrap_or_default();
-            (lines, st.rv, st.generation != generation || st.down)
+            let dropped = st.generation != generation || st.down;
+            let expired = st.expiry != expiry;
+            if !dropped {
+                if expired {
+                    st.served.push(Served::Gone {
+                        kind,
+                        mid_stream: true,
+                    });
+                } else {
+                    for (rv, ty, _) in &lines {
+                        st.served.push(Served::Event { kind, ty, rv: *rv });
+                    }
+                }
+            }
+            (lines, st.rv, dropped, expired)
         };
         if dropped || stop.load(std::sync::atomic::Ordering::Relaxed) {
             return Ok(()); // dropped connection, without a goodbye
         }
-        for (rv, line) in lines {
+        if expired {
+            stream.write_all(format!("{gone}\n").as_bytes()).await?;
+            return stream.shutdown().await;
+        }
+        for (rv, _, line) in lines {
             stream.write_all(format!("{line}\n").as_bytes()).await?;
             sent = rv;
         }
         let bookmark = json!({"type": "BOOKMARK", "object": {"apiVersion": api_version, "kind": list_kind.trim_end_matches("List"), "metadata": {"resourceVersion": now_rv.to_string()}}});
         tokio::select! {
             _ = rx.recv() => {}
-            _ = tokio::time::sleep(Duration::from_millis(700)) => {
+            _ = tokio::time::sleep(Duration::from_millis(700)), if bookmarks => {
+                state.lock().unwrap().served.push(Served::Bookmark { kind, rv: now_rv });
                 stream.write_all(format!("{bookmark}\n").as_bytes()).await?;
                 sent = sent.max(now_rv);
             }

@@ -266,10 +266,11 @@ impl Harness {
     }
 }
 
-/// Host-veth ingress judges the pod's egress, host-veth egress its ingress.
+/// Host-veth ingress judges the pod's egress, host-veth egress its
+/// ingress; the uplink judges a client's egress after DNAT.
 pub fn hook_direction(hook: Hook) -> u8 {
     match hook {
-        Hook::Ingress => direction::EGRESS,
+        Hook::Ingress | Hook::Uplink => direction::EGRESS,
         Hook::Egress => direction::INGRESS,
     }
 }

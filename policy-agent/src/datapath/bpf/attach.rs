@@ -12,7 +12,9 @@ use aya::programs::{
     links::{FdLink, PinnedLink},
     tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
 };
-use policy_common::endpoint::{ATTACH_CREATED_CLSACT, ATTACH_NETLINK, ATTACH_TCX};
+use policy_common::endpoint::{
+    ATTACH_CREATED_CLSACT, ATTACH_NETLINK, ATTACH_POD, ATTACH_TCX, ATTACH_UPLINK,
+};
 use tracing::debug;
 
 use super::{
@@ -21,10 +23,30 @@ use super::{
     sys::{self, current_netns, tc_type},
 };
 
-/// Priority and handle of our netlink filters: fixed, so a restarted agent
-/// (and `reset`) finds exactly its own filters.
+/// Priority and handle of our netlink filters on a pod's interface: fixed,
+/// so a restarted agent (and `reset`) finds exactly its own filters.
 pub const NETLINK_PRIORITY: u16 = 20;
 pub const NETLINK_HANDLE: TcHandle = TcHandle::new(0, 0x4e50);
+/// The uplink filter's: after the pod filter where an interface has both
+/// (a pod's veth seen before its pod was known).
+pub const NETLINK_UPLINK_PRIORITY: u16 = 21;
+pub const NETLINK_UPLINK_HANDLE: TcHandle = TcHandle::new(0, 0x4e51);
+
+/// The netlink filter slot (priority, handle) of a hook.
+pub fn netlink_slot(hook: Hook) -> (u16, TcHandle) {
+    match hook {
+        Hook::Ingress | Hook::Egress => (NETLINK_PRIORITY, NETLINK_HANDLE),
+        Hook::Uplink => (NETLINK_UPLINK_PRIORITY, NETLINK_UPLINK_HANDLE),
+    }
+}
+
+/// The ENDPOINT_META bit recording that `hook` is attached.
+pub fn hook_bit(hook: Hook) -> u32 {
+    match hook {
+        Hook::Ingress | Hook::Egress => ATTACH_POD,
+        Hook::Uplink => ATTACH_UPLINK,
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttachMode {
@@ -122,9 +144,11 @@ impl<'a> Attachment<'a> {
     ) -> Result<(), Error> {
         let name = if_name(self.ifindex)?;
         match mode {
-            AttachMode::Tcx => self.ensure_tcx(prog, hook, &name),
-            AttachMode::Netlink => self.ensure_netlink(prog, hook, &name),
+            AttachMode::Tcx => self.ensure_tcx(prog, hook, &name)?,
+            AttachMode::Netlink => self.ensure_netlink(prog, hook, &name)?,
         }
+        self.bits |= hook_bit(hook);
+        Ok(())
     }
 
     fn ensure_tcx(
@@ -188,9 +212,10 @@ impl<'a> Attachment<'a> {
                 });
             }
         }
+        let (priority, handle) = netlink_slot(hook);
         let options = NlOptions {
-            priority: NETLINK_PRIORITY,
-            handle: NETLINK_HANDLE,
+            priority,
+            handle,
             classid: None,
         };
         let id = match prog.attach_with_options(
@@ -201,14 +226,9 @@ impl<'a> Attachment<'a> {
             Ok(id) => id,
             Err(e) if os_error(&e) == Some(libc::EEXIST) => {
                 // Our filter is there already (an earlier agent): replace its program.
-                let existing = SchedClassifierLink::attached(
-                    name,
-                    tc_type(hook),
-                    NETLINK_PRIORITY,
-                    NETLINK_HANDLE,
-                    None,
-                )
-                .map_err(self.attach_err(hook))?;
+                let existing =
+                    SchedClassifierLink::attached(name, tc_type(hook), priority, handle, None)
+                        .map_err(self.attach_err(hook))?;
                 prog.attach_to_link(existing)
                     .map_err(self.attach_err(hook))?
             }
@@ -244,6 +264,9 @@ impl<'a> Attachment<'a> {
 
     /// Points an existing attachment at `prog` (an upgraded program).
     pub fn replace_program(&mut self, prog: &mut SchedClassifier, hook: Hook) -> Result<(), Error> {
+        if self.bits & hook_bit(hook) == 0 {
+            return Ok(()); // Not attached at this hook.
+        }
         let Ok(name) = if_name(self.ifindex) else {
             return Ok(()); // The interface is gone; nothing to move.
         };
@@ -256,13 +279,19 @@ impl<'a> Attachment<'a> {
         Ok(())
     }
 
-    /// Removes what the agent attached here. Errors are collected so one
-    /// failure does not leave the rest in place. `netns` is the namespace
-    /// the attachment was made in: TCX links are detached from anywhere
-    /// (through their pins); netlink filters only from that namespace.
-    pub fn detach(&self, netns: u64, errors: &mut Vec<Error>) {
-        for hook in Hook::BOTH {
-            let path = self.layout.link(self.ifindex, hook);
+    /// Removes what the agent attached here (every hook). Errors are
+    /// collected so one failure does not leave the rest in place. `netns`
+    /// is the namespace the attachment was made in: TCX links are detached
+    /// from anywhere (through their pins); netlink filters only from that
+    /// namespace.
+    pub fn detach(&mut self, netns: u64, errors: &mut Vec<Error>) {
+        self.detach_hooks(&Hook::ALL, netns, errors);
+    }
+
+    /// Removes the attachments at `hooks` only, clearing their bits.
+    pub fn detach_hooks(&mut self, hooks: &[Hook], netns: u64, errors: &mut Vec<Error>) {
+        for hook in hooks {
+            let path = self.layout.link(self.ifindex, *hook);
             // Detach now: dropping the last reference (the pin) frees the
             // link only later, from a workqueue.
             if path.exists()
@@ -279,7 +308,11 @@ impl<'a> Attachment<'a> {
                 errors.push(e);
             }
         }
-        if self.bits & ATTACH_NETLINK == 0 {
+        let netlink = self.bits & ATTACH_NETLINK != 0;
+        for hook in hooks {
+            self.bits &= !hook_bit(*hook);
+        }
+        if !netlink {
             return;
         }
         if netns != 0 && netns != current_netns() {
@@ -291,24 +324,25 @@ impl<'a> Attachment<'a> {
         let Ok(name) = if_name(self.ifindex) else {
             return; // Interface gone: its filters went with it.
         };
-        for hook in Hook::BOTH {
-            match SchedClassifierLink::attached(
-                &name,
-                tc_type(hook),
-                NETLINK_PRIORITY,
-                NETLINK_HANDLE,
-                None,
-            ) {
-                Ok(link) => {
-                    use aya::programs::Link as _;
-                    if let Err(e) = link.detach()
-                        && os_error(&e) != Some(libc::ENOENT)
-                    {
-                        errors.push(self.attach_err(hook)(e));
-                    }
-                }
-                Err(_) => return,
+        for hook in hooks {
+            let (priority, handle) = netlink_slot(*hook);
+            // Absent (never attached at this hook): nothing to do.
+            let Ok(link) =
+                SchedClassifierLink::attached(&name, tc_type(*hook), priority, handle, None)
+            else {
+                continue;
+            };
+            use aya::programs::Link as _;
+            if let Err(e) = link.detach()
+                && os_error(&e) != Some(libc::ENOENT)
+            {
+                errors.push(self.attach_err(*hook)(e));
             }
         }
+    }
+
+    /// Whether anything is still attached (besides how: mode bits).
+    pub fn any_hook(&self) -> bool {
+        self.bits & (ATTACH_POD | ATTACH_UPLINK) != 0
     }
 }

@@ -14,7 +14,14 @@ use std::{
 
 use tracing::{debug, error, info, warn};
 
-use super::{BpfDatapath, Error, LoadOptions, PinLayout, endpoint_meta_name, observe};
+use policy_common::{
+    endpoint::ATTACH_POD,
+    service::{SERVICE_RANGE, ServiceEntry},
+};
+
+use super::{
+    BpfDatapath, Error, LoadOptions, PinLayout, endpoint_meta_name, observe, uplinks::sync_uplinks,
+};
 use crate::{
     cluster::{ObjectKind, PodRef, Problem},
     datapath::{self, Datapath, Desired, Interface, InterfaceCache, SyncReport},
@@ -31,6 +38,8 @@ pub struct BpfDriver {
     interfaces: InterfaceCache,
     drop_log: bool,
     kernel_log: bool,
+    /// Configured Service ranges, written beside the compiled frontends.
+    service_ranges: Vec<ipnet::IpNet>,
 }
 
 impl BpfDriver {
@@ -42,6 +51,7 @@ impl BpfDriver {
             interfaces: InterfaceCache::default(),
             drop_log: false,
             kernel_log: false,
+            service_ranges: opts.service_ranges.clone(),
         })
     }
 
@@ -54,12 +64,17 @@ impl BpfDriver {
         let mut report = SyncReport::default();
         let incremental = self.last.is_some() && !self.interfaces.needs_full_pass();
         if incremental {
+            let ops: Vec<MapOp<PodRef>> = ops
+                .iter()
+                .filter(|op| !touches_range(op, &self.service_ranges))
+                .cloned()
+                .collect();
             sync_ops(
                 &mut self.dp,
                 &mut self.last,
                 &mut self.interfaces,
                 desired.local_pods,
-                ops,
+                &ops,
                 &mut report,
             )?;
         } else {
@@ -67,8 +82,11 @@ impl BpfDriver {
                 &mut self.dp,
                 &mut self.last,
                 &mut self.interfaces,
-                desired.maps,
-                desired.local_pods,
+                Compiled {
+                    maps: desired.maps,
+                    local_pods: desired.local_pods,
+                    service_ranges: &self.service_ranges,
+                },
                 &mut report,
             )?;
         }
@@ -125,6 +143,14 @@ impl Datapath for BpfDriver {
         self.drop_log
     }
 
+    fn enforced(&self, pod: &PodRef) -> Option<u32> {
+        // From the kernel: the entry is there and the programs attached.
+        let ifindex = self.interfaces.get(pod)?.ifindex;
+        self.dp.maps.endpoint(ifindex).ok().flatten()?;
+        let attached = self.dp.maps.meta(ifindex)?.attach & ATTACH_POD != 0;
+        attached.then_some(ifindex)
+    }
+
     fn metrics(&self) -> Option<MetricsSource> {
         let layout = self.dp.layout.clone();
         Some(std::sync::Arc::new(move |out: &mut String| {
@@ -133,15 +159,33 @@ impl Datapath for BpfDriver {
     }
 }
 
+/// A configured range is the driver's own entry: the compiler's writes
+/// of the same prefix are left out.
+fn touches_range<K>(op: &MapOp<K>, ranges: &[ipnet::IpNet]) -> bool {
+    matches!(op, MapOp::UpsertService(net, _) | MapOp::DeleteService(net) if ranges.contains(net))
+}
+
+/// What a full pass writes: the compiled state and the driver's own
+/// entries.
+struct Compiled<'a> {
+    maps: &'a MapState<PodRef>,
+    local_pods: &'a BTreeMap<PodRef, Vec<IpAddr>>,
+    service_ranges: &'a [ipnet::IpNet],
+}
+
 /// Re-keys the whole state and writes its difference from the maps.
 fn sync_full(
     dp: &mut BpfDatapath,
     last: &mut Option<MapState<u32>>,
     cache: &mut InterfaceCache,
-    maps: &MapState<PodRef>,
-    local_pods: &BTreeMap<PodRef, Vec<IpAddr>>,
+    compiled: Compiled<'_>,
     report: &mut SyncReport,
 ) -> Result<(), Error> {
+    let Compiled {
+        maps,
+        local_pods,
+        service_ranges,
+    } = compiled;
     let t = std::time::Instant::now();
     let (interfaces, problems) = cache.resolve(local_pods);
     report.problems.extend(problems);
@@ -152,6 +196,13 @@ fn sync_full(
         None => dp.maps.read_state()?,
     };
     let mut new = maps.rekey(|pod| interfaces.get(pod).map(|i| i.ifindex));
+    for net in service_ranges {
+        let range = ServiceEntry {
+            flags: SERVICE_RANGE,
+            ..ServiceEntry::default()
+        };
+        new.services.insert(*net, range);
+    }
     assign_revisions(&old, &mut new);
     let mut ops = diff(&old, &new);
     let diff_us = t.elapsed().as_micros() as u64;
@@ -165,7 +216,9 @@ fn sync_full(
     let verify = cache.take_verify();
     let mut fresh = Vec::new();
     for (pod, iface) in &interfaces {
-        let known = meta.get(&iface.ifindex).is_some_and(|m| m.attach != 0);
+        let known = meta
+            .get(&iface.ifindex)
+            .is_some_and(|m| m.attach & ATTACH_POD != 0);
         if unwritten.contains(&iface.ifindex) {
             continue; // No endpoint entry: attaching would pass it unjudged.
         }
@@ -177,9 +230,16 @@ fn sync_full(
     }
     attach_fresh(dp, &fresh, report);
     let wanted: BTreeSet<u32> = interfaces.values().map(|i| i.ifindex).collect();
-    for (ifindex, m) in meta.iter().filter(|(i, _)| !wanted.contains(i)) {
+    for (ifindex, m) in meta
+        .iter()
+        .filter(|(i, m)| !wanted.contains(i) && m.attach & ATTACH_POD != 0)
+    {
         detach(dp, *ifindex, &endpoint_meta_name(m), report);
     }
+    // Interfaces without the pod classifiers (an endpoint left unwritten
+    // included) carry the uplink one.
+    let pods: BTreeSet<u32> = wanted.difference(&unwritten).copied().collect();
+    sync_uplinks(dp, &pods, verify, report);
     debug!(
         resolve_us,
         diff_us,
@@ -258,6 +318,8 @@ fn sync_ops(
             }
             MapOp::UpsertIdentity(k, v) => writes.push(MapOp::UpsertIdentity(k, v)),
             MapOp::DeleteIdentity(k) => writes.push(MapOp::DeleteIdentity(k)),
+            MapOp::UpsertService(k, v) => writes.push(MapOp::UpsertService(k, v)),
+            MapOp::DeleteService(k) => writes.push(MapOp::DeleteService(k)),
         }
     }
     let shortfall = super::fit::fit(&state, &mut writes, &dp.capacities);

@@ -15,6 +15,10 @@
 //!    those do not fit, every allow keyed by an address class or the world
 //!    is withdrawn (an address could otherwise fall into a wider class).
 //!    A new endpoint that does not fit is left unattached and reported.
+//!    A Service frontend that does not fit is reported: flows to it are
+//!    judged at the client by its address (closed, unless an ipBlock
+//!    allows it; a `--service-cidr` range covers every frontend in it
+//!    with one entry, which is why ranges are kept before addresses).
 use std::collections::{BTreeMap, BTreeSet};
 
 use ipnet::IpNet;
@@ -22,6 +26,8 @@ use policy_common::{
     identity::{WORLD, is_cidr, kind},
     maps as names,
 };
+
+use policy_common::service::SERVICE_RANGE;
 
 use crate::mapstate::{MapOp, MapState, identity_name_str};
 
@@ -36,6 +42,7 @@ pub struct Capacities {
     pub endpoints: usize,
     /// ifindexes below this live in the slot array (always room).
     pub slots: u32,
+    pub services: usize,
 }
 
 /// What did not fit, by map: entries dropped (or withdrawn).
@@ -63,6 +70,7 @@ enum Map {
     Endpoints,
     Ipcache4,
     Ipcache6,
+    Services,
 }
 
 fn map_of(op: &MapOp<u32>, slots: u32) -> Option<Map> {
@@ -74,6 +82,7 @@ fn map_of(op: &MapOp<u32>, slots: u32) -> Option<Map> {
             IpNet::V4(_) => Map::Ipcache4,
             IpNet::V6(_) => Map::Ipcache6,
         },
+        MapOp::UpsertService(..) | MapOp::DeleteService(_) => Map::Services,
         MapOp::UpsertEndpoint(..) | MapOp::DeleteEndpoint(_) => return None,
     })
 }
@@ -85,6 +94,7 @@ fn is_upsert(op: &MapOp<u32>) -> bool {
             | MapOp::UpsertPolicy(..)
             | MapOp::UpsertEndpoint(..)
             | MapOp::UpsertIpcache(..)
+            | MapOp::UpsertService(..)
     )
 }
 
@@ -95,6 +105,7 @@ fn adds_key(op: &MapOp<u32>, before: &MapState<u32>) -> bool {
         MapOp::UpsertPolicy(k, _) => !before.policy.contains_key(k),
         MapOp::UpsertEndpoint(k, _) => !before.endpoints.contains_key(k),
         MapOp::UpsertIpcache(k, _) => !before.ipcache.contains_key(k),
+        MapOp::UpsertService(k, _) => !before.services.contains_key(k),
         _ => false,
     }
 }
@@ -105,6 +116,7 @@ fn removes_key(op: &MapOp<u32>, before: &MapState<u32>) -> bool {
         MapOp::DeletePolicy(k) => before.policy.contains_key(k),
         MapOp::DeleteEndpoint(k) => before.endpoints.contains_key(k),
         MapOp::DeleteIpcache(k) => before.ipcache.contains_key(k),
+        MapOp::DeleteService(k) => before.services.contains_key(k),
         _ => false,
     }
 }
@@ -116,6 +128,7 @@ fn held(before: &MapState<u32>, map: Map, slots: u32) -> usize {
         Map::Endpoints => before.endpoints.keys().filter(|k| **k >= slots).count(),
         Map::Ipcache4 => before.ipcache.keys().filter(|n| n.addr().is_ipv4()).count(),
         Map::Ipcache6 => before.ipcache.keys().filter(|n| n.addr().is_ipv6()).count(),
+        Map::Services => before.services.len(),
     }
 }
 
@@ -126,6 +139,7 @@ fn capacity(caps: &Capacities, map: Map) -> usize {
         Map::Endpoints => caps.endpoints,
         Map::Ipcache4 => caps.ipcache_v4,
         Map::Ipcache6 => caps.ipcache_v6,
+        Map::Services => caps.services,
     }
 }
 
@@ -136,6 +150,7 @@ fn map_name(map: Map) -> &'static str {
         Map::Endpoints => names::ENDPOINTS,
         Map::Ipcache4 => names::IPCACHE_V4,
         Map::Ipcache6 => names::IPCACHE_V6,
+        Map::Services => names::SERVICES,
     }
 }
 
@@ -162,6 +177,7 @@ pub fn fit(before: &MapState<u32>, ops: &mut Vec<MapOp<u32>>, caps: &Capacities)
         Map::Endpoints,
         Map::Ipcache4,
         Map::Ipcache6,
+        Map::Services,
     ];
     let added = |ops: &[MapOp<u32>], m: Map| {
         ops.iter()
@@ -238,6 +254,7 @@ pub fn fit(before: &MapState<u32>, ops: &mut Vec<MapOp<u32>>, caps: &Capacities)
         order.reverse();
         order.sort_by_key(|i| match &ops[*i] {
             MapOp::UpsertIpcache(net, _) if carved.contains(net) => 1,
+            MapOp::UpsertService(_, v) if v.flags & SERVICE_RANGE != 0 => 1,
             _ => 0,
         });
         let mut drop: BTreeSet<usize> = BTreeSet::new();
@@ -333,6 +350,7 @@ mod tests {
             identities: 100,
             endpoints: 10,
             slots: 100,
+            services: 100,
         }
     }
 

@@ -2,7 +2,7 @@
 //! left, and keeping programs pinned so enforcement outlives the agent.
 use aya::{EbpfLoader, programs::SchedClassifier};
 use policy_common::{
-    endpoint::{ATTACH_TCX, ENDPOINT_NAME_LEN, EndpointMeta},
+    endpoint::{ATTACH_POD, ATTACH_TCX, ENDPOINT_NAME_LEN, EndpointMeta},
     maps as names,
 };
 use tracing::{debug, info};
@@ -23,12 +23,15 @@ pub struct LoadOptions {
     /// Map capacity overrides (map name → entries), applied when a map is
     /// first created.
     pub capacities: Vec<(&'static str, u32)>,
+    /// Service ranges: frontends whether their Services are known or not.
+    pub service_ranges: Vec<ipnet::IpNet>,
 }
 
-/// The two classifiers, loaded or opened from their pins.
+/// The classifiers, loaded or opened from their pins.
 pub struct Classifiers {
     pub from_pod: SchedClassifier,
     pub to_pod: SchedClassifier,
+    pub to_uplink: SchedClassifier,
 }
 
 impl Classifiers {
@@ -41,6 +44,7 @@ impl Classifiers {
         match hook {
             Hook::Ingress => &mut self.from_pod,
             Hook::Egress => &mut self.to_pod,
+            Hook::Uplink => &mut self.to_uplink,
         }
     }
 
@@ -48,6 +52,7 @@ impl Classifiers {
         let prog = match hook {
             Hook::Ingress => &self.from_pod,
             Hook::Egress => &self.to_pod,
+            Hook::Uplink => &self.to_uplink,
         };
         prog.info().ok().map(|i| i.id())
     }
@@ -120,7 +125,7 @@ impl BpfDatapath {
 
         let hash = object_hash();
         let mut config = maps.config()?;
-        let pinned = Hook::BOTH
+        let pinned = Hook::ALL
             .iter()
             .all(|h| layout.program(h.program()).exists());
         let programs = if pinned && config.object_hash == hash {
@@ -129,7 +134,7 @@ impl BpfDatapath {
         } else {
             info!(pins = %layout.progs_dir().display(), "loading classifier programs");
             let meta = maps.read_meta()?;
-            for hook in Hook::BOTH {
+            for hook in Hook::ALL {
                 let name = hook.program();
                 let prog = classifier(&mut ebpf, name)?;
                 prog.load().map_err(Error::program(name))?;
@@ -162,15 +167,25 @@ impl BpfDatapath {
 }
 
 impl BpfDatapath {
-    /// Attaches both classifiers to the interface `ifindex` and records it
-    /// (with `name`, e.g. "namespace/pod") in ENDPOINT_META. Write the
-    /// endpoint's map entry first, so its first packet is already judged.
+    /// Attaches both pod classifiers to the interface `ifindex` and
+    /// records it (with `name`, e.g. "namespace/pod") in ENDPOINT_META.
+    /// Write the endpoint's map entry first, so its first packet is
+    /// already judged.
     pub fn attach(&mut self, ifindex: u32, name: &str) -> Result<(), Error> {
+        self.attach_hooks(ifindex, name, &Hook::BOTH)
+    }
+
+    /// Attaches the uplink classifier at the egress of `ifindex`.
+    pub fn attach_uplink(&mut self, ifindex: u32, name: &str) -> Result<(), Error> {
+        self.attach_hooks(ifindex, name, &[Hook::Uplink])
+    }
+
+    fn attach_hooks(&mut self, ifindex: u32, name: &str, hooks: &[Hook]) -> Result<(), Error> {
         let known = self.maps.meta(ifindex).map(|m| m.attach).unwrap_or(0);
         let mut attachment = Attachment::new(&self.layout, ifindex, known);
         let mut result = Ok(());
-        for hook in Hook::BOTH {
-            result = attachment.ensure(self.programs.get_mut(hook), hook, self.mode);
+        for hook in hooks {
+            result = attachment.ensure(self.programs.get_mut(*hook), *hook, self.mode);
             if result.is_err() {
                 break;
             }
@@ -206,7 +221,7 @@ impl BpfDatapath {
         let (fresh, known): (Vec<_>, Vec<_>) = items
             .iter()
             .cloned()
-            .partition(|(i, _)| Hook::BOTH.iter().all(|h| !layout.link(*i, *h).exists()));
+            .partition(|(i, _)| Hook::ALL.iter().all(|h| !layout.link(*i, *h).exists()));
         let mut out: Vec<(u32, Result<(), Error>)> = known
             .iter()
             .map(|(i, n)| (*i, self.attach(*i, n)))
@@ -242,10 +257,11 @@ impl BpfDatapath {
         });
         for (ifindex, name, r) in results {
             // Record even partial attachments, so `reset` can undo them.
+            let before = self.maps.meta(ifindex).map(|m| m.attach).unwrap_or(0);
             let bits = if Hook::BOTH.iter().any(|h| layout.link(ifindex, *h).exists()) {
-                ATTACH_TCX
+                before | ATTACH_TCX | ATTACH_POD
             } else {
-                0
+                before
             };
             let recorded = self.maps.set_meta(ifindex, &endpoint_meta(name, bits));
             out.push((ifindex, r.and(recorded)));
@@ -264,15 +280,36 @@ impl BpfDatapath {
             .collect()
     }
 
-    /// Removes the attachments of `ifindex` and its record.
+    /// Removes the pod classifiers of `ifindex` (and its record, unless
+    /// the uplink classifier stays).
     pub fn detach(&mut self, ifindex: u32) -> Result<(), Vec<Error>> {
-        let (known, netns) = self
-            .maps
-            .meta(ifindex)
-            .map_or((0, 0), |m| (m.attach, m.netns));
+        self.detach_hooks(ifindex, &Hook::BOTH)
+    }
+
+    /// Removes the uplink classifier of `ifindex` (and its record, unless
+    /// the pod classifiers stay).
+    pub fn detach_uplink(&mut self, ifindex: u32) -> Result<(), Vec<Error>> {
+        self.detach_hooks(ifindex, &[Hook::Uplink])
+    }
+
+    /// Detaches `hooks`; the record stays while anything is still attached.
+    fn detach_hooks(&mut self, ifindex: u32, hooks: &[Hook]) -> Result<(), Vec<Error>> {
+        let meta = self.maps.meta(ifindex);
+        let (known, netns) = meta.as_ref().map_or((0, 0), |m| (m.attach, m.netns));
         let mut errors = Vec::new();
-        Attachment::new(&self.layout, ifindex, known).detach(netns, &mut errors);
-        if let Err(e) = self.maps.remove_meta(ifindex) {
+        let mut attachment = Attachment::new(&self.layout, ifindex, known);
+        attachment.detach_hooks(hooks, netns, &mut errors);
+        let written = if attachment.any_hook() {
+            let name = match &meta {
+                Some(m) if attachment.bits & ATTACH_POD != 0 => endpoint_meta_name(m),
+                _ => uplink_label(ifindex),
+            };
+            self.maps
+                .set_meta(ifindex, &endpoint_meta(&name, attachment.bits))
+        } else {
+            self.maps.remove_meta(ifindex)
+        };
+        if let Err(e) = written {
             errors.push(e);
         }
         if errors.is_empty() {
@@ -293,6 +330,7 @@ fn warn_resized(asked: &[(&'static str, u32)], have: &super::fit::Capacities) {
             names::IPCACHE_V6 => have.ipcache_v6,
             names::IDENTITY_NAMES => have.identities,
             names::ENDPOINTS => have.endpoints,
+            names::SERVICES => have.services,
             _ => continue,
         };
         if current != *entries as usize {
@@ -304,6 +342,12 @@ fn warn_resized(asked: &[(&'static str, u32)], have: &super::fit::Capacities) {
             );
         }
     }
+}
+
+/// The name an uplink's ENDPOINT_META record carries.
+pub fn uplink_label(ifindex: u32) -> String {
+    let name = super::if_name(ifindex).unwrap_or_else(|_| format!("ifindex {ifindex}"));
+    format!("uplink {name}")
 }
 
 /// The ENDPOINT_META value for an interface.
@@ -335,6 +379,7 @@ fn open_pinned(layout: &PinLayout) -> Result<Classifiers, Error> {
     Ok(Classifiers {
         from_pod: open(Hook::Ingress)?,
         to_pod: open(Hook::Egress)?,
+        to_uplink: open(Hook::Uplink)?,
     })
 }
 
@@ -367,7 +412,7 @@ fn map_id(map: &aya::maps::Map) -> Option<u32> {
 }
 
 impl Unpinned {
-    /// Loads both programs with fresh, private maps.
+    /// Loads the programs with fresh, private maps.
     pub fn load() -> Result<Self, Error> {
         Self::load_with(&[])
     }
@@ -390,7 +435,7 @@ impl Unpinned {
             maps,
             map_ids,
         };
-        for hook in Hook::BOTH {
+        for hook in Hook::ALL {
             let name = hook.program();
             this.program(hook)?.load().map_err(Error::program(name))?;
         }

@@ -17,6 +17,7 @@ use policy_common::{
     ipcache::IpcacheEntry,
     maps as names,
     policy::{PolicyEntry, PolicyKey},
+    service::{ServiceAddr, ServiceEntry, service_addr, service_prefix_len},
     verdict::{COUNTER_SLOTS, Reason, counter_index},
 };
 
@@ -36,6 +37,7 @@ pub struct BpfMaps {
     pub ipcache_v6: LpmTrie<MapData, [u8; 16], IpcacheEntry>,
     pub policy: HashMap<MapData, PolicyKey, PolicyEntry>,
     pub identities: HashMap<MapData, u32, IdentityName>,
+    pub services: LpmTrie<MapData, ServiceAddr, ServiceEntry>,
     pub conntrack: HashMap<MapData, CtKey, CtEntry>,
     pub fragments: HashMap<MapData, FragKey, FragEntry>,
     pub counters: PerCpuArray<MapData, u64>,
@@ -52,6 +54,7 @@ fn expected_sizes(name: &str) -> Option<(usize, usize)> {
         names::IPCACHE_V6 => (20, size_of::<IpcacheEntry>()),
         names::POLICY => (size_of::<PolicyKey>(), size_of::<PolicyEntry>()),
         names::IDENTITY_NAMES => (4, size_of::<IdentityName>()),
+        names::SERVICES => (4 + size_of::<ServiceAddr>(), size_of::<ServiceEntry>()),
         names::CONNTRACK => (size_of::<CtKey>(), size_of::<CtEntry>()),
         names::FRAGMENTS => (size_of::<FragKey>(), size_of::<FragEntry>()),
         names::COUNTERS => (4, 8),
@@ -159,6 +162,7 @@ impl BpfMaps {
             ipcache_v6: field(names::IPCACHE_V6, layout, &mut source)?,
             policy: field(names::POLICY, layout, &mut source)?,
             identities: field(names::IDENTITY_NAMES, layout, &mut source)?,
+            services: field(names::SERVICES, layout, &mut source)?,
             conntrack: field(names::CONNTRACK, layout, &mut source)?,
             fragments: field(names::FRAGMENTS, layout, &mut source)?,
             counters: field(names::COUNTERS, layout, &mut source)?,
@@ -257,6 +261,12 @@ impl BpfMaps {
             let (k, v) = item.map_err(Error::map(names::POLICY))?;
             state.policy.insert(k, v);
         }
+        for item in self.services.iter() {
+            let (k, v) = item.map_err(Error::map(names::SERVICES))?;
+            if let Some(net) = service_net(&k) {
+                state.services.insert(net, v);
+            }
+        }
         state.identities = self.read_identities()?;
         Ok(state)
     }
@@ -306,6 +316,7 @@ impl BpfMaps {
             identities: cap(self.identities.map()),
             endpoints: cap(self.endpoints.map()),
             slots: self.slot_count(),
+            services: cap(self.services.map()),
         }
     }
 
@@ -363,6 +374,14 @@ impl BpfMaps {
                 .map_err(Error::map(names::ENDPOINT_SLOTS)),
             MapOp::DeleteEndpoint(k) => remove(names::ENDPOINTS, self.endpoints.remove(k)),
             MapOp::DeleteIdentity(k) => remove(names::IDENTITY_NAMES, self.identities.remove(k)),
+            MapOp::UpsertService(net, v) => insert(
+                names::SERVICES,
+                self.services.insert(&service_key(net), v, 0),
+                self.services.map(),
+            ),
+            MapOp::DeleteService(net) => {
+                remove(names::SERVICES, self.services.remove(&service_key(net)))
+            }
             MapOp::DeleteIpcache(net) => match lpm_key(net) {
                 LpmKey::V4(k) => remove(names::IPCACHE_V4, self.ipcache_v4.remove(&k)),
                 LpmKey::V6(k) => remove(names::IPCACHE_V6, self.ipcache_v6.remove(&k)),
@@ -451,6 +470,11 @@ impl BpfMaps {
                 self.identities.keys().count(),
                 cap(self.identities.map()),
             ),
+            (
+                names::SERVICES,
+                self.services.keys().count(),
+                cap(self.services.map()),
+            ),
         ]
     }
 }
@@ -473,6 +497,41 @@ fn lpm_key(net: &IpNet) -> LpmKey {
         IpNet::V4(n) => LpmKey::V4(Key::new(u32::from(n.prefix_len()), n.addr().octets())),
         IpNet::V6(n) => LpmKey::V6(Key::new(u32::from(n.prefix_len()), n.addr().octets())),
     }
+}
+
+/// The `SERVICES` key of a prefix.
+fn service_key(net: &IpNet) -> Key<ServiceAddr> {
+    let net = net.trunc();
+    let (fam, addr) = match net.addr() {
+        IpAddr::V4(a) => {
+            let mut b = [0u8; 16];
+            b[..4].copy_from_slice(&a.octets());
+            (policy_common::family::IPV4, b)
+        }
+        IpAddr::V6(a) => (policy_common::family::IPV6, a.octets()),
+    };
+    Key::new(
+        service_prefix_len(net.prefix_len()),
+        service_addr(fam, &addr),
+    )
+}
+
+/// The prefix a `SERVICES` key stands for (None: not one this agent writes).
+fn service_net(key: &Key<ServiceAddr>) -> Option<IpNet> {
+    let data = key.data();
+    let bits = u8::try_from(key.prefix_len().checked_sub(32)?).ok()?;
+    let ip = match data[0] {
+        policy_common::family::IPV4 => {
+            IpAddr::V4(Ipv4Addr::new(data[4], data[5], data[6], data[7]))
+        }
+        policy_common::family::IPV6 => {
+            let mut a = [0u8; 16];
+            a.copy_from_slice(&data[4..20]);
+            IpAddr::V6(Ipv6Addr::from(a))
+        }
+        _ => return None,
+    };
+    IpNet::new(ip, bits).ok()
 }
 
 fn insert(name: &'static str, r: Result<(), MapError>, map: &MapData) -> Result<(), Error> {

@@ -16,6 +16,7 @@ pub mod probe;
 mod reset;
 pub mod sizing;
 mod sys;
+mod uplinks;
 mod verifier;
 
 pub use self::{

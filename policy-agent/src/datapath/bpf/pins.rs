@@ -1,7 +1,7 @@
 //! Where everything is pinned.
 //!
 //! `<root>/v<LAYOUT_VERSION>/maps/<MAP>`, `.../progs/<program>`,
-//! `.../links/<ifindex>-<ingress|egress>` (TCX links). The version in the
+//! `.../links/<ifindex>-<ingress|egress|uplink>` (TCX links). The version in the
 //! path keeps an agent from ever opening a map of another layout.
 use std::path::{Path, PathBuf};
 
@@ -12,22 +12,31 @@ use super::Error;
 /// Default pin root.
 pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/policy-agent";
 
-/// tc hook of a program: host-veth ingress or egress.
+/// Where a program is attached: host-veth ingress or egress of a pod, or
+/// the egress of any other interface of the node (an uplink).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Hook {
     /// Host-veth ingress: packets the pod sends.
     Ingress,
     /// Host-veth egress: packets delivered to the pod.
     Egress,
+    /// Egress of an interface that is not a local endpoint's: a pod's
+    /// packet to a Service, judged after DNAT when its backend is reached
+    /// through here (see `policy_common::service`).
+    Uplink,
 }
 
 impl Hook {
+    /// The two hooks of a pod's interface.
     pub const BOTH: [Hook; 2] = [Hook::Ingress, Hook::Egress];
+    /// Every hook (what `reset` undoes).
+    pub const ALL: [Hook; 3] = [Hook::Ingress, Hook::Egress, Hook::Uplink];
 
     pub fn name(self) -> &'static str {
         match self {
             Hook::Ingress => "ingress",
             Hook::Egress => "egress",
+            Hook::Uplink => "uplink",
         }
     }
 
@@ -36,6 +45,7 @@ impl Hook {
         match self {
             Hook::Ingress => policy_common::maps::programs::FROM_POD,
             Hook::Egress => policy_common::maps::programs::TO_POD,
+            Hook::Uplink => policy_common::maps::programs::TO_UPLINK,
         }
     }
 }

@@ -8,7 +8,9 @@
 //! | `POLICY` (not preallocated) | max(16384, max_pods × 2048) | allow entries of the local pods' identities |
 //! | `IPCACHE_V4`, `IPCACHE_V6` | max(16384, cluster_pods + 4096) | every pod address, the node's, carved prefixes |
 //! | `IDENTITY_NAMES` (not preallocated) | max(16384, cluster_pods + 4096) | at most one identity per pod, plus classes |
-//! | `ENDPOINTS`, `ENDPOINT_META` | max(1024, max_pods × 4) | interfaces beyond the slot array; interfaces attached |
+//! | `ENDPOINTS`, `ENDPOINT_META` | max(1024, max_pods × 4) | interfaces beyond the slot array; interfaces attached (pods and uplinks) |
+//! | `SERVICES` (LPM, not preallocated) | 65536 | Service frontend addresses (ClusterIPs, external and load-balancer IPs, the node's) and ranges |
+//! | `SERVICE_FLOWS` (LRU) | max(16384, max_pods × 256) | isolated pods' flows to frontends, until judged after DNAT |
 //!
 //! `--map-size NAME=N` overrides one map. A pinned map keeps the size it
 //! was created with (`reset`, or another `--pin-dir`, applies a new one).
@@ -36,7 +38,7 @@ impl Default for Sizing {
 }
 
 /// The maps whose size can be configured.
-pub const SIZED: [&str; 8] = [
+pub const SIZED: [&str; 10] = [
     names::CONNTRACK,
     names::FRAGMENTS,
     names::POLICY,
@@ -45,6 +47,8 @@ pub const SIZED: [&str; 8] = [
     names::IDENTITY_NAMES,
     names::ENDPOINTS,
     names::ENDPOINT_META,
+    names::SERVICES,
+    names::SERVICE_FLOWS,
 ];
 
 impl Sizing {
@@ -61,6 +65,7 @@ impl Sizing {
             (names::IDENTITY_NAMES, cluster),
             (names::ENDPOINTS, pods.saturating_mul(4).max(1024)),
             (names::ENDPOINT_META, pods.saturating_mul(4).max(1024)),
+            (names::SERVICE_FLOWS, pods.saturating_mul(256).max(16384)),
         ];
         for (name, entries) in &self.overrides {
             match out.iter_mut().find(|(n, _)| n == name) {

@@ -70,7 +70,7 @@ pub(crate) fn tcx_attach_and_pin(
 ) -> std::io::Result<()> {
     let attach_type = match hook {
         Hook::Ingress => BPF_TCX_INGRESS,
-        Hook::Egress => BPF_TCX_EGRESS,
+        Hook::Egress | Hook::Uplink => BPF_TCX_EGRESS,
     };
     // BPF_LINK_CREATE: { u32 prog_fd; u32 target_ifindex; u32 attach_type;
     // u32 flags; tcx { u32 relative_fd; u64 expected_revision } }.
@@ -93,7 +93,7 @@ pub(crate) fn tcx_attach_and_pin(
 pub(crate) fn tc_type(hook: Hook) -> TcAttachType {
     match hook {
         Hook::Ingress => TcAttachType::Ingress,
-        Hook::Egress => TcAttachType::Egress,
+        Hook::Egress | Hook::Uplink => TcAttachType::Egress,
     }
 }
 

@@ -1,7 +1,10 @@
 //! Applying a ruleset: read what is installed, write only what differs,
 //! atomically (`ipset restore` with swap, `iptables-restore --noflush` for
 //! the agent's chains only), flush conntrack for pods whose rules changed,
-//! and `reset`.
+//! and `reset`. An installed chain or set is the agent's only if its name
+//! has the exact shape the agent gives (`ruleset::is_own_chain`,
+//! `is_own_set`); those of the earlier `PA…` naming are removed only where
+//! that version's FORWARD chain shows it ran.
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
@@ -12,9 +15,12 @@ use tracing::{debug, warn};
 
 use super::{
     Error,
-    ruleset::{Chain, FORWARD_CHAIN, Family, OWN_PREFIX, Ruleset},
+    ruleset::{
+        Chain, FORWARD_CHAIN, Family, LEGACY_FORWARD_CHAIN, Ruleset, is_legacy_chain,
+        is_legacy_set, is_own_chain, is_own_set,
+    },
 };
-use crate::{exec, mapstate::fnv1a64};
+use crate::{cluster::PodRef, exec, mapstate::fnv1a64};
 
 /// Which iptables binaries to drive.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -36,8 +42,47 @@ struct Installed {
     sets: BTreeMap<String, BTreeSet<(IpNet, bool)>>,
     /// Per family: chain → its content hash (from the marker rule).
     chains: BTreeMap<Family, BTreeMap<String, String>>,
-    /// Per family: whether FORWARD jumps to PA-FORWARD.
+    /// Per family: whether FORWARD jumps to the agent's chain.
     hooked: BTreeMap<Family, bool>,
+    /// Objects of the earlier naming, to remove (see [`Legacy`]).
+    legacy: Legacy,
+}
+
+/// Chains and sets of the earlier naming (`PA-FORWARD`, `PA-I-<8 hex>`,
+/// `PAI-<8 hex>-v4`), left by an agent of that version: counted as ours
+/// only where its `PA-FORWARD` chain exists, so a foreign `PA…` object on
+/// a node that never ran it is never touched.
+#[derive(Debug, Default)]
+struct Legacy {
+    /// Per family: the chains, and whether FORWARD jumps to PA-FORWARD.
+    chains: BTreeMap<Family, (BTreeSet<String>, bool)>,
+    sets: BTreeSet<String>,
+}
+
+impl Legacy {
+    /// The iptables-restore lines that unhook and delete `fam`'s chains.
+    fn removal(&self, fam: Family) -> String {
+        let Some((chains, hooked)) = self.chains.get(&fam) else {
+            return String::new();
+        };
+        let mut text = String::new();
+        if *hooked {
+            text += &format!("-D FORWARD -j {LEGACY_FORWARD_CHAIN}\n");
+        }
+        for name in chains {
+            text += &format!(":{name} - [0:0]\n");
+        }
+        for name in chains {
+            text += &format!("-X {name}\n");
+        }
+        text
+    }
+}
+
+/// Whether a FORWARD rule (as iptables-save prints it) jumps to `chain`.
+fn jumps_to(rule: &str, chain: &str) -> bool {
+    let words: Vec<&str> = rule.split_whitespace().collect();
+    words.windows(2).any(|w| w[0] == "-j" && w[1] == chain)
 }
 
 fn parse_entry(text: &str) -> Option<(IpNet, bool)> {
@@ -67,11 +112,32 @@ pub struct ApplyReport {
     pub chains_written: usize,
     pub chains_removed: usize,
     pub conntrack_flushed: Vec<IpAddr>,
+    /// Conntrack deletions that failed: those pods' established flows keep
+    /// their old verdict until a later apply retries them.
+    pub conntrack_failed: Vec<(PodRef, IpAddr, String)>,
 }
 
 impl ApplyReport {
     pub fn wrote_anything(&self) -> bool {
         self.sets_written + self.chains_written + self.chains_removed > 0
+    }
+}
+
+/// A conntrack deletion: which side of a flow the address is on.
+type Flush = (&'static str, IpAddr);
+
+/// Deletes the conntrack entries with `ip` as `side` (`-s`/`-d`).
+/// conntrack exits 1 with "0 flow entries have been deleted" when nothing
+/// matched: that is success. Anything else is a failure.
+fn flush_conntrack(side: &str, ip: IpAddr) -> Result<(), Error> {
+    match exec::run("conntrack", &["-D", side, &ip.to_string()]) {
+        Ok(_) => Ok(()),
+        Err(exec::CommandError::Failed {
+            code: Some(1),
+            stderr,
+            ..
+        }) if stderr.contains("0 flow entries have been deleted") => Ok(()),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -84,11 +150,17 @@ pub struct ResetReport {
 
 pub struct Executor {
     pub backend: Backend,
+    /// Conntrack deletions that failed, by flow side and address (with the
+    /// pod): retried by the next apply, whether or not its rules changed.
+    pending_flushes: BTreeMap<Flush, PodRef>,
 }
 
 impl Executor {
     pub fn new(backend: Backend) -> Self {
-        Self { backend }
+        Self {
+            backend,
+            pending_flushes: BTreeMap::new(),
+        }
     }
 
     fn tables(&self, fam: Family, what: &str) -> String {
@@ -114,16 +186,20 @@ impl Executor {
 
     fn installed(&self) -> Result<Installed, Error> {
         let mut inst = Installed::default();
+        let mut legacy_sets = BTreeSet::new();
         for line in run("ipset", &["save"], None)?.lines() {
             let mut parts = line.splitn(3, ' ');
             match (parts.next(), parts.next(), parts.next()) {
-                (Some("create"), Some(name), _) if name.starts_with(OWN_PREFIX) => {
+                (Some("create"), Some(name), _) if is_own_set(name) => {
                     inst.sets.entry(name.to_owned()).or_default();
                 }
-                (Some("add"), Some(name), Some(rest)) if name.starts_with(OWN_PREFIX) => {
+                (Some("add"), Some(name), Some(rest)) if is_own_set(name) => {
                     if let Some(e) = parse_entry(rest) {
                         inst.sets.entry(name.to_owned()).or_default().insert(e);
                     }
+                }
+                (Some("create"), Some(name), _) if is_legacy_set(name) => {
+                    legacy_sets.insert(name.to_owned());
                 }
                 _ => {}
             }
@@ -132,20 +208,26 @@ impl Executor {
             let text = run(&self.tables(fam, "-save"), &["-t", "filter"], None)?;
             let chains = inst.chains.entry(fam).or_default();
             let mut hooked = false;
+            let mut legacy_chains = BTreeSet::new();
+            let mut legacy_hooked = false;
             for line in text.lines() {
                 if let Some(name) = line
                     .strip_prefix(':')
                     .and_then(|l| l.split_whitespace().next())
-                    && name.starts_with("PA-")
                 {
-                    chains.entry(name.to_owned()).or_default();
+                    if is_own_chain(name) {
+                        chains.entry(name.to_owned()).or_default();
+                    } else if is_legacy_chain(name) {
+                        legacy_chains.insert(name.to_owned());
+                    }
                 } else if let Some(rest) = line.strip_prefix("-A ") {
                     let mut it = rest.splitn(2, ' ');
                     let (chain, rule) = (it.next().unwrap_or(""), it.next().unwrap_or(""));
-                    if chain == "FORWARD" && rule.contains(&format!("-j {FORWARD_CHAIN}")) {
-                        hooked = true;
+                    if chain == "FORWARD" {
+                        hooked |= jumps_to(rule, FORWARD_CHAIN);
+                        legacy_hooked |= jumps_to(rule, LEGACY_FORWARD_CHAIN);
                     }
-                    if chain.starts_with("PA-")
+                    if is_own_chain(chain)
                         && let Some(pos) = rule.find(MARKER)
                     {
                         let hash: String = rule[pos + MARKER.len()..]
@@ -157,13 +239,21 @@ impl Executor {
                 }
             }
             inst.hooked.insert(fam, hooked);
+            if legacy_chains.contains(LEGACY_FORWARD_CHAIN) {
+                inst.legacy
+                    .chains
+                    .insert(fam, (legacy_chains, legacy_hooked));
+            }
+        }
+        if !inst.legacy.chains.is_empty() {
+            inst.legacy.sets = legacy_sets;
         }
         Ok(inst)
     }
 
     /// Makes the installed state equal `desired`, writing nothing when it
     /// already is.
-    pub fn apply(&self, desired: &Ruleset) -> Result<ApplyReport, Error> {
+    pub fn apply(&mut self, desired: &Ruleset) -> Result<ApplyReport, Error> {
         let inst = self.installed()?;
         let mut report = ApplyReport::default();
 
@@ -203,10 +293,13 @@ impl Executor {
                 .filter(|(c, hash)| have.get(&c.name) != Some(hash))
                 .collect();
             let hooked = inst.hooked.get(&fam).copied().unwrap_or(false);
-            if dirty.is_empty() && stale.is_empty() && hooked {
+            let legacy = inst.legacy.removal(fam);
+            if dirty.is_empty() && stale.is_empty() && hooked && legacy.is_empty() {
                 continue;
             }
+            // The earlier naming's chains go in the same transaction.
             let mut text = String::from("*filter\n");
+            text += &legacy;
             for (c, _) in &dirty {
                 text += &format!(":{} - [0:0]\n", c.name);
             }
@@ -234,15 +327,22 @@ impl Executor {
         }
 
         // 3. Sets nothing references any more.
-        for name in inst.sets.keys().filter(|n| !desired.sets.contains_key(*n)) {
+        for name in inst
+            .sets
+            .keys()
+            .filter(|n| !desired.sets.contains_key(*n))
+            .chain(&inst.legacy.sets)
+        {
             if let Err(e) = run("ipset", &["destroy", name], None) {
                 warn!(set = %name, error = %e, "could not destroy a stale set");
             }
         }
 
-        // 4. Established flows of pods whose rules or peer sets changed.
+        // 4. Established flows of pods whose rules or peer sets changed, and
+        // the deletions an earlier apply could not do.
         let changed: BTreeSet<&String> = changed_sets.iter().copied().collect();
-        for (chain, (pod, ips)) in &desired.pod_chains {
+        let mut flushes = std::mem::take(&mut self.pending_flushes);
+        for (chain, (pod, dir, ips)) in &desired.pod_chains {
             // Pod chains jump to policy chains; only those use sets.
             let refs = desired.chain_refs.get(chain).into_iter().flatten();
             let policy_changed = refs.clone().any(|c| changed_chains.contains(c));
@@ -252,21 +352,24 @@ impl Executor {
             if !(changed_chains.contains(chain) || uses_changed || policy_changed) {
                 continue;
             }
-            let side = if chain.starts_with("PA-I-") {
+            let side = if *dir == policy_common::direction::INGRESS {
                 "-d"
             } else {
                 "-s"
             };
             for ip in ips {
-                // Exit status 1 means "no entries": not an error.
-                match run("conntrack", &["-D", side, &ip.to_string()], None) {
-                    Ok(_) | Err(Error::Command(exec::CommandError::Failed { .. })) => {
-                        report.conntrack_flushed.push(*ip)
-                    }
-                    Err(e) => {
-                        warn!(pod, error = %e, "cannot flush conntrack; established flows keep their verdict");
-                        break;
-                    }
+                flushes.insert((side, *ip), pod.clone());
+            }
+        }
+        for ((side, ip), pod) in flushes {
+            match flush_conntrack(side, ip) {
+                Ok(()) => report.conntrack_flushed.push(ip),
+                Err(e) => {
+                    warn!(pod = %pod, %ip, error = %e, "cannot delete conntrack entries; established flows keep their verdict until the retry");
+                    report
+                        .conntrack_failed
+                        .push((pod.clone(), ip, e.to_string()));
+                    self.pending_flushes.insert((side, ip), pod);
                 }
             }
         }
@@ -281,13 +384,15 @@ impl Executor {
         for fam in Family::BOTH {
             let chains = inst.chains.get(&fam).cloned().unwrap_or_default();
             let hooked = inst.hooked.get(&fam).copied().unwrap_or(false);
-            if chains.is_empty() && !hooked {
+            let legacy = inst.legacy.removal(fam);
+            if chains.is_empty() && !hooked && legacy.is_empty() {
                 continue;
             }
             let mut text = String::from("*filter\n");
             if hooked {
                 text += &format!("-D FORWARD -j {FORWARD_CHAIN}\n");
             }
+            text += &legacy;
             for name in chains.keys() {
                 text += &format!(":{name} - [0:0]\n");
             }
@@ -296,12 +401,33 @@ impl Executor {
             }
             text += "COMMIT\n";
             run(&self.tables(fam, "-restore"), &["--noflush"], Some(&text))?;
-            report.chains += chains.len();
+            report.chains += chains.len()
+                + inst
+                    .legacy
+                    .chains
+                    .get(&fam)
+                    .map_or(0, |(chains, _)| chains.len());
         }
-        for name in inst.sets.keys() {
+        for name in inst.sets.keys().chain(&inst.legacy.sets) {
             run("ipset", &["destroy", name], None)?;
             report.sets += 1;
         }
         Ok(report)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_jump_is_matched_by_its_whole_target() {
+        assert!(jumps_to("-j pa-agent:FORWARD", FORWARD_CHAIN));
+        assert!(!jumps_to("-j pa-agent:FORWARDER", FORWARD_CHAIN));
+        assert!(!jumps_to("-j PA-FORWARDER", LEGACY_FORWARD_CHAIN));
+        assert!(jumps_to(
+            "-m comment --comment x -j PA-FORWARD",
+            LEGACY_FORWARD_CHAIN
+        ));
     }
 }

@@ -4,9 +4,9 @@ use std::collections::BTreeMap;
 
 use tracing::info;
 
-use super::{Backend, DEFAULT_MARK, Error, Executor, RenderInput, Ruleset, render};
+use super::{Backend, DEFAULT_MARK, Error, Executor, NAME_BITS, RenderInput, Ruleset, render};
 use crate::{
-    cluster::{PodRef, Problem},
+    cluster::{ObjectKind, PodRef, Problem},
     datapath::{self, Datapath, Desired, InterfaceCache, SyncReport},
     mapstate::MapOp,
 };
@@ -15,6 +15,9 @@ pub struct IptablesDriver {
     pub exec: Executor,
     interfaces: InterfaceCache,
     pub mark: u32,
+    /// The pods whose rules the last successful sync installed, and their
+    /// interfaces.
+    installed: BTreeMap<PodRef, u32>,
 }
 
 impl IptablesDriver {
@@ -35,12 +38,21 @@ impl IptablesDriver {
             exec,
             interfaces: InterfaceCache::default(),
             mark: DEFAULT_MARK,
+            installed: BTreeMap::new(),
         }
     }
 
     /// The ruleset for `desired`, with the interfaces found here: (ruleset,
     /// problems, endpoints rendered).
     pub fn ruleset(&mut self, desired: &Desired<'_>) -> (Ruleset, Vec<Problem>, usize) {
+        let (ruleset, problems, interfaces) = self.ruleset_for(desired);
+        (ruleset, problems, interfaces.len())
+    }
+
+    fn ruleset_for(
+        &mut self,
+        desired: &Desired<'_>,
+    ) -> (Ruleset, Vec<Problem>, BTreeMap<PodRef, u32>) {
         let (interfaces, problems) = self.interfaces.resolve(desired.local_pods);
         let names: BTreeMap<PodRef, String> = interfaces
             .iter()
@@ -52,8 +64,13 @@ impl IptablesDriver {
             interfaces: &names,
             rules: desired.rules,
             mark: self.mark,
+            name_bits: NAME_BITS,
         });
-        (ruleset, problems, names.len())
+        let indexes = interfaces
+            .iter()
+            .map(|(p, i)| (p.clone(), i.ifindex))
+            .collect();
+        (ruleset, problems, indexes)
     }
 }
 
@@ -69,8 +86,12 @@ impl Datapath for IptablesDriver {
         desired: &Desired<'_>,
         _ops: &[MapOp<PodRef>],
     ) -> Result<SyncReport, datapath::Error> {
-        let (ruleset, problems, endpoints) = self.ruleset(desired);
+        let (ruleset, mut problems, interfaces) = self.ruleset_for(desired);
+        let endpoints = interfaces.len();
+        problems.extend(ruleset.problems.iter().cloned());
+        self.installed.clear();
         let applied = self.exec.apply(&ruleset)?;
+        self.installed = interfaces;
         if applied.wrote_anything() {
             info!(
                 sets = applied.sets_written,
@@ -80,16 +101,32 @@ impl Datapath for IptablesDriver {
                 "iptables synced"
             );
         }
+        // The rules are in place, but flows they now deny may still pass:
+        // report each, and have the worker come back soon to retry.
+        for (pod, ip, error) in &applied.conntrack_failed {
+            problems.push(Problem::object(
+                ObjectKind::Pod,
+                pod.clone(),
+                format!(
+                    "iptables: cannot delete the conntrack entries of {ip} ({error}); its established flows keep their old verdict until a retry succeeds"
+                ),
+            ));
+        }
         Ok(SyncReport {
             writes: applied.sets_written + applied.chains_written + applied.chains_removed,
             endpoints,
             problems,
+            retry: !applied.conntrack_failed.is_empty(),
             ..Default::default()
         })
     }
 
     fn forget_cache(&mut self) {
         self.interfaces.clear();
+    }
+
+    fn enforced(&self, pod: &PodRef) -> Option<u32> {
+        self.installed.get(pod).copied()
     }
 
     fn links_changed(&mut self) {

@@ -12,6 +12,9 @@ pub use self::{
     apply::{ApplyReport, Backend, Executor, ResetReport},
     driver::IptablesDriver,
     error::Error,
-    render::{DEFAULT_MARK, RenderInput, render},
-    ruleset::{Chain, Family, IpSet, Ruleset, SetKind},
+    render::{DEFAULT_MARK, NAME_BITS, RenderInput, render},
+    ruleset::{
+        Chain, ChainKind, FORWARD_CHAIN, Family, IpSet, OWN_PREFIX, Ruleset, SetKind, SetName,
+        is_own_chain, is_own_set,
+    },
 };

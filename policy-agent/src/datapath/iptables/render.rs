@@ -1,21 +1,38 @@
 //! Rendering the compiled maps as ipsets and chains. One meaning, two
 //! renderers: every rule here is a `PolicyKey` the BPF datapath would hold.
 //!
-//! Per family (iptables and ip6tables):
+//! Per family (iptables and ip6tables), every name under the agent's prefix
+//! (`pa-agent:`, see `ruleset.rs`):
 //! ```text
-//! FORWARD  -> PA-FORWARD
-//! PA-FORWARD:  RELATED,ESTABLISHED -> RETURN   (replies and tracked flows)
-//!              -i <pod if> -> PA-E-<pod>       (egress-isolated pods)
-//!              -o <pod if> -> PA-I-<pod>       (ingress-isolated pods)
-//! PA-I-<pod>:  clear mark; to itself -> RETURN; -> PA-P-<policy rule chain>...;
-//!              mark set -> RETURN; DROP
-//! PA-P-<...>:  <peer set> <proto> <ports> -> set mark   (one per policy key)
+//! FORWARD  -> pa-agent:FORWARD
+//! pa-agent:FORWARD:  -i <pod if> -> S-<pod>          (every local pod, first)
+//!                    RELATED,ESTABLISHED -> RETURN   (replies and tracked flows)
+//!                    -i <pod if> -> E-<pod>          (egress-isolated pods)
+//!                    -o <pod if> -> I-<pod>          (ingress-isolated pods)
+//! S-<pod>:  from one of the pod's addresses -> RETURN; DROP (a forged
+//!           source; link-local and :: sources are never forwarded)
+//! I-<pod>:  clear mark; from and to itself on its own interface -> RETURN;
+//!           -> P-<policy rule chain>...; mark set -> RETURN; DROP
+//! P-<...>:  <peer set> <proto> <ports> -> set mark   (one per policy key)
 //! ```
+//! The source check comes before the RELATED,ESTABLISHED shortcut, so a
+//! packet with another pod's address never rides a flow that address
+//! opened, and it covers pods no policy isolates too: a pod that may send
+//! anything may still not send as someone else (whose peers' "allow only
+//! from C" rules would admit it).
 //! A peer identity is a set: a label identity is `hash:ip` of its pods'
 //! addresses; an address class (ipBlock) is `hash:net` of its prefix with
 //! `nomatch` holes for the longer carved prefixes inside it, so an
 //! `except` narrows only the peer whose class excludes it. Node traffic
 //! never crosses FORWARD (it is INPUT/OUTPUT), so it is never judged.
+//!
+//! Names carry a 64-bit hash of what they stand for: a set the identity's
+//! whole canonical name (`IdentityName::name_hash`; the stored name is cut
+//! at 240 bytes, and namespace labels come first), a pod chain the pod, a
+//! policy chain the policy, endpoint identity, direction and family. Two
+//! things that would share a name are not rendered (fail closed: the rules
+//! naming a colliding set or policy chain are left out, colliding pods'
+//! traffic is dropped) and each collision is reported.
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
@@ -30,15 +47,18 @@ use policy_common::{
     proto,
 };
 
-use super::ruleset::{Chain, FORWARD_CHAIN, Family, IpSet, Ruleset, SetKind};
+use super::ruleset::{Chain, ChainKind, FORWARD_CHAIN, Family, IpSet, Ruleset, SetKind, SetName};
 use crate::{
-    cluster::PodRef,
-    mapstate::{AddressSet, MapState, RuleOrigin, fnv1a64, identity_addresses, identity_name_str},
+    cluster::{ObjectKind, PodRef, Problem},
+    mapstate::{AddressSet, MapState, RuleOrigin, fnv1a64, identity_addresses},
 };
 
 /// The packet mark bit the chains use while judging (cleared at the start
 /// of every pod chain). Reserve it for the agent on the node.
 pub const DEFAULT_MARK: u32 = 0x0080_0000;
+
+/// The width of the hashes in names (tests narrow it to force collisions).
+pub const NAME_BITS: u32 = 64;
 
 pub struct RenderInput<'a> {
     pub maps: &'a MapState<PodRef>,
@@ -47,32 +67,36 @@ pub struct RenderInput<'a> {
     pub interfaces: &'a BTreeMap<PodRef, String>,
     pub rules: &'a BTreeMap<u32, RuleOrigin>,
     pub mark: u32,
+    /// How many bits of each name hash are used: [`NAME_BITS`].
+    pub name_bits: u32,
 }
 
-fn hash8(s: &str) -> String {
-    let h = fnv1a64(s.as_bytes());
-    format!("{:08x}", (h ^ (h >> 32)) as u32)
+impl RenderInput<'_> {
+    fn narrow(&self, hash: u64) -> u64 {
+        if self.name_bits >= 64 {
+            hash
+        } else {
+            hash & ((1u64 << self.name_bits) - 1)
+        }
+    }
 }
 
-fn set_name(maps: &MapState<PodRef>, id: u32, fam: Family) -> String {
-    // Named by what the identity stands for, not its number: a fresh
-    // `apply` process allocates numbers anew, the names stay put.
+/// What a set name stands for: the identity's kind letter and the hash of
+/// its whole canonical name (None: the identity has no name, so no stable
+/// set name either).
+fn set_of(input: &RenderInput<'_>, id: u32) -> Option<SetName> {
     let kind = if id == WORLD {
-        "W"
+        SetKind::World
     } else if is_cidr(id) {
-        "C"
+        SetKind::Class
     } else {
-        "I"
+        SetKind::Identity
     };
-    let canonical = if id == WORLD {
-        "world".to_owned()
-    } else {
-        maps.identities
-            .get(&id)
-            .map(identity_name_str)
-            .unwrap_or_else(|| id.to_string())
-    };
-    format!("PA{kind}-{}-v{}", hash8(&canonical), fam.suffix())
+    let name = input.maps.identities.get(&id)?;
+    Some(SetName {
+        kind,
+        hash: input.narrow(name.name_hash),
+    })
 }
 
 /// Splits a /0 (which hash:net cannot hold) into two halves.
@@ -84,12 +108,7 @@ fn storable(net: &IpNet) -> Vec<IpNet> {
 }
 
 /// The set of an identity's addresses in `fam` (empty without addresses).
-fn build_set(name: String, id: u32, fam: Family, addrs: Option<&AddressSet>) -> IpSet {
-    let kind = if id == WORLD || is_cidr(id) {
-        SetKind::HashNet
-    } else {
-        SetKind::HashIp
-    };
+fn build_set(name: String, kind: SetKind, fam: Family, addrs: Option<&AddressSet>) -> IpSet {
     let mut entries = BTreeSet::new();
     if let Some(addrs) = addrs {
         for net in addrs.include.iter().filter(|n| Family::of(n) == fam) {
@@ -97,7 +116,7 @@ fn build_set(name: String, id: u32, fam: Family, addrs: Option<&AddressSet>) -> 
                 entries.insert((part, false));
             }
         }
-        if kind == SetKind::HashNet {
+        if kind.is_net() {
             for net in addrs.exclude.iter().filter(|n| Family::of(n) == fam) {
                 entries.insert((*net, true));
             }
@@ -129,123 +148,308 @@ fn port_match(key: &PolicyKey) -> String {
     }
 }
 
+/// Groups `items` by the name each gets and returns those that share a
+/// name with something else.
+fn collisions<T: Ord + Clone, N: Ord>(items: impl IntoIterator<Item = (N, T)>) -> BTreeSet<T> {
+    let mut by_name: BTreeMap<N, BTreeSet<T>> = BTreeMap::new();
+    for (name, item) in items {
+        by_name.entry(name).or_default().insert(item);
+    }
+    by_name
+        .into_values()
+        .filter(|items| items.len() > 1)
+        .flatten()
+        .collect()
+}
+
+/// One endpoint's keys in one direction by the policy they came from
+/// (its name, or the rule ref when the origin is unknown).
+type ByPolicy = BTreeMap<String, (Option<RuleOrigin>, Vec<PolicyKey>)>;
+
+/// One local pod to render.
+struct PodEntry<'a> {
+    pod: &'a PodRef,
+    ifname: &'a str,
+    identity: u32,
+    flags: u32,
+    chain_hash: u64,
+}
+
 pub fn render(input: &RenderInput<'_>) -> Ruleset {
     let maps = input.maps;
     let addresses = identity_addresses(maps);
     let mark = format!("0x{:x}", input.mark);
     let mut out = Ruleset::default();
 
+    let pods: Vec<PodEntry<'_>> = input
+        .interfaces
+        .iter()
+        .filter_map(|(pod, ifname)| {
+            let ep = maps.endpoints.get(pod)?;
+            Some(PodEntry {
+                pod,
+                ifname,
+                identity: ep.identity,
+                flags: ep.flags,
+                chain_hash: input.narrow(fnv1a64(pod.to_string().as_bytes())),
+            })
+        })
+        .collect();
+    // Pods whose chains would share a name: their traffic is dropped (all
+    // of what they send; what they receive where they are isolated).
+    let colliding_pods: BTreeSet<&PodRef> = collisions(pods.iter().map(|p| (p.chain_hash, p.pod)));
+    for pod in &colliding_pods {
+        out.problems.push(Problem::object(
+            ObjectKind::Pod,
+            (*pod).clone(),
+            "iptables: its chain name collides with another pod's (hash collision); its traffic is dropped",
+        ));
+    }
+    // Identities whose sets would share a name, and identities without a
+    // name: the rules naming them are left out.
+    let peers: BTreeSet<u32> = maps
+        .policy
+        .keys()
+        .map(|k| k.peer_identity)
+        .filter(|id| *id != ANY)
+        .collect();
+    let mut unnamed_peers: BTreeSet<u32> = collisions(
+        peers
+            .iter()
+            .filter_map(|id| set_of(input, *id).map(|n| (n, *id))),
+    );
+    for id in &unnamed_peers {
+        out.problems.push(Problem::node(format!(
+            "iptables: the set name of identity {} collides with another identity's (hash collision); the rules allowing it are left out",
+            identity_label(maps, *id)
+        )));
+    }
+    for id in peers.iter().filter(|id| set_of(input, **id).is_none()) {
+        out.problems.push(Problem::node(format!(
+            "iptables: identity {id} has no name to name its set by; the rules allowing it are left out"
+        )));
+        unnamed_peers.insert(*id);
+    }
+
     for fam in Family::BOTH {
         let mut forward = Chain {
             name: FORWARD_CHAIN.into(),
-            rules: vec!["-m conntrack --ctstate RELATED,ESTABLISHED -j RETURN".into()],
+            rules: Vec::new(),
         };
         let mut chains: BTreeMap<String, Chain> = BTreeMap::new();
-        for (pod, ifname) in input.interfaces {
-            let Some(ep) = maps.endpoints.get(pod) else {
-                continue;
-            };
-            let ips: Vec<IpAddr> = input
+        let fam_ips = |pod: &PodRef| -> Vec<IpAddr> {
+            input
                 .local_pods
                 .get(pod)
                 .into_iter()
                 .flatten()
                 .copied()
                 .filter(|ip| (fam == Family::V4) == ip.is_ipv4())
-                .collect();
-            for (dir, flag, tag, iface) in [
-                (direction::EGRESS, ENDPOINT_EGRESS_ISOLATED, "E", "-i"),
-                (direction::INGRESS, ENDPOINT_INGRESS_ISOLATED, "I", "-o"),
+                .collect()
+        };
+        // Source validation, for every local pod, before anything accepts.
+        for p in &pods {
+            if colliding_pods.contains(p.pod) {
+                forward.rules.push(format!("-i {} -j DROP", p.ifname));
+                continue;
+            }
+            let name = ChainKind::Source.name(p.chain_hash);
+            forward.rules.push(format!("-i {} -j {name}", p.ifname));
+            chains.insert(
+                name.clone(),
+                Chain {
+                    name,
+                    rules: source_rules(&fam_ips(p.pod)),
+                },
+            );
+        }
+        forward
+            .rules
+            .push("-m conntrack --ctstate RELATED,ESTABLISHED -j RETURN".into());
+        // The policy chains each (pod, direction) would jump to, by policy.
+        let mut wanted: Vec<(&PodEntry<'_>, u8, ByPolicy)> = Vec::new();
+        for p in &pods {
+            for (dir, flag) in [
+                (direction::EGRESS, ENDPOINT_EGRESS_ISOLATED),
+                (direction::INGRESS, ENDPOINT_INGRESS_ISOLATED),
             ] {
-                if ep.flags & flag == 0 {
+                if p.flags & flag == 0 {
                     continue;
                 }
-                let pod_chain = format!("PA-{tag}-{}", hash8(&pod.to_string()));
-                forward
-                    .rules
-                    .push(format!("{iface} {ifname} -j {pod_chain}"));
-                let mut rules = vec![format!("-j MARK --set-xmark 0x0/{mark}")];
-                for ip in &ips {
-                    rules.push(format!("-s {ip} -d {ip} -j RETURN"));
-                }
                 // Group this identity's keys by the policy they came from.
-                let mut by_policy: BTreeMap<String, Vec<PolicyKey>> = BTreeMap::new();
+                let mut by_policy = ByPolicy::new();
                 for (key, entry) in maps
-                    .policy_of(ep.identity)
+                    .policy_of(p.identity)
                     .filter(|(k, _)| k.direction == dir)
                 {
-                    let policy = input
-                        .rules
-                        .get(&entry.rule_ref)
+                    let origin = input.rules.get(&entry.rule_ref);
+                    let policy = origin
                         .map(|o| o.policy.to_string())
                         .unwrap_or_else(|| format!("rule {:08x}", entry.rule_ref));
-                    by_policy.entry(policy).or_default().push(*key);
+                    let slot = by_policy
+                        .entry(policy)
+                        .or_insert_with(|| (origin.cloned(), Vec::new()));
+                    slot.1.push(*key);
                 }
-                for (policy, keys) in &by_policy {
-                    let chain_name = format!(
-                        "PA-P-{}",
-                        hash8(&format!("{policy}/{}/{tag}/{fam:?}", ep.identity))
-                    );
-                    rules.push(format!("-m comment --comment \"{policy}\" -j {chain_name}"));
-                    out.chain_refs
-                        .entry(pod_chain.clone())
-                        .or_default()
-                        .insert(chain_name.clone());
-                    if chains.contains_key(&chain_name) {
-                        continue;
-                    }
-                    let mut policy_rules = Vec::new();
-                    let mut used_sets = BTreeSet::new();
-                    for key in keys {
-                        let peer = if key.peer_identity == ANY {
-                            String::new()
-                        } else {
-                            let name = set_name(maps, key.peer_identity, fam);
-                            out.sets.entry(name.clone()).or_insert_with(|| {
-                                let addrs = addresses.get(&key.peer_identity);
-                                build_set(name.clone(), key.peer_identity, fam, addrs)
-                            });
-                            used_sets.insert(name.clone());
-                            let side = if dir == direction::INGRESS {
-                                "src"
-                            } else {
-                                "dst"
-                            };
-                            format!("-m set --match-set {name} {side} ")
-                        };
-                        policy_rules.push(format!(
-                            "{peer}{}-j MARK --set-xmark {mark}/{mark}",
-                            port_match(key)
-                        ));
-                    }
-                    out.chain_sets.insert(chain_name.clone(), used_sets);
-                    chains.insert(
-                        chain_name.clone(),
-                        Chain {
-                            name: chain_name,
-                            rules: policy_rules,
-                        },
-                    );
+                wanted.push((p, dir, by_policy));
+            }
+        }
+        // A policy chain is named by what it holds: the policy, the
+        // endpoint identity (by its name, stable across processes), the
+        // direction and the family.
+        let policy_chain_hash = |policy: &str, identity: u32, dir: u8| -> u64 {
+            let who = maps
+                .identities
+                .get(&identity)
+                .map(|n| format!("{:016x}", n.name_hash))
+                .unwrap_or_else(|| identity.to_string());
+            input.narrow(fnv1a64(
+                format!("{policy}/{who}/{}/{fam:?}", direction::name(dir)).as_bytes(),
+            ))
+        };
+        let colliding_chains: BTreeSet<(String, u32, u8)> =
+            collisions(wanted.iter().flat_map(|(p, dir, by_policy)| {
+                by_policy.keys().map(move |policy| {
+                    (
+                        policy_chain_hash(policy, p.identity, *dir),
+                        (policy.clone(), p.identity, *dir),
+                    )
+                })
+            }));
+        for (policy, _, dir) in &colliding_chains {
+            let origin = wanted
+                .iter()
+                .flat_map(|(_, _, b)| b.get(policy))
+                .find_map(|(o, _)| o.clone());
+            let reason = format!(
+                "iptables: its {} rule chain name collides with another's (hash collision); those rules are left out",
+                direction::name(*dir)
+            );
+            out.problems.push(match origin {
+                Some(o) => Problem::object(ObjectKind::NetworkPolicy, o.policy, reason),
+                None => Problem::node(format!("{policy}: {reason}")),
+            });
+        }
+
+        for (p, dir, by_policy) in &wanted {
+            let (kind, iface) = if *dir == direction::INGRESS {
+                (ChainKind::Ingress, "-o")
+            } else {
+                (ChainKind::Egress, "-i")
+            };
+            if colliding_pods.contains(p.pod) {
+                forward.rules.push(format!("{iface} {} -j DROP", p.ifname));
+                continue;
+            }
+            let pod_chain = kind.name(p.chain_hash);
+            forward
+                .rules
+                .push(format!("{iface} {} -j {pod_chain}", p.ifname));
+            let ips = fam_ips(p.pod);
+            let mut rules = vec![format!("-j MARK --set-xmark 0x0/{mark}")];
+            // A pod talking to itself through the node (a hairpin) enters
+            // and leaves by its own interface; the same addresses arriving
+            // from anywhere else are forged.
+            for ip in &ips {
+                rules.push(format!(
+                    "-i {if_} -o {if_} -s {ip} -d {ip} -j RETURN",
+                    if_ = p.ifname
+                ));
+            }
+            for (policy, (_, keys)) in by_policy {
+                if colliding_chains.contains(&(policy.clone(), p.identity, *dir)) {
+                    continue;
                 }
-                rules.push(format!("-m mark --mark {mark}/{mark} -j RETURN"));
-                rules.push("-j DROP".into());
-                out.pod_chains
+                let chain_name =
+                    ChainKind::Policy.name(policy_chain_hash(policy, p.identity, *dir));
+                rules.push(format!("-m comment --comment \"{policy}\" -j {chain_name}"));
+                out.chain_refs
                     .entry(pod_chain.clone())
-                    .or_insert_with(|| (pod.to_string(), Vec::new()))
-                    .1
-                    .extend(ips.iter().copied());
+                    .or_default()
+                    .insert(chain_name.clone());
+                if chains.contains_key(&chain_name) {
+                    continue;
+                }
+                let mut policy_rules = Vec::new();
+                let mut used_sets = BTreeSet::new();
+                for key in keys {
+                    let peer = if key.peer_identity == ANY {
+                        String::new()
+                    } else {
+                        if unnamed_peers.contains(&key.peer_identity) {
+                            continue;
+                        }
+                        let Some(set) = set_of(input, key.peer_identity) else {
+                            continue;
+                        };
+                        let name = set.render(fam);
+                        out.sets.entry(name.clone()).or_insert_with(|| {
+                            let addrs = addresses.get(&key.peer_identity);
+                            build_set(name.clone(), set.kind, fam, addrs)
+                        });
+                        used_sets.insert(name.clone());
+                        let side = if *dir == direction::INGRESS {
+                            "src"
+                        } else {
+                            "dst"
+                        };
+                        format!("-m set --match-set {name} {side} ")
+                    };
+                    policy_rules.push(format!(
+                        "{peer}{}-j MARK --set-xmark {mark}/{mark}",
+                        port_match(key)
+                    ));
+                }
+                out.chain_sets.insert(chain_name.clone(), used_sets);
                 chains.insert(
-                    pod_chain.clone(),
+                    chain_name.clone(),
                     Chain {
-                        name: pod_chain,
-                        rules,
+                        name: chain_name,
+                        rules: policy_rules,
                     },
                 );
             }
+            rules.push(format!("-m mark --mark {mark}/{mark} -j RETURN"));
+            rules.push("-j DROP".into());
+            out.pod_chains
+                .entry(pod_chain.clone())
+                .or_insert_with(|| (p.pod.clone(), *dir, Vec::new()))
+                .2
+                .extend(ips.iter().copied());
+            chains.insert(
+                pod_chain.clone(),
+                Chain {
+                    name: pod_chain,
+                    rules,
+                },
+            );
         }
         let mut list = vec![forward];
         list.extend(chains.into_values());
         out.chains.insert(fam, list);
     }
+    out.problems.sort();
+    out.problems.dedup();
     out
+}
+
+/// The source check of one pod in `fam`: its own addresses pass (back to
+/// the FORWARD chain), anything else is a forged source and dropped
+/// (counted by the rule, which names the reason). IPv6 neighbour discovery
+/// and MLD from fe80::/10 or :: need no exception here: the kernel never
+/// forwards a link-local or unspecified source (`ip6_forward` drops it
+/// before the FORWARD hook), and ND goes to the node, not through it.
+fn source_rules(ips: &[IpAddr]) -> Vec<String> {
+    let mut rules: Vec<String> = ips.iter().map(|ip| format!("-s {ip} -j RETURN")).collect();
+    rules.push("-m comment --comment \"pa-agent: forged source\" -j DROP".into());
+    rules
+}
+
+/// An identity as a reader knows it: its (possibly cut) canonical name.
+fn identity_label(maps: &MapState<PodRef>, id: u32) -> String {
+    maps.identities
+        .get(&id)
+        .map(crate::mapstate::identity_name_str)
+        .map(|n| format!("{id} ({n})"))
+        .unwrap_or_else(|| id.to_string())
 }

@@ -7,6 +7,8 @@ use std::{
 
 use ipnet::IpNet;
 
+use crate::cluster::{PodRef, Problem};
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Family {
     V4,
@@ -38,20 +40,80 @@ impl Family {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What a set stands for; its ipset type follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum SetKind {
-    /// Pod addresses of one label identity.
-    HashIp,
-    /// Prefixes of an address class, with `nomatch` holes.
-    HashNet,
+    /// Pod addresses of one label identity (`hash:ip`).
+    Identity,
+    /// Prefixes of an address class, with `nomatch` holes (`hash:net`).
+    Class,
+    /// Everything outside every carved prefix (`hash:net`).
+    World,
 }
 
 impl SetKind {
-    pub fn name(self) -> &'static str {
+    /// The ipset type.
+    pub fn ipset_type(self) -> &'static str {
+        if self.is_net() { "hash:net" } else { "hash:ip" }
+    }
+
+    pub fn is_net(self) -> bool {
+        matches!(self, SetKind::Class | SetKind::World)
+    }
+
+    fn letter(self) -> char {
         match self {
-            SetKind::HashIp => "hash:ip",
-            SetKind::HashNet => "hash:net",
+            SetKind::Identity => 'I',
+            SetKind::Class => 'C',
+            SetKind::World => 'W',
         }
+    }
+}
+
+/// A set's name before the family is chosen: its kind and the hash of what
+/// it stands for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct SetName {
+    pub kind: SetKind,
+    pub hash: u64,
+}
+
+impl SetName {
+    /// `pa-agent:I-<16 hex>-4`: 29 characters, 31 with the temporary
+    /// suffix, the most ipset accepts.
+    pub fn render(self, fam: Family) -> String {
+        format!(
+            "{OWN_PREFIX}{}-{:016x}-{}",
+            self.kind.letter(),
+            self.hash,
+            fam.suffix()
+        )
+    }
+}
+
+/// The kinds of chains, each a letter in the name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChainKind {
+    /// What an ingress-isolated pod may receive.
+    Ingress,
+    /// What an egress-isolated pod may send.
+    Egress,
+    /// The rules one policy gives one endpoint identity in one direction.
+    Policy,
+    /// The addresses a pod may send from.
+    Source,
+}
+
+impl ChainKind {
+    /// `pa-agent:P-<16 hex>`: 27 characters (iptables allows 28).
+    pub fn name(self, hash: u64) -> String {
+        let letter = match self {
+            ChainKind::Ingress => 'I',
+            ChainKind::Egress => 'E',
+            ChainKind::Policy => 'P',
+            ChainKind::Source => 'S',
+        };
+        format!("{OWN_PREFIX}{letter}-{hash:016x}")
     }
 }
 
@@ -66,10 +128,10 @@ pub struct IpSet {
 
 impl IpSet {
     pub fn entry_text(&self, net: &IpNet, nomatch: bool) -> String {
-        let base = match self.kind {
-            SetKind::HashIp => net.addr().to_string(),
-            SetKind::HashNet if net.prefix_len() == net.max_prefix_len() => net.addr().to_string(),
-            SetKind::HashNet => net.to_string(),
+        let base = if !self.kind.is_net() || net.prefix_len() == net.max_prefix_len() {
+            net.addr().to_string()
+        } else {
+            net.to_string()
         };
         if nomatch {
             format!("{base} nomatch")
@@ -91,20 +153,84 @@ pub struct Chain {
 pub struct Ruleset {
     pub sets: BTreeMap<String, IpSet>,
     pub chains: BTreeMap<Family, Vec<Chain>>,
-    /// Pod chain name → (pod, its IPs): conntrack entries of these IPs are
-    /// flushed when the chain (or a set it uses) changes.
-    pub pod_chains: BTreeMap<String, (String, Vec<std::net::IpAddr>)>,
+    /// Pod chain name → (pod, direction, its IPs): conntrack entries of
+    /// these IPs are flushed when the chain (or a set it uses) changes.
+    pub pod_chains: BTreeMap<String, (PodRef, u8, Vec<std::net::IpAddr>)>,
     /// Sets each policy chain references (for conntrack flushing on set
     /// changes; pod chains reach sets only through policy chains).
     pub chain_sets: BTreeMap<String, BTreeSet<String>>,
     /// Policy rule chains each pod chain jumps to.
     pub chain_refs: BTreeMap<String, BTreeSet<String>>,
+    /// What could not be rendered (name collisions), each failing closed.
+    pub problems: Vec<Problem>,
 }
 
+/// Prefix of every chain and set the agent owns. A separator no other
+/// tool's names use: the former prefix `PA` alone made foreign sets such
+/// as `PAYROLL` look like stale ones of ours. Checked with ipset 7 and
+/// iptables 1.8 (nft and legacy): both take it in names.
+pub const OWN_PREFIX: &str = "pa-agent:";
 /// The name of the chain the agent hooks into FORWARD.
-pub const FORWARD_CHAIN: &str = "PA-FORWARD";
-/// Prefix of every chain and set the agent owns.
-pub const OWN_PREFIX: &str = "PA";
+pub const FORWARD_CHAIN: &str = "pa-agent:FORWARD";
+/// The suffix of the temporary set a changed set is built in.
+pub const TEMP_SUFFIX: &str = "-t";
+
+fn is_hex(s: &str, len: usize) -> bool {
+    s.len() == len
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// Whether `name` is a chain this agent makes: its exact shape, not
+/// just the prefix.
+pub fn is_own_chain(name: &str) -> bool {
+    if name == FORWARD_CHAIN {
+        return true;
+    }
+    name.strip_prefix(OWN_PREFIX)
+        .and_then(|rest| rest.split_once('-'))
+        .is_some_and(|(kind, hash)| matches!(kind, "I" | "E" | "P" | "S") && is_hex(hash, 16))
+}
+
+/// Whether `name` is a set this agent makes (a temporary one included).
+pub fn is_own_set(name: &str) -> bool {
+    let name = name.strip_suffix(TEMP_SUFFIX).unwrap_or(name);
+    let Some(rest) = name.strip_prefix(OWN_PREFIX) else {
+        return false;
+    };
+    let mut parts = rest.split('-');
+    matches!(
+        (parts.next(), parts.next(), parts.next(), parts.next()),
+        (Some("I" | "C" | "W"), Some(hash), Some("4" | "6"), None) if is_hex(hash, 16)
+    )
+}
+
+/// The FORWARD chain of the earlier naming (`PA` prefix, 32-bit hashes).
+pub const LEGACY_FORWARD_CHAIN: &str = "PA-FORWARD";
+
+/// Whether `name` has the exact shape of a chain of the earlier naming.
+/// Such chains are removed only where [`LEGACY_FORWARD_CHAIN`] exists (an
+/// agent of that version ran here), so a foreign `PA-…` elsewhere is safe.
+pub fn is_legacy_chain(name: &str) -> bool {
+    name == LEGACY_FORWARD_CHAIN
+        || name
+            .strip_prefix("PA-")
+            .and_then(|rest| rest.split_once('-'))
+            .is_some_and(|(kind, hash)| matches!(kind, "I" | "E" | "P") && is_hex(hash, 8))
+}
+
+/// Whether `name` has the exact shape of a set of the earlier naming.
+pub fn is_legacy_set(name: &str) -> bool {
+    let name = name.strip_suffix(TEMP_SUFFIX).unwrap_or(name);
+    let Some(rest) = name.strip_prefix("PA") else {
+        return false;
+    };
+    let mut parts = rest.split('-');
+    matches!(
+        (parts.next(), parts.next(), parts.next(), parts.next()),
+        (Some("I" | "C" | "W"), Some(hash), Some("v4" | "v6"), None) if is_hex(hash, 8)
+    )
+}
 
 impl Ruleset {
     /// An `ipset restore` script that replaces `names` atomically (built in
@@ -115,11 +241,11 @@ impl Ruleset {
             let Some(set) = self.sets.get(*name) else {
                 continue;
             };
-            let tmp = format!("{name}-t");
+            let tmp = format!("{name}{TEMP_SUFFIX}");
             let create = |n: &str| {
                 format!(
                     "create {n} {} family {} maxelem 1048576 -exist\n",
-                    set.kind.name(),
+                    set.kind.ipset_type(),
                     set.family.ipset_family()
                 )
             };
@@ -162,6 +288,9 @@ impl Ruleset {
                 out,
                 "-I FORWARD 1 -j {FORWARD_CHAIN}   # added once, if missing\nCOMMIT"
             );
+        }
+        for p in &self.problems {
+            let _ = writeln!(out, "# not rendered as written: {p}");
         }
         out
     }

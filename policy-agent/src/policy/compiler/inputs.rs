@@ -43,9 +43,15 @@ impl Compiler {
             Change::DeletePolicy(name) => self.replace_policy(&name, None),
             Change::UpsertService(name, info) => {
                 self.services.insert(name, info);
+                if !self.rebuild_pending {
+                    self.sync_frontends();
+                }
             }
             Change::DeleteService(name) => {
                 self.services.remove(&name);
+                if !self.rebuild_pending {
+                    self.sync_frontends();
+                }
             }
             Change::UpsertEndpointSlice(name, info) => {
                 self.endpoint_slices.insert(name, info);

@@ -29,6 +29,7 @@
 //! and non-pod addresses never are (no pod to resolve the name on).
 mod claims;
 mod entries;
+mod frontends;
 mod index;
 mod inputs;
 mod keys;
@@ -160,6 +161,7 @@ impl Compiler {
         }
         let all: BTreeSet<PodRef> = self.pods.keys().cloned().collect();
         self.sync_pods(all, ids);
+        self.sync_frontends();
 
         let idents = &self.index.idents;
         let classes: BTreeSet<u32> = self.classes.prefixes().values().copied().collect();
@@ -239,6 +241,11 @@ impl Compiler {
         };
         ids.end_generation();
         ops
+    }
+
+    /// A pod as the compiler last saw it.
+    pub fn pod(&self, pod: &PodRef) -> Option<&PodInfo> {
+        self.pods.get(pod)
     }
 
     /// The compiled map content.

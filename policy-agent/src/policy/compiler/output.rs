@@ -15,6 +15,7 @@ use policy_common::{
     identity::IdentityName,
     ipcache::IpcacheEntry,
     policy::{PolicyEntry, PolicyKey},
+    service::ServiceEntry,
 };
 
 use crate::{
@@ -51,6 +52,7 @@ pub struct Output {
     journal_policy: Option<BTreeMap<PolicyKey, Option<PolicyEntry>>>,
     journal_endpoints: Option<BTreeMap<PodRef, Option<EndpointInfo>>>,
     journal_ipcache: Option<BTreeMap<IpNet, Option<IpcacheEntry>>>,
+    journal_services: Option<BTreeMap<IpNet, Option<ServiceEntry>>>,
 }
 
 impl Output {
@@ -60,6 +62,7 @@ impl Output {
         self.journal_policy = Some(BTreeMap::new());
         self.journal_endpoints = Some(BTreeMap::new());
         self.journal_ipcache = Some(BTreeMap::new());
+        self.journal_services = Some(BTreeMap::new());
     }
 
     pub fn stop_journal(&mut self) {
@@ -67,6 +70,7 @@ impl Output {
         self.journal_policy = None;
         self.journal_endpoints = None;
         self.journal_ipcache = None;
+        self.journal_services = None;
     }
 
     fn count(&mut self, key: &PolicyKey, delta: i64) {
@@ -199,6 +203,18 @@ impl Output {
         };
     }
 
+    pub fn set_service(&mut self, net: IpNet, entry: Option<ServiceEntry>) {
+        let old = self.maps.services.get(&net);
+        if old == entry.as_ref() {
+            return;
+        }
+        note(&mut self.journal_services, &net, old);
+        match entry {
+            Some(e) => self.maps.services.insert(net, e),
+            None => self.maps.services.remove(&net),
+        };
+    }
+
     pub fn set_identity(&mut self, id: u32, name: Option<IdentityName>) {
         let old = self.maps.identities.get(&id);
         if old == name.as_ref() {
@@ -229,6 +245,7 @@ impl Output {
         revert(&mut m.policy, self.journal_policy.as_ref());
         revert(&mut m.endpoints, self.journal_endpoints.as_ref());
         revert(&mut m.ipcache, self.journal_ipcache.as_ref());
+        revert(&mut m.services, self.journal_services.as_ref());
         m
     }
 
@@ -253,6 +270,7 @@ impl Output {
         let (pol_up, pol_del) = split(&self.maps.policy, self.journal_policy.take());
         let (ep_up, ep_del) = split(&self.maps.endpoints, self.journal_endpoints.take());
         let (ip_up, ip_del) = split(&self.maps.ipcache, self.journal_ipcache.take());
+        let (svc_up, svc_del) = split(&self.maps.services, self.journal_services.take());
         let mut ops = Vec::with_capacity(
             id_up.len()
                 + id_del.len()
@@ -261,13 +279,16 @@ impl Output {
                 + ep_up.len()
                 + ep_del.len()
                 + ip_up.len()
-                + ip_del.len(),
+                + ip_del.len()
+                + svc_up.len()
+                + svc_del.len(),
         );
         ops.extend(
             id_up
                 .into_iter()
                 .map(|(k, v)| MapOp::UpsertIdentity(k, Box::new(v))),
         );
+        ops.extend(svc_up.into_iter().map(|(k, v)| MapOp::UpsertService(k, v)));
         ops.extend(pol_up.into_iter().map(|(k, v)| MapOp::UpsertPolicy(k, v)));
         ops.extend(ep_up.into_iter().map(|(k, v)| MapOp::UpsertEndpoint(k, v)));
         ops.extend(ip_up.into_iter().map(|(k, v)| MapOp::UpsertIpcache(k, v)));
@@ -275,6 +296,7 @@ impl Output {
         ops.extend(ip_del.into_iter().map(MapOp::DeleteIpcache));
         ops.extend(ep_del.into_iter().map(MapOp::DeleteEndpoint));
         ops.extend(id_del.into_iter().map(MapOp::DeleteIdentity));
+        ops.extend(svc_del.into_iter().map(MapOp::DeleteService));
         ops
     }
 

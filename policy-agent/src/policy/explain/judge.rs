@@ -150,7 +150,7 @@ fn match_rule(
     }
     let mut peers = Vec::new();
     if matched.all {
-        peers.push(format!("{field} absent (every peer)"));
+        peers.push(format!("{field} absent or empty (every peer)"));
     }
     let list: &[Peer] = match &rule.peers {
         Peers::List(l) => l,

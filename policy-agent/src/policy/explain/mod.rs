@@ -12,14 +12,18 @@
 //! view compile with [`super::CompileOptions::all_pods_local`].
 mod judge;
 mod report;
+mod service;
 
 use std::net::IpAddr;
 
 use policy_common::direction;
 
 use self::judge::{Side, holders, judge_side, peer_report, pod_key};
-pub use self::report::{
-    DirectionReport, Explanation, KeyReport, PeerReport, PolicyReport, RuleMatch,
+pub use self::{
+    report::{DirectionReport, Explanation, KeyReport, PeerReport, PolicyReport, RuleMatch},
+    service::{
+        BackendReport, ServiceExplainError, ServiceExplanation, ServiceQuery, explain_service,
+    },
 };
 use super::{Compiled, parse::ParsedPolicy};
 use crate::{

@@ -41,7 +41,7 @@ pub struct KeyReport {
 pub struct RuleMatch {
     pub rule_index: usize,
     pub rule_ref: u32,
-    /// Which peers matched, e.g. `from[1] podSelector` or `from absent`.
+    /// Which peers matched, e.g. `from[1] podSelector` or `from absent or empty`.
     pub peers: Vec<String>,
     /// Which ports matched, e.g. `ports[0] TCP 8000-8080`.
     pub ports: Vec<String>,

@@ -1,6 +1,8 @@
 //! The API server as a source: watchers on Pods (every node: remote pod
-//! IPs feed the ipcache), Namespaces and NetworkPolicies, kept as plain
-//! values (no managed fields, annotations or status).
+//! IPs feed the ipcache), Namespaces, NetworkPolicies, Services and
+//! EndpointSlices (the frontends judged after DNAT, and `explain`'s
+//! backends), kept as plain values (no managed fields, annotations or
+//! status beyond what policy reads).
 //!
 //! Changes are published only once every watcher has completed its
 //! initial list, and a re-list (410 Gone, a reconnect) is buffered until
@@ -15,7 +17,8 @@ use std::time::Duration;
 
 use futures::{StreamExt as _, stream::BoxStream};
 use k8s_openapi::api::{
-    core::v1::{Namespace, Pod},
+    core::v1::{Namespace, Pod, Service},
+    discovery::v1::EndpointSlice,
     networking::v1::NetworkPolicy,
 };
 use kube::{
@@ -29,14 +32,28 @@ use tokio::sync::mpsc::UnboundedSender;
 use tracing::{debug, info, warn};
 
 pub use self::events::publish_events;
-use self::store::{Pods, Store};
+use self::store::{Converted, Pods, Store};
 use super::{SourceId, SourceUpdate};
-use crate::cluster::{Change, NamespaceInfo, ObjectRef, Problem, namespace_info};
+use crate::cluster::{
+    Change, EndpointSliceInfo, NamespaceInfo, ObjectKind, ObjectRef, Problem, ServiceInfo,
+    endpoint_slice_info, namespace_info, service_info,
+};
+
+/// What the watchers read, as RBAC names it: (API group, resource).
+pub const WATCHED: [(&str, &str); 5] = [
+    ("", "pods"),
+    ("", "namespaces"),
+    ("networking.k8s.io", "networkpolicies"),
+    ("", "services"),
+    ("discovery.k8s.io", "endpointslices"),
+];
 
 enum Update {
     Pod(Box<Event<Pod>>),
     Namespace(Box<Event<Namespace>>),
     Policy(Box<Event<NetworkPolicy>>),
+    Service(Box<Event<Service>>),
+    Slice(Box<Event<EndpointSlice>>),
     Failed(&'static str, watcher::Error),
 }
 
@@ -95,8 +112,20 @@ pub async fn watch(client: Client, settle: Duration, tx: UnboundedSender<SourceU
             "networkpolicies",
             |e| Update::Policy(Box::new(e)),
         ),
+        stream(Api::<Service>::all(client.clone()), "services", |e| {
+            Update::Service(Box::new(e))
+        }),
+        stream(
+            Api::<EndpointSlice>::all(client.clone()),
+            "endpointslices",
+            |e| Update::Slice(Box::new(e)),
+        ),
     ]);
     let mut pods = Pods::default();
+    let mut services: Converted<Service, ServiceInfo> =
+        Converted::new(ObjectKind::Service, service_info);
+    let mut slices: Converted<EndpointSlice, EndpointSliceInfo> =
+        Converted::new(ObjectKind::EndpointSlice, endpoint_slice_info);
     let mut namespaces: Store<NamespaceInfo> = Store::default();
     let mut policies: Store<NetworkPolicy> = Store::default();
     let mut changes: Vec<Change> = Vec::new();
@@ -116,6 +145,8 @@ pub async fn watch(client: Client, settle: Duration, tx: UnboundedSender<SourceU
                     Update::Pod(e) => pods.apply(*e, &mut changes),
                     Update::Namespace(e) => namespaces.apply(*e, namespace_entry, &mut changes),
                     Update::Policy(e) => policies.apply(*e, policy_entry, &mut changes),
+                    Update::Service(e) => services.apply(*e, &mut changes),
+                    Update::Slice(e) => slices.apply(*e, &mut changes),
                     Update::Failed(kind, e) => {
                         if !failing {
                             warn!(kind, error = %e, "watch failed; keeping the last state enforced and retrying");
@@ -134,10 +165,20 @@ pub async fn watch(client: Client, settle: Duration, tx: UnboundedSender<SourceU
             Err(_) => {
                 // Settled: publish once every kind has been listed.
                 dirty = false;
-                if !(pods.store.synced() && namespaces.synced() && policies.synced()) {
+                let synced = pods.store.synced()
+                    && namespaces.synced()
+                    && policies.synced()
+                    && services.store.synced()
+                    && slices.store.synced();
+                if !synced {
                     continue;
                 }
-                let problems: Vec<Problem> = pods.problems().cloned().collect();
+                let problems: Vec<Problem> = pods
+                    .problems()
+                    .chain(services.problems())
+                    .chain(slices.problems())
+                    .cloned()
+                    .collect();
                 if changes.is_empty() && published.as_ref() == Some(&problems) {
                     continue;
                 }

@@ -6,7 +6,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::{ResourceExt as _, runtime::watcher::Event};
 
 use crate::cluster::{
-    Change, Keyed, ObjectKind, ObjectRef, PodInfo, Problem, keyed_changes, pod_info,
+    Change, ConvertError, Keyed, ObjectKind, ObjectRef, PodInfo, Problem, keyed_changes, pod_info,
 };
 
 /// A watched kind's objects, with the buffer of a re-list in progress.
@@ -87,53 +87,65 @@ impl<V: Keyed> Store<V> {
     }
 }
 
-fn pod_ref(p: &Pod) -> ObjectRef {
-    ObjectRef::new(p.namespace().unwrap_or_default(), p.name_any())
+fn object_ref<K: kube::Resource>(o: &K) -> ObjectRef {
+    ObjectRef::new(o.namespace().unwrap_or_default(), o.name_any())
 }
 
-/// The pods, and a problem for each pod that cannot be converted. A problem
-/// lasts until the pod converts, is deleted, or is missing from a re-list.
-#[derive(Default)]
-pub(super) struct Pods {
-    pub store: Store<PodInfo>,
+/// The conversion of one kind of object into the compiler's value.
+pub(super) type Convert<K, V> = fn(&K) -> Result<(ObjectRef, V), ConvertError>;
+
+/// Objects of a kind that can fail to convert (pods, Services, slices),
+/// and a problem for each one that does. A problem lasts until the object
+/// converts, is deleted, or is missing from a re-list.
+pub(super) struct Converted<K, V: Keyed<Key = ObjectRef>> {
+    pub store: Store<V>,
+    kind: ObjectKind,
+    convert: Convert<K, V>,
     problems: BTreeMap<ObjectRef, Problem>,
-    /// Every pod of the re-list in progress, convertible or not.
+    /// Every object of the re-list in progress, convertible or not.
     relisted: BTreeSet<ObjectRef>,
 }
 
-impl Pods {
+impl<K: kube::Resource, V: Keyed<Key = ObjectRef>> Converted<K, V> {
+    pub fn new(kind: ObjectKind, convert: Convert<K, V>) -> Self {
+        Self {
+            store: Store::default(),
+            kind,
+            convert,
+            problems: BTreeMap::new(),
+            relisted: BTreeSet::new(),
+        }
+    }
+
     /// As [`Store::apply`], keeping the conversion problems.
-    pub fn apply(&mut self, event: Event<Pod>, out: &mut Vec<Change>) -> bool {
+    pub fn apply(&mut self, event: Event<K>, out: &mut Vec<Change>) -> bool {
         let mut deleted = None;
         match &event {
             Event::Init => self.relisted.clear(),
-            Event::InitApply(p) => {
-                self.relisted.insert(pod_ref(p));
+            Event::InitApply(o) => {
+                self.relisted.insert(object_ref(o));
             }
-            Event::Delete(p) => deleted = Some(pod_ref(p)),
+            Event::Delete(o) => deleted = Some(object_ref(o)),
             Event::InitDone | Event::Apply(_) => {}
         }
         let relist_done = matches!(event, Event::InitDone);
-        let problems = &mut self.problems;
+        let (problems, kind, convert) = (&mut self.problems, self.kind, self.convert);
         let relisted = self.store.apply(
             event,
-            |p| match pod_info(p) {
+            |o| match convert(o) {
                 Ok((k, v)) => {
                     problems.remove(&k);
                     Some((k, v))
                 }
                 Err(err) => {
-                    let k = pod_ref(p);
-                    problems.insert(
-                        k.clone(),
-                        Problem::object(ObjectKind::Pod, k, err.to_string()),
-                    );
+                    let k = object_ref(o);
+                    problems.insert(k.clone(), Problem::object(kind, k, err.to_string()));
                     None
                 }
             },
             out,
         );
-        // After the store, whose conversion of a deleted pod may report it.
+        // After the store, whose conversion of a deleted object may report it.
         if let Some(k) = deleted {
             self.problems.remove(&k);
         }
@@ -146,6 +158,15 @@ impl Pods {
 
     pub fn problems(&self) -> impl Iterator<Item = &Problem> {
         self.problems.values()
+    }
+}
+
+/// The pods (every node's: remote pod addresses feed the ipcache).
+pub(super) type Pods = Converted<Pod, PodInfo>;
+
+impl Default for Pods {
+    fn default() -> Self {
+        Self::new(ObjectKind::Pod, pod_info)
     }
 }
 

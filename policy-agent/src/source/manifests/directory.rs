@@ -4,6 +4,15 @@
 //! keyed difference of the objects those files held before and hold now.
 //! An object defined in several files comes from the first file by name
 //! (the others are reported), as `apply` does.
+//!
+//! Bad input is not a deletion. A file that cannot be read, has a YAML
+//! syntax error (the documents after it are lost) or holds a document of a
+//! supported kind that does not decode keeps every object it held before
+//! and no longer yields, until it reads cleanly: a deletion made in the same
+//! edit lands once the file is fixed. A NetworkPolicy that stops decoding
+//! keeps its last good version; a new one is a fail-closed stand-in (see
+//! `load.rs`). Each case is reported on the file or the document. A
+//! directory that cannot be listed changes nothing.
 use std::{
     collections::{BTreeMap, BTreeSet},
     path::{Path, PathBuf},
@@ -14,9 +23,10 @@ use tracing::warn;
 
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 
-use super::load::{LoadedManifests, is_manifest, load_file};
+use super::load::{Fallback, LoadedManifests, ManifestError, is_manifest, load_file};
 use crate::cluster::{
-    Change, ClusterState, Keyed, NamespaceInfo, ObjectRef, PodInfo, Problem, Subject, keyed_changes,
+    Change, ClusterState, EndpointSliceInfo, Keyed, NamespaceInfo, ObjectRef, PodInfo, Problem,
+    ServiceInfo, Subject, keyed_changes,
 };
 
 type Stamp = (u64, Option<SystemTime>);
@@ -24,14 +34,81 @@ type Stamp = (u64, Option<SystemTime>);
 /// One file's objects, converted.
 #[derive(Default)]
 struct FileContent {
+    /// None: read again on every refresh (it could not be read).
     stamp: Option<Stamp>,
     namespaces: BTreeMap<String, NamespaceInfo>,
     pods: BTreeMap<ObjectRef, PodInfo>,
     policies: BTreeMap<ObjectRef, NetworkPolicy>,
+    services: BTreeMap<ObjectRef, ServiceInfo>,
+    slices: BTreeMap<ObjectRef, EndpointSliceInfo>,
+    /// Policies held as fail-closed stand-ins: no version of them decoded.
+    stand_ins: BTreeSet<ObjectRef>,
     problems: Vec<Problem>,
 }
 
-fn read_file(path: &Path, stamp: Stamp) -> FileContent {
+impl FileContent {
+    /// Takes over from `old` what this (unsettled) read no longer yields,
+    /// and the last good version of every policy this read only has a
+    /// stand-in for. Returns what was kept, by kind and name.
+    fn keep_from(&mut self, old: &FileContent) -> Vec<(&'static str, ObjectRef)> {
+        let mut kept = Vec::new();
+        let replaceable: Vec<ObjectRef> = self
+            .stand_ins
+            .iter()
+            .filter(|k| old.policies.contains_key(*k) && !old.stand_ins.contains(*k))
+            .cloned()
+            .collect();
+        for key in replaceable {
+            if let Some(p) = old.policies.get(&key) {
+                self.policies.insert(key.clone(), p.clone());
+                self.stand_ins.remove(&key);
+                kept.push(("NetworkPolicy", key));
+            }
+        }
+        for (name, ns) in &old.namespaces {
+            if !self.namespaces.contains_key(name) {
+                self.namespaces.insert(name.clone(), ns.clone());
+                kept.push(("Namespace", ObjectRef::new("", name.clone())));
+            }
+        }
+        for (key, pod) in &old.pods {
+            if !self.pods.contains_key(key) {
+                self.pods.insert(key.clone(), pod.clone());
+                kept.push(("Pod", key.clone()));
+            }
+        }
+        keep_missing(&mut self.services, &old.services, "Service", &mut kept);
+        keep_missing(&mut self.slices, &old.slices, "EndpointSlice", &mut kept);
+        for (key, policy) in &old.policies {
+            if !self.policies.contains_key(key) {
+                self.policies.insert(key.clone(), policy.clone());
+                if old.stand_ins.contains(key) {
+                    self.stand_ins.insert(key.clone());
+                }
+                kept.push(("NetworkPolicy", key.clone()));
+            }
+        }
+        kept
+    }
+}
+
+/// Takes over from `old` the objects `new` no longer has.
+fn keep_missing<V: Clone>(
+    new: &mut BTreeMap<ObjectRef, V>,
+    old: &BTreeMap<ObjectRef, V>,
+    kind: &'static str,
+    kept: &mut Vec<(&'static str, ObjectRef)>,
+) {
+    for (key, v) in old {
+        if !new.contains_key(key) {
+            new.insert(key.clone(), v.clone());
+            kept.push((kind, key.clone()));
+        }
+    }
+}
+
+/// Reads `path` (listed with `stamp`) after it held `old`.
+fn read_file(path: &Path, stamp: Option<Stamp>, old: &FileContent) -> FileContent {
     let mut loaded = LoadedManifests::default();
     load_file(path, &mut loaded);
     // Conversion (and duplicates within the file) as `apply` does it.
@@ -41,8 +118,14 @@ fn read_file(path: &Path, stamp: Stamp) -> FileContent {
         .iter()
         .filter_map(|(_, n)| n.metadata.name.clone())
         .collect();
-    FileContent {
-        stamp: Some(stamp),
+    let unreadable = loaded
+        .errors
+        .iter()
+        .any(|e| matches!(e, ManifestError::Read { .. }));
+    let mut content = FileContent {
+        // An unreadable file is tried again next time: making it readable
+        // (chmod) moves neither its size nor its mtime.
+        stamp: stamp.filter(|_| !unreadable),
         // Only namespaces the file defines: implied ones are not objects.
         namespaces: state
             .namespaces
@@ -51,32 +134,99 @@ fn read_file(path: &Path, stamp: Stamp) -> FileContent {
             .collect(),
         pods: state.pods,
         policies: state.policies,
-        problems: loaded.errors.iter().map(|e| e.problem()).collect(),
+        services: state.services,
+        slices: state.endpoint_slices,
+        stand_ins: std::mem::take(&mut loaded.standing_in),
+        problems: Vec::new(),
+    };
+    let mut problems = Vec::new();
+    if loaded.errors.iter().any(ManifestError::unsettles_file) {
+        let kept = content.keep_from(old);
+        for e in &mut loaded.errors {
+            if let ManifestError::Invalid {
+                kind,
+                key: Some(key),
+                fallback,
+                ..
+            } = e
+                && kept.iter().any(|(k, n)| k == kind && n == key)
+            {
+                *fallback = Fallback::LastGood;
+            }
+        }
+        if !kept.is_empty() {
+            problems.push(kept_problem(path, &kept));
+        }
     }
+    problems.splice(0..0, loaded.errors.iter().map(ManifestError::problem));
+    content.problems = problems;
+    content
 }
 
-fn manifest_files(dir: &Path) -> BTreeMap<PathBuf, Stamp> {
-    std::fs::read_dir(dir)
-        .map(|entries| {
-            entries
-                .filter_map(Result::ok)
-                .filter(|e| is_manifest(&e.path()))
-                .filter_map(|e| {
-                    e.metadata()
-                        .ok()
-                        .filter(|m| m.is_file())
-                        .map(|m| (e.path(), (m.len(), m.modified().ok())))
-                })
-                .collect()
+/// The file-level report of objects kept as last read.
+fn kept_problem(path: &Path, kept: &[(&'static str, ObjectRef)]) -> Problem {
+    const SHOWN: usize = 8;
+    let mut names: Vec<String> = kept
+        .iter()
+        .take(SHOWN)
+        .map(|(kind, key)| {
+            if key.namespace.is_empty() {
+                format!("{kind} {}", key.name)
+            } else {
+                format!("{kind} {key}")
+            }
         })
-        .unwrap_or_default()
+        .collect();
+    if kept.len() > SHOWN {
+        names.push(format!("and {} more", kept.len() - SHOWN));
+    }
+    Problem::new(
+        Subject::Document {
+            file: path.to_path_buf(),
+            document: None,
+        },
+        format!(
+            "not understood to its end: until it reads cleanly, {} object(s) it held before stay enforced as last read (nothing it held is deleted): {}",
+            kept.len(),
+            names.join(", ")
+        ),
+    )
 }
 
-/// The directory as a merged cluster state, updated file by file.
+/// The manifest files of `dir` and their stamps (None: listed but its
+/// metadata cannot be read). Symlinks are followed, as `apply` does (a
+/// ConfigMap volume is a directory of symlinks).
+fn manifest_files(dir: &Path) -> std::io::Result<BTreeMap<PathBuf, Option<Stamp>>> {
+    let mut out = BTreeMap::new();
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if !is_manifest(&path) {
+            continue;
+        }
+        match std::fs::metadata(&path) {
+            Ok(m) if m.is_file() => {
+                out.insert(path, Some((m.len(), m.modified().ok())));
+            }
+            Ok(_) => {}
+            // Listed but unreadable (a dangling link): not a deletion.
+            Err(_) => {
+                out.insert(path, None);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The directory as a merged cluster state, updated file by file (the
+/// watcher's state; public so tests can drive it edit by edit).
 #[derive(Default)]
-pub(super) struct Directory {
+pub struct Directory {
     files: BTreeMap<PathBuf, FileContent>,
     merged: ClusterState,
+    /// Set while the directory itself cannot be listed.
+    listing: Option<Problem>,
+    /// The problems last published.
+    reported: Vec<Problem>,
 }
 
 /// The changes of one kind of object after `touched` files changed (each
@@ -115,10 +265,28 @@ fn merge_keys<V: Keyed>(
 }
 
 impl Directory {
-    /// Re-reads what changed; returns the cluster changes (None when no
-    /// file changed).
-    pub(super) fn refresh(&mut self, dir: &Path) -> Option<Vec<Change>> {
-        let now = manifest_files(dir);
+    /// Re-reads what changed; returns the cluster changes and the current
+    /// problems, or None when neither moved.
+    pub fn refresh(&mut self, dir: &Path) -> Option<(Vec<Change>, Vec<Problem>)> {
+        let now = match manifest_files(dir) {
+            Ok(now) => {
+                self.listing = None;
+                now
+            }
+            Err(e) => {
+                // Every file would look deleted: keep what was read.
+                self.listing = Some(Problem::new(
+                    Subject::Document {
+                        file: dir.to_path_buf(),
+                        document: None,
+                    },
+                    format!(
+                        "cannot list the directory ({e}): everything read from it before stays enforced"
+                    ),
+                ));
+                return self.publish(Vec::new());
+            }
+        };
         let mut touched: Vec<(PathBuf, FileContent)> = Vec::new();
         for path in self
             .files
@@ -132,19 +300,13 @@ impl Directory {
             }
         }
         for (path, stamp) in &now {
-            if self
-                .files
-                .get(path)
-                .is_some_and(|f| f.stamp == Some(*stamp))
-            {
+            if stamp.is_some() && self.files.get(path).is_some_and(|f| f.stamp == *stamp) {
                 continue;
             }
-            let content = read_file(path, *stamp);
-            let old = self.files.insert(path.clone(), content).unwrap_or_default();
+            let old = self.files.remove(path).unwrap_or_default();
+            let content = read_file(path, *stamp, &old);
+            self.files.insert(path.clone(), content);
             touched.push((path.clone(), old));
-        }
-        if touched.is_empty() {
-            return None;
         }
         let mut changes = Vec::new();
         let m = &self.merged;
@@ -163,18 +325,49 @@ impl Directory {
             &m.policies,
             &mut changes,
         );
+        merge_keys(
+            &self.files,
+            &touched,
+            |f| &f.services,
+            &m.services,
+            &mut changes,
+        );
+        merge_keys(
+            &self.files,
+            &touched,
+            |f| &f.slices,
+            &m.endpoint_slices,
+            &mut changes,
+        );
         for change in &changes {
             self.merged.apply(change);
         }
-        Some(changes)
+        self.publish(changes)
     }
 
-    pub(super) fn problems(&self) -> Vec<Problem> {
-        let mut out: Vec<Problem> = self
-            .files
-            .values()
-            .flat_map(|f| f.problems.iter().cloned())
-            .collect();
+    /// The merged objects (node name and addresses unset).
+    pub fn state(&self) -> &ClusterState {
+        &self.merged
+    }
+
+    /// `changes` and the problems, unless both are as last published.
+    fn publish(&mut self, changes: Vec<Change>) -> Option<(Vec<Change>, Vec<Problem>)> {
+        let problems = self.problems();
+        if changes.is_empty() && problems == self.reported {
+            return None;
+        }
+        if problems != self.reported {
+            for p in problems.iter().filter(|p| !self.reported.contains(p)) {
+                warn!(problem = %p, "manifest");
+            }
+            self.reported = problems.clone();
+        }
+        Some((changes, problems))
+    }
+
+    fn problems(&self) -> Vec<Problem> {
+        let mut out: Vec<Problem> = self.listing.iter().cloned().collect();
+        out.extend(self.files.values().flat_map(|f| f.problems.iter().cloned()));
         // Objects defined in more than one file.
         let mut seen: BTreeMap<String, &Path> = BTreeMap::new();
         for (path, f) in &self.files {
@@ -183,7 +376,9 @@ impl Directory {
                 .keys()
                 .map(|k| format!("Namespace {k}"))
                 .chain(f.pods.keys().map(|k| format!("Pod {k}")))
-                .chain(f.policies.keys().map(|k| format!("NetworkPolicy {k}")));
+                .chain(f.policies.keys().map(|k| format!("NetworkPolicy {k}")))
+                .chain(f.services.keys().map(|k| format!("Service {k}")))
+                .chain(f.slices.keys().map(|k| format!("EndpointSlice {k}")));
             for key in keys {
                 match seen.get(&key) {
                     Some(first) => out.push(Problem::new(
@@ -201,9 +396,6 @@ impl Directory {
                     }
                 }
             }
-        }
-        for p in &out {
-            warn!(problem = %p, "manifest");
         }
         out
     }
@@ -230,7 +422,7 @@ mod tests {
         std::fs::write(dir.join("a.yaml"), pod("p1", "x") + &pod("p2", "x")).unwrap();
         std::fs::write(dir.join("b.yaml"), pod("p2", "shadowed")).unwrap();
         let mut d = Directory::default();
-        let first = d.refresh(&dir).unwrap();
+        let (first, _) = d.refresh(&dir).unwrap();
         assert_eq!(first.len(), 2, "{first:?}");
         assert_eq!(d.merged.pods[&ObjectRef::new("d", "p2")].labels["app"], "x");
         assert!(
@@ -242,18 +434,35 @@ mod tests {
         // p1 relabelled in a.yaml: one change; p2 leaves a.yaml: b.yaml's copy takes over.
         std::thread::sleep(Duration::from_millis(20));
         std::fs::write(dir.join("a.yaml"), pod("p1", "y") + "\n").unwrap();
-        let changes = d.refresh(&dir).unwrap();
+        let (changes, _) = d.refresh(&dir).unwrap();
         assert_eq!(changes.len(), 2, "{changes:?}");
         assert_eq!(
             d.merged.pods[&ObjectRef::new("d", "p2")].labels["app"],
             "shadowed"
         );
         std::fs::remove_file(dir.join("b.yaml")).unwrap();
-        let changes = d.refresh(&dir).unwrap();
+        let (changes, _) = d.refresh(&dir).unwrap();
         assert!(
             matches!(&changes[..], [Change::DeletePod(p)] if p.name == "p2"),
             "{changes:?}"
         );
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn symlinked_files_are_read_as_apply_reads_them() {
+        // A ConfigMap volume: every file a symlink into `..data`.
+        let dir = std::env::temp_dir().join(format!(
+            "policy-agent-manifests-links-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("..data")).unwrap();
+        std::fs::write(dir.join("..data/pods.yaml"), pod("p1", "x")).unwrap();
+        std::os::unix::fs::symlink("..data/pods.yaml", dir.join("pods.yaml")).unwrap();
+        let mut d = Directory::default();
+        let changes = d.refresh(&dir).map(|(c, _)| c).unwrap_or_default();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(changes.len(), 1, "{changes:?}");
     }
 }

@@ -1,18 +1,35 @@
 //! Reading a directory of YAML manifests (v1 Namespace, v1 Pod,
-//! networking.k8s.io/v1 NetworkPolicy; `List` objects too) into a
+//! networking.k8s.io/v1 NetworkPolicy, v1 Service, discovery.k8s.io/v1
+//! EndpointSlice; `List` objects too) into a
 //! [`ClusterState`]. Every problem names the file, the document and the
 //! object; everything readable is still returned.
+//!
+//! A NetworkPolicy document that names itself but does not decode is not
+//! a deletion: it becomes a fail-closed stand-in (every pod of its
+//! namespace isolated in the directions the raw document declares, nothing
+//! allowed), so the pods it was written for never lose isolation because
+//! of a typo. The watcher (`directory.rs`) prefers the last good version of
+//! the object when it has one.
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     fmt,
     path::{Path, PathBuf},
 };
 
-use k8s_openapi::api::{core::v1::Namespace, core::v1::Pod, networking::v1::NetworkPolicy};
+use k8s_openapi::{
+    api::{
+        core::v1::{Namespace, Pod, Service},
+        discovery::v1::EndpointSlice,
+        networking::v1::{NetworkPolicy, NetworkPolicySpec},
+    },
+    apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta},
+};
 use serde::Deserialize;
+use serde_yaml::Value;
 
 use crate::cluster::{
-    ClusterState, NamespaceInfo, ObjectRef, Problem, Subject, namespace_info, pod_info,
+    ClusterState, NamespaceInfo, ObjectRef, Problem, Subject, endpoint_slice_info, namespace_info,
+    pod_info, service_info,
 };
 
 /// Where an object came from: file and 1-based document number.
@@ -38,20 +55,26 @@ pub enum ManifestError {
     },
     #[error("{origin}: not valid YAML: {detail}")]
     Yaml { origin: Origin, detail: String },
+    #[error("{origin}: not a Kubernetes object (no apiVersion and kind)")]
+    NotAnObject { origin: Origin },
     #[error(
-        "{origin}: unsupported object kind {kind:?} (apiVersion {api_version:?}); expected v1 Namespace, v1 Pod or networking.k8s.io/v1 NetworkPolicy"
+        "{origin}: unsupported object kind {kind:?} (apiVersion {api_version:?}); expected v1 Namespace, Pod or Service, networking.k8s.io/v1 NetworkPolicy or discovery.k8s.io/v1 EndpointSlice"
     )]
     UnknownKind {
         origin: Origin,
         api_version: String,
         kind: String,
     },
-    #[error("{origin}: {kind} {name}: {detail}")]
+    #[error("{origin}: {kind} {name}: {detail}; {fallback}")]
     Invalid {
         origin: Origin,
         kind: &'static str,
         name: String,
+        /// The object the document names, when that much can be read
+        /// (cluster-scoped: empty namespace).
+        key: Option<ObjectRef>,
         detail: String,
+        fallback: Fallback,
     },
     #[error(
         "{origin}: {kind} {name} is defined again (first in {first}); the first definition is used"
@@ -64,12 +87,61 @@ pub enum ManifestError {
     },
 }
 
+/// What is enforced in place of an object whose document does not decode.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Fallback {
+    /// Nothing: the object is left out (no previous version, and not a
+    /// NetworkPolicy).
+    LeftOut,
+    /// A NetworkPolicy seen for the first time: every pod of its namespace
+    /// is isolated in these directions and nothing is allowed.
+    FailClosed {
+        namespace: String,
+        policy_types: Vec<String>,
+    },
+    /// The last version that decoded stays enforced (the watcher).
+    LastGood,
+}
+
+impl fmt::Display for Fallback {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::LeftOut => f.write_str("left out"),
+            Self::FailClosed {
+                namespace,
+                policy_types,
+            } => write!(
+                f,
+                "until it is fixed every pod of namespace {namespace} is isolated for {} and it allows nothing",
+                policy_types.join(" and ")
+            ),
+            Self::LastGood => f.write_str("its last version that decoded stays enforced"),
+        }
+    }
+}
+
 impl ManifestError {
+    /// Whether the file was not understood to its end: read failures,
+    /// YAML syntax errors (later documents are lost), documents that are
+    /// no object at all (a cut file can leave a bare scalar) and documents
+    /// of a supported kind that do not decode. Until such a file reads
+    /// cleanly, the watcher deletes nothing it held (a deletion in the same
+    /// edit lands once the file is fixed). Objects of other kinds
+    /// (a Deployment next to the policies) are someone else's: reported,
+    /// and not in the way of deletions.
+    pub fn unsettles_file(&self) -> bool {
+        matches!(
+            self,
+            Self::Read { .. } | Self::Yaml { .. } | Self::NotAnObject { .. } | Self::Invalid { .. }
+        )
+    }
+
     /// Where the problem is: the file, and the document when known.
     fn origin(&self) -> (PathBuf, Option<usize>) {
         match self {
             Self::Read { path, .. } => (path.clone(), None),
             Self::Yaml { origin, .. }
+            | Self::NotAnObject { origin }
             | Self::UnknownKind { origin, .. }
             | Self::Invalid { origin, .. }
             | Self::Duplicate { origin, .. } => (origin.file.clone(), Some(origin.document)),
@@ -82,14 +154,19 @@ impl ManifestError {
         let reason = match self {
             Self::Read { source, .. } => format!("cannot read: {source}"),
             Self::Yaml { detail, .. } => format!("not valid YAML: {detail}"),
+            Self::NotAnObject { .. } => "not a Kubernetes object (no apiVersion and kind)".into(),
             Self::UnknownKind {
                 api_version, kind, ..
             } => format!(
-                "unsupported object kind {kind:?} (apiVersion {api_version:?}); expected v1 Namespace, v1 Pod or networking.k8s.io/v1 NetworkPolicy"
+                "unsupported object kind {kind:?} (apiVersion {api_version:?}); expected v1 Namespace, Pod or Service, networking.k8s.io/v1 NetworkPolicy or discovery.k8s.io/v1 EndpointSlice"
             ),
             Self::Invalid {
-                kind, name, detail, ..
-            } => format!("{kind} {name}: {detail}"),
+                kind,
+                name,
+                detail,
+                fallback,
+                ..
+            } => format!("{kind} {name}: {detail}; {fallback}"),
             Self::Duplicate {
                 kind, name, first, ..
             } => format!(
@@ -106,6 +183,13 @@ pub struct LoadedManifests {
     pub namespaces: Vec<(Origin, Namespace)>,
     pub pods: Vec<(Origin, Pod)>,
     pub policies: Vec<(Origin, NetworkPolicy)>,
+    pub services: Vec<(Origin, Service)>,
+    pub slices: Vec<(Origin, EndpointSlice)>,
+    /// Fail-closed stand-ins for NetworkPolicy documents that name
+    /// themselves but do not decode (see [`stand_in`]).
+    pub stand_ins: Vec<(Origin, NetworkPolicy)>,
+    /// The policies of the last [`Self::cluster_state`] that are stand-ins.
+    pub standing_in: BTreeSet<ObjectRef>,
     pub errors: Vec<ManifestError>,
 }
 
@@ -160,8 +244,8 @@ pub fn load_text(file: &Path, text: &str, out: &mut LoadedManifests) {
             file: file.to_path_buf(),
             document: i + 1,
         };
-        match serde_yaml::Value::deserialize(doc) {
-            Ok(serde_yaml::Value::Null) => {}
+        match Value::deserialize(doc) {
+            Ok(Value::Null) => {}
             Ok(value) => add_object(origin, value, out),
             Err(e) => {
                 out.errors.push(ManifestError::Yaml {
@@ -175,7 +259,7 @@ pub fn load_text(file: &Path, text: &str, out: &mut LoadedManifests) {
     }
 }
 
-fn text_field(value: &serde_yaml::Value, key: &str) -> String {
+fn text_field(value: &Value, key: &str) -> String {
     value
         .get(key)
         .and_then(|v| v.as_str())
@@ -183,7 +267,7 @@ fn text_field(value: &serde_yaml::Value, key: &str) -> String {
         .to_owned()
 }
 
-fn object_name(value: &serde_yaml::Value) -> String {
+fn object_name(value: &Value) -> String {
     let meta = value.get("metadata");
     let name = meta
         .and_then(|m| m.get("name"))
@@ -198,29 +282,143 @@ fn object_name(value: &serde_yaml::Value) -> String {
     }
 }
 
-fn add_object(origin: Origin, value: serde_yaml::Value, out: &mut LoadedManifests) {
+/// The object a raw document names, if its metadata can be read:
+/// namespaced objects default to namespace `default`, cluster-scoped ones
+/// have none.
+fn object_key(value: &Value, namespaced: bool) -> Option<ObjectRef> {
+    let meta = value.get("metadata")?;
+    let name = meta.get("name")?.as_str()?;
+    if !namespaced {
+        return Some(ObjectRef::new("", name));
+    }
+    let namespace = match meta.get("namespace") {
+        None | Some(Value::Null) => "default",
+        Some(ns) => ns.as_str()?,
+    };
+    Some(ObjectRef::new(namespace, name))
+}
+
+/// The directions a raw NetworkPolicy document declares, read as the API
+/// defaults them (`policyTypes` absent or empty: Ingress, and Egress when
+/// `egress` is a non-empty list). Whatever cannot be read counts as both.
+fn declared_policy_types(value: &Value) -> Vec<String> {
+    let both = || vec!["Ingress".to_owned(), "Egress".to_owned()];
+    let spec = match value.get("spec") {
+        None | Some(Value::Null) => return vec!["Ingress".to_owned()],
+        Some(spec @ Value::Mapping(_)) => spec,
+        Some(_) => return both(),
+    };
+    match spec.get("policyTypes") {
+        Some(Value::Sequence(types)) if !types.is_empty() => {
+            let read: Option<Vec<String>> = types
+                .iter()
+                .map(|t| {
+                    t.as_str()
+                        .filter(|t| matches!(*t, "Ingress" | "Egress"))
+                        .map(str::to_owned)
+                })
+                .collect();
+            read.unwrap_or_else(both)
+        }
+        None | Some(Value::Null) | Some(Value::Sequence(_)) => {
+            let egress = match spec.get("egress") {
+                None | Some(Value::Null) => false,
+                Some(Value::Sequence(rules)) => !rules.is_empty(),
+                Some(_) => true,
+            };
+            if egress {
+                both()
+            } else {
+                vec!["Ingress".to_owned()]
+            }
+        }
+        Some(_) => both(),
+    }
+}
+
+/// The fail-closed stand-in for a NetworkPolicy document that does not
+/// decode: `podSelector: {}` (every pod it could select, and more), the
+/// `policyTypes` the raw document declares, no rules. The compiler reads
+/// that as "isolate, allow nothing"; no sentinel is needed.
+pub fn stand_in(key: &ObjectRef, value: &Value) -> NetworkPolicy {
+    NetworkPolicy {
+        metadata: ObjectMeta {
+            name: Some(key.name.clone()),
+            namespace: Some(key.namespace.clone()),
+            ..Default::default()
+        },
+        spec: Some(NetworkPolicySpec {
+            pod_selector: Some(LabelSelector::default()),
+            policy_types: Some(declared_policy_types(value)),
+            ..Default::default()
+        }),
+    }
+}
+
+fn add_object(origin: Origin, value: Value, out: &mut LoadedManifests) {
     let api_version = text_field(&value, "apiVersion");
     let kind = text_field(&value, "kind");
+    if api_version.is_empty() || kind.is_empty() {
+        out.errors.push(ManifestError::NotAnObject { origin });
+        return;
+    }
     let name = object_name(&value);
     macro_rules! parse {
-        ($ty:ty, $label:literal, $list:ident) => {
-            match serde_yaml::from_value::<$ty>(value) {
+        ($ty:ty, $label:literal, $list:ident, $namespaced:literal) => {
+            match <$ty>::deserialize(&value) {
                 Ok(obj) => out.$list.push((origin, obj)),
                 Err(e) => out.errors.push(ManifestError::Invalid {
                     origin,
                     kind: $label,
                     name,
+                    key: object_key(&value, $namespaced),
                     detail: e.to_string(),
+                    fallback: Fallback::LeftOut,
                 }),
             }
         };
     }
     match (api_version.as_str(), kind.as_str()) {
-        ("v1", "Namespace") => parse!(Namespace, "Namespace", namespaces),
-        ("v1", "Pod") => parse!(Pod, "Pod", pods),
-        ("networking.k8s.io/v1", "NetworkPolicy") => {
-            parse!(NetworkPolicy, "NetworkPolicy", policies)
+        ("v1", "Namespace") => parse!(Namespace, "Namespace", namespaces, false),
+        ("v1", "Pod") => parse!(Pod, "Pod", pods, true),
+        ("v1", "Service") => parse!(Service, "Service", services, true),
+        ("discovery.k8s.io/v1", "EndpointSlice") => {
+            parse!(EndpointSlice, "EndpointSlice", slices, true)
         }
+        ("networking.k8s.io/v1", "NetworkPolicy") => match NetworkPolicy::deserialize(&value) {
+            Ok(obj) => out.policies.push((origin, obj)),
+            Err(e) => {
+                // Not a deletion: the pods it was written for stay
+                // isolated (in the directions it declares) until it is
+                // fixed. Without a readable name there is no object to
+                // stand in for.
+                let key = object_key(&value, true);
+                let fallback = match &key {
+                    Some(key) => {
+                        let policy = stand_in(key, &value);
+                        let policy_types = policy
+                            .spec
+                            .as_ref()
+                            .and_then(|s| s.policy_types.clone())
+                            .unwrap_or_default();
+                        out.stand_ins.push((origin.clone(), policy));
+                        Fallback::FailClosed {
+                            namespace: key.namespace.clone(),
+                            policy_types,
+                        }
+                    }
+                    None => Fallback::LeftOut,
+                };
+                out.errors.push(ManifestError::Invalid {
+                    origin,
+                    kind: "NetworkPolicy",
+                    name,
+                    key,
+                    detail: e.to_string(),
+                    fallback,
+                });
+            }
+        },
         ("v1", "List") => {
             let items = value
                 .get("items")
@@ -278,7 +476,9 @@ impl LoadedManifests {
                     origin: origin.clone(),
                     kind: "Namespace",
                     name: ns.metadata.name.clone().unwrap_or_default(),
+                    key: ns.metadata.name.as_ref().map(|n| ObjectRef::new("", n)),
                     detail: e.to_string(),
+                    fallback: Fallback::LeftOut,
                 }),
             }
         }
@@ -297,7 +497,11 @@ impl LoadedManifests {
                         pod.metadata.namespace.as_deref().unwrap_or("default"),
                         pod.metadata.name.as_deref().unwrap_or("<unnamed>")
                     ),
+                    key: pod.metadata.name.as_ref().map(|n| {
+                        ObjectRef::new(pod.metadata.namespace.as_deref().unwrap_or("default"), n)
+                    }),
                     detail: e.to_string(),
+                    fallback: Fallback::LeftOut,
                 }),
             }
         }
@@ -312,7 +516,9 @@ impl LoadedManifests {
                     origin: origin.clone(),
                     kind: "NetworkPolicy",
                     name: format!("{namespace}/<unnamed>"),
+                    key: None,
                     detail: "metadata.name is missing".into(),
+                    fallback: Fallback::LeftOut,
                 });
                 continue;
             };
@@ -321,6 +527,52 @@ impl LoadedManifests {
                 let mut policy = policy.clone();
                 policy.metadata.namespace = Some(namespace);
                 state.policies.insert(key, policy);
+            }
+        }
+        macro_rules! convert {
+            ($list:ident, $convert:ident, $label:literal, $field:ident) => {
+                for (origin, obj) in &self.$list {
+                    let namespace = obj.metadata.namespace.as_deref().unwrap_or("default");
+                    let raw_name = obj.metadata.name.clone();
+                    match $convert(obj) {
+                        Ok((key, info)) => {
+                            if !duplicate(&mut self.errors, $label, key.to_string(), origin) {
+                                state.$field.insert(key, info);
+                            }
+                        }
+                        Err(e) => self.errors.push(ManifestError::Invalid {
+                            origin: origin.clone(),
+                            kind: $label,
+                            name: format!(
+                                "{namespace}/{}",
+                                raw_name.as_deref().unwrap_or("<unnamed>")
+                            ),
+                            key: raw_name.as_ref().map(|n| ObjectRef::new(namespace, n)),
+                            detail: e.to_string(),
+                            fallback: Fallback::LeftOut,
+                        }),
+                    }
+                }
+            };
+        }
+        convert!(services, service_info, "Service", services);
+        convert!(
+            slices,
+            endpoint_slice_info,
+            "EndpointSlice",
+            endpoint_slices
+        );
+        // Stand-ins after every policy that decoded: one of those with the
+        // same name is the object (and the stand-in a duplicate of it).
+        self.standing_in.clear();
+        for (origin, policy) in &self.stand_ins {
+            let key = ObjectRef::new(
+                policy.metadata.namespace.clone().unwrap_or_default(),
+                policy.metadata.name.clone().unwrap_or_default(),
+            );
+            if !duplicate(&mut self.errors, "NetworkPolicy", key.to_string(), origin) {
+                self.standing_in.insert(key.clone());
+                state.policies.insert(key, policy.clone());
             }
         }
         // Objects in a namespace the manifests do not define: the
@@ -344,6 +596,48 @@ impl LoadedManifests {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn services_and_their_slices_are_read_and_a_bad_one_is_reported() {
+        let text = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec: {clusterIP: 10.96.0.10, ports: [{name: http, port: 80, targetPort: http}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-x1, namespace: shop, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}]
+endpoints: [{addresses: [10.0.0.5], conditions: {ready: true}}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: broken, namespace: shop}
+spec: {clusterIP: not-an-ip, ports: [{port: 80}]}
+"#;
+        let mut out = LoadedManifests::default();
+        load_text(Path::new("s.yaml"), text, &mut out);
+        let state = out.cluster_state("n1", vec![]);
+        let web = ObjectRef::new("shop", "web");
+        assert_eq!(
+            state.services[&web].cluster_ips,
+            vec!["10.96.0.10".parse::<std::net::IpAddr>().unwrap()]
+        );
+        assert_eq!(state.slices_of(&web).count(), 1);
+        assert!(
+            !state
+                .services
+                .contains_key(&ObjectRef::new("shop", "broken"))
+        );
+        let msgs: Vec<String> = out.errors.iter().map(ToString::to_string).collect();
+        assert!(
+            msgs.iter()
+                .any(|m| m.contains("s.yaml (document 3)") && m.contains("Service shop/broken")),
+            "{msgs:?}"
+        );
+    }
 
     #[test]
     fn multi_document_files_unknown_kinds_and_bad_objects_are_reported_by_name() {

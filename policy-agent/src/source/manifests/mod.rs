@@ -5,6 +5,10 @@ mod load;
 mod watch;
 
 pub use self::{
-    load::{LoadedManifests, ManifestError, Origin, is_manifest, load_dir, load_file, load_text},
+    directory::Directory,
+    load::{
+        Fallback, LoadedManifests, ManifestError, Origin, is_manifest, load_dir, load_file,
+        load_text, stand_in,
+    },
     watch::watch,
 };

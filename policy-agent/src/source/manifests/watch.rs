@@ -65,11 +65,12 @@ pub async fn watch(
     tx: UnboundedSender<SourceUpdate>,
 ) {
     let mut directory = Directory::default();
-    let changes = directory.refresh(&dir).unwrap_or_default();
+    // None: an empty directory, still the source's first word.
+    let (changes, problems) = directory.refresh(&dir).unwrap_or_default();
     let first = SourceUpdate {
         source: SourceId::Manifests,
         changes,
-        problems: directory.problems(),
+        problems,
     };
     if tx.send(first).is_err() {
         return;
@@ -99,13 +100,13 @@ pub async fn watch(
             None => tokio::time::sleep(safety_net).await,
         }
         let t = std::time::Instant::now();
-        if let Some(changes) = directory.refresh(&dir) {
+        if let Some((changes, problems)) = directory.refresh(&dir) {
             info!(dir = %dir.display(), changes = changes.len(), read_us = t.elapsed().as_micros() as u64, "manifests changed");
             if tx
                 .send(SourceUpdate {
                     source: SourceId::Manifests,
                     changes,
-                    problems: directory.problems(),
+                    problems,
                 })
                 .is_err()
             {
