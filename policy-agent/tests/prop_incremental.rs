@@ -425,22 +425,6 @@ fn transients_are_safe(
         })
         .collect();
     let is_own = |ep: u32, peer: usize| own_pairs.contains(&(ep, peer));
-    let new_has = |ep: u32| {
-        index
-            .iter()
-            .any(|(p, i)| *i == ep && new.endpoints.contains_key(p))
-    };
-    // Peers whose longest matching prefix in `old` is not in `new`.
-    let prefix_gone: Vec<bool> = peers
-        .iter()
-        .map(|a| {
-            old.ipcache
-                .keys()
-                .filter(|n| n.contains(a))
-                .max_by_key(|n| n.prefix_len())
-                .is_some_and(|n| !new.ipcache.contains_key(n))
-        })
-        .collect();
     let mut live = Live::new(old, &index, peers);
     for (n, op) in ops.iter().enumerate() {
         let touched = live.apply(op);
@@ -472,19 +456,11 @@ fn transients_are_safe(
             }
             let now = live.allows(ep, dir, peer, flow);
             let (was, will) = (before[&key], after[&key]);
-            // KNOWN EXCEPTION (reported, not fixed here): an endpoint the
-            // diff removes loses its allows (step 5) before its entry goes
-            // (step 7), so a leaving pod is briefly isolated with nothing
-            // allowed, while both states let its traffic pass (the new one
-            // has no program for it). Nothing is held for leaving pods.
-            if !new_has(ep) {
-                continue;
-            }
-            // KNOWN EXCEPTION (reported, not fixed here): when one diff
-            // changes both an endpoint (identity, isolation or lookup bits)
-            // and what a peer address resolves to (label identity or
-            // ipBlock class), the endpoint switches (step 3) before the
-            // address does (step 4), and no entry covers the mixed state
+            // KNOWN EXCEPTION (open): when one diff changes both an
+            // endpoint (identity, isolation or lookup bits) and what a peer
+            // address resolves to (label identity or ipBlock class), the
+            // endpoint switches (step 3) before the address does (step 5),
+            // and no entry covers the mixed state
             // (say the new endpoint identity with the peer's old one): a
             // flow both states allow is denied in between. Only the upper
             // bound is held for those.
@@ -499,24 +475,21 @@ fn transients_are_safe(
             if ep_moved && peer_moved && !now {
                 continue;
             }
-            // KNOWN EXCEPTION (reported, not fixed here): ipcache entries
-            // are removed (step 6) after policy entries (step 5), so an
-            // address whose carved prefix goes away still resolves to the
-            // class whose allows are already gone: denied in between.
-            if prefix_gone[peer] && !now {
-                continue;
-            }
-            // KNOWN EXCEPTION (reported, not fixed here): ipcache upserts
-            // are written in address order, not longest prefix first, so
-            // a wide prefix's new class can land before the narrower
-            // prefixes carved out of it: an address in an `except` briefly
-            // resolves to the allowed class (opened wrongly). Nothing is
-            // held while a peer resolves to neither its old nor its new
-            // entry.
+            // An address moves straight from its old class to its new
+            // one (upserts longest prefix first, removals shortest first).
             let mid = live.resolved[peer];
-            if mid != before_live.resolved[peer] && mid != after_live.resolved[peer] {
-                continue;
-            }
+            prop_assert!(
+                mid == before_live.resolved[peer] || mid == after_live.resolved[peer],
+                "after write {} of {} ({:?}): peer {} resolves to {:?}, neither its old {:?} nor its new {:?}\nops:\n{}",
+                n + 1,
+                ops.len(),
+                op,
+                peers[peer],
+                mid,
+                before_live.resolved[peer],
+                after_live.resolved[peer],
+                show(ops)
+            );
             prop_assert!(
                 now == was || now == will,
                 "after write {} of {} ({:?}): endpoint {:?} {} peer {} {:?} is {} but {} before and {} after\nops:\n{}",

@@ -23,7 +23,9 @@ use policy_common::{
     ipcache::IpcacheEntry,
     policy::PolicyKey,
     proto,
-    service::{SERVICE_FLOW_RESOLVED, ServiceFlow, mark, service_addr, service_prefix_len},
+    service::{
+        SERVICE_FLOW_RESOLVED, ServiceFlow, ServiceFlowKey, mark, service_addr, service_prefix_len,
+    },
     verdict::{Reason, counter_index},
 };
 
@@ -249,79 +251,132 @@ fn is_frontend(fam: u8, addr: &[u8; 16]) -> bool {
     SERVICES.get(&key).is_some()
 }
 
+/// The `SERVICE_FLOWS` entry of the client flow `key` (a service
+/// flow's conntrack key: the pre-DNAT tuple), if it is this flow's: the
+/// entry is keyed by what survives DNAT, so it may name another frontend
+/// the client reached from the same port, or be gone (LRU). `flow` is
+/// filled with its key.
+#[inline(always)]
+fn service_flow_of(flow: &mut ServiceFlowKey, key: &CtKey) -> Option<&'static mut ServiceFlow> {
+    flow.ifindex = key.ifindex;
+    flow.src = key.src;
+    flow.sport = key.sport;
+    flow.protocol = key.protocol;
+    flow.family = key.family;
+    // SAFETY: a pointer to the map value, valid for this program run.
+    let f = unsafe { &mut *SERVICE_FLOWS.get_ptr_mut(&*flow)? };
+    if addr_eq(&f.frontend, &key.dst) && f.frontend_port == key.dport {
+        Some(f)
+    } else {
+        None
+    }
+}
+
+/// A judged service flow at a stale revision: judged again against the
+/// backend it landed on (the egress of its client). None: the backend is
+/// not known here. Denied → both entries are removed.
+#[inline(always)]
+fn rejudge_backend(
+    entry: &mut CtEntry,
+    key: &CtKey,
+    flow: &mut ServiceFlowKey,
+    ep: &EndpointInfo,
+) -> Option<(Reason, IpcacheEntry)> {
+    let f = service_flow_of(flow, key)?;
+    if f.flags & SERVICE_FLOW_RESOLVED == 0 {
+        return None;
+    }
+    let port = proto::policy_port(key.protocol, f.backend_port);
+    let (reason, peer) = judge(
+        ep,
+        direction::EGRESS,
+        key.family,
+        &f.backend,
+        key.protocol,
+        port,
+    );
+    if reason.is_drop() {
+        let _ = CONNTRACK.remove(key);
+        let _ = SERVICE_FLOWS.remove(&*flow);
+        return Some((Reason::DropPolicyChanged, peer));
+    }
+    entry.revision = ep.revision;
+    Some((reason, peer))
+}
+
 /// A conntrack hit on a flow to a Service frontend, at the client (the
 /// entry's key is the pre-DNAT tuple). `forward`: the client sends (its
 /// egress hook); else a reply reaches it. Its verdict is the one taken
 /// after DNAT: pending → sent on to be judged there (a reply passes: the
 /// request was let through to the backend, which alone answers); on a
 /// stale revision the flow is judged again against the backend it landed
-/// on (`SERVICE_FLOWS`), or, unknown here, after DNAT again.
+/// on (`SERVICE_FLOWS`), or, unknown here, after DNAT again. None: the
+/// flow is forgotten, the packet is new — what the client sends while
+/// the flow waits for a verdict (pending or stale) must be the flow its
+/// `SERVICE_FLOWS` entry names, or a verdict after DNAT on it would land
+/// on another.
 #[inline(always)]
 fn service_hit(
     entry: &mut CtEntry,
     key: &CtKey,
-    flow: &mut policy_common::service::ServiceFlowKey,
+    flow: &mut ServiceFlowKey,
     ep: &EndpointInfo,
     pkt: &IpPacket,
     now: u64,
     forward: bool,
-) -> (Reason, IpcacheEntry) {
+) -> Option<(Reason, IpcacheEntry)> {
     let unknown = IpcacheEntry::UNKNOWN;
     let hit = if forward {
         Reason::AllowEstablished
     } else {
         Reason::AllowReply
     };
+    let stale = entry.revision != ep.revision;
+    if forward
+        && (stale || entry.flags & CT_FLAG_PENDING != 0)
+        && service_flow_of(flow, key).is_none()
+    {
+        let _ = CONNTRACK.remove(key);
+        return None;
+    }
     if now.wrapping_sub(entry.last_seen_ns) > CT_REFRESH_NS {
         entry.last_seen_ns = now;
     }
     if entry.flags & CT_FLAG_PENDING != 0 {
-        return if forward {
+        return Some(if forward {
             (Reason::PassService, unknown)
         } else {
             (hit, unknown)
-        };
+        });
     }
-    if entry.revision != ep.revision {
-        flow.ifindex = key.ifindex;
-        flow.src = key.src;
-        flow.sport = key.sport;
-        flow.protocol = key.protocol;
-        flow.family = key.family;
-        let resolved = SERVICE_FLOWS
-            .get_ptr(&*flow)
-            // SAFETY: a pointer to the map value, valid for this run.
-            .map(|f| unsafe { &*f })
-            .filter(|f| f.flags & SERVICE_FLOW_RESOLVED != 0);
-        match resolved {
-            Some(f) => {
-                let port = proto::policy_port(key.protocol, f.backend_port);
-                let (reason, peer) = judge(
-                    ep,
-                    direction::EGRESS,
-                    key.family,
-                    &f.backend,
-                    key.protocol,
-                    port,
-                );
-                if reason.is_drop() {
-                    let _ = CONNTRACK.remove(key);
-                    let _ = SERVICE_FLOWS.remove(&*flow);
-                    return (Reason::DropPolicyChanged, peer);
-                }
-                entry.revision = ep.revision;
+    if stale {
+        match rejudge_backend(entry, key, flow, ep) {
+            Some((Reason::DropPolicyChanged, peer)) => {
+                return Some((Reason::DropPolicyChanged, peer));
             }
+            Some(_) => {}
             None if forward => {
                 entry.flags |= CT_FLAG_PENDING;
-                return (Reason::PassService, unknown);
+                return Some((Reason::PassService, unknown));
             }
-            None => return (hit, unknown),
+            None => return Some((hit, unknown)),
         }
     }
-    if pkt.protocol == proto::TCP && pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
-        entry.flags |= CT_FLAG_CLOSING;
+    if pkt.protocol == proto::TCP {
+        if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
+            entry.flags |= CT_FLAG_CLOSING;
+        }
+        if pkt.tcp_flags & TCP_ACK != 0 {
+            entry.flags &= !CT_FLAG_SYN_ONLY;
+        }
     }
-    (hit, unknown)
+    if forward {
+        // Judged, yet DNAT may send this packet elsewhere (kube-proxy
+        // deletes a UDP flow's conntrack entry when its endpoint leaves;
+        // a reused tuple meets a new choice): checked after DNAT again.
+        return Some((Reason::PassService, unknown));
+    }
+    Some((hit, unknown))
 }
 
 /// A new flow of an egress-isolated pod to a Service frontend: tracked as
@@ -335,6 +390,28 @@ fn defer(s: &mut Scratch, ifindex: u32, ep: &EndpointInfo, now: u64) -> Reason {
         return Reason::DropPolicy;
     }
     let pkt = &s.pkt;
+    // After DNAT a flow is known by its client's port alone: while a live
+    // flow to another frontend holds it, this one cannot be told apart.
+    s.flow.ifindex = ifindex;
+    s.flow.src = pkt.src;
+    s.flow.sport = pkt.sport;
+    s.flow.protocol = pkt.protocol;
+    s.flow.family = pkt.family;
+    if let Some(f) = SERVICE_FLOWS.get_ptr(&s.flow) {
+        // SAFETY: a pointer to the map value, valid for this run.
+        let f = unsafe { &*f };
+        if !(addr_eq(&f.frontend, &pkt.dst) && f.frontend_port == pkt.dport) {
+            fill_ct_key(&mut s.ct, ifindex, direction::EGRESS, pkt);
+            s.ct.dst = f.frontend;
+            s.ct.dport = f.frontend_port;
+            if let Some(other) = CONNTRACK.get_ptr(&s.ct)
+                // SAFETY: as above.
+                && live(unsafe { &*other }, pkt.protocol, now)
+            {
+                return Reason::DropPolicy;
+            }
+        }
+    }
     fill_ct_key(&mut s.ct, ifindex, direction::EGRESS, pkt);
     let mut flags = CT_FLAG_SERVICE | CT_FLAG_PENDING;
     if syn_only(pkt) {
@@ -350,11 +427,6 @@ fn defer(s: &mut Scratch, ifindex: u32, ep: &EndpointInfo, now: u64) -> Reason {
     if CONNTRACK.insert(&s.ct, &entry, BPF_ANY as u64).is_err() {
         count(Reason::CtCreateFailed, direction::EGRESS);
     }
-    s.flow.ifindex = ifindex;
-    s.flow.src = pkt.src;
-    s.flow.sport = pkt.sport;
-    s.flow.protocol = pkt.protocol;
-    s.flow.family = pkt.family;
     let flow = ServiceFlow {
         frontend: pkt.dst,
         backend: [0; 16],
@@ -378,6 +450,23 @@ fn judge_service(s: &mut Scratch, client: u32, flags: u32) -> u32 {
         return 0;
     };
     let pkt = &s.pkt;
+    s.flow.ifindex = client;
+    s.flow.src = pkt.src;
+    s.flow.sport = pkt.sport;
+    s.flow.protocol = pkt.protocol;
+    s.flow.family = pkt.family;
+    if let Some(f) = SERVICE_FLOWS.get_ptr(&s.flow) {
+        // SAFETY: a pointer to the map value, valid for this run.
+        let f = unsafe { &*f };
+        if f.flags & SERVICE_FLOW_RESOLVED != 0
+            && addr_eq(&f.backend, &pkt.dst)
+            && f.backend_port == pkt.dport
+        {
+            // Where it was judged (at the client, on a policy change).
+            count(Reason::AllowEstablished, direction::EGRESS);
+            return 1;
+        }
+    }
     let (reason, peer) = judge(
         ep,
         direction::EGRESS,
@@ -386,11 +475,6 @@ fn judge_service(s: &mut Scratch, client: u32, flags: u32) -> u32 {
         pkt.protocol,
         proto::policy_port(pkt.protocol, pkt.dport),
     );
-    s.flow.ifindex = client;
-    s.flow.src = pkt.src;
-    s.flow.sport = pkt.sport;
-    s.flow.protocol = pkt.protocol;
-    s.flow.family = pkt.family;
     if let Some(f) = SERVICE_FLOWS.get_ptr_mut(&s.flow) {
         // SAFETY: a pointer to the map value, valid for this run.
         let f = unsafe { &mut *f };
@@ -509,6 +593,18 @@ fn related(
     if !live(entry, s.ct.protocol, now) {
         return None;
     }
+    if entry.flags & CT_FLAG_SERVICE != 0 {
+        // Its peer is the backend, not the frontend in the key: judged as
+        // its packets are (pending: still to be judged after DNAT).
+        if entry.flags & CT_FLAG_PENDING == 0
+            && entry.revision != ep.revision
+            && let Some((Reason::DropPolicyChanged, _)) =
+                rejudge_backend(entry, &s.ct, &mut s.flow, ep)
+        {
+            return Some(Reason::DropPolicyChanged);
+        }
+        return Some(Reason::AllowRelated);
+    }
     if entry.revision != ep.revision {
         // Judged again as the flow's opener was: its direction, its peer,
         // its destination port.
@@ -597,18 +693,21 @@ fn decide(
         let entry = unsafe { &mut *entry };
         if usable(entry, pkt, now) {
             if entry.flags & CT_FLAG_SERVICE != 0 {
-                return service_hit(entry, &s.ct, &mut s.flow, ep, pkt, now, true);
+                if let Some(verdict) = service_hit(entry, &s.ct, &mut s.flow, ep, pkt, now, true) {
+                    return verdict;
+                }
+            } else {
+                return on_ct_hit(
+                    entry,
+                    &s.ct,
+                    ep,
+                    pkt,
+                    peer_addr,
+                    pkt.dport,
+                    now,
+                    Reason::AllowEstablished,
+                );
             }
-            return on_ct_hit(
-                entry,
-                &s.ct,
-                ep,
-                pkt,
-                peer_addr,
-                pkt.dport,
-                now,
-                Reason::AllowEstablished,
-            );
         }
     }
     s.ct = s.ct.reply();
@@ -619,20 +718,24 @@ fn decide(
         let entry = unsafe { &mut *entry };
         if usable(entry, pkt, now) {
             if entry.flags & CT_FLAG_SERVICE != 0 {
-                return service_hit(entry, &s.ct, &mut s.flow, ep, pkt, now, false);
+                if let Some(verdict) = service_hit(entry, &s.ct, &mut s.flow, ep, pkt, now, false) {
+                    return verdict;
+                }
+            } else {
+                // A reply: judged again (if stale) as its opener was, with
+                // the opener's destination port, which is this packet's
+                // source.
+                return on_ct_hit(
+                    entry,
+                    &s.ct,
+                    ep,
+                    pkt,
+                    peer_addr,
+                    pkt.sport,
+                    now,
+                    Reason::AllowReply,
+                );
             }
-            // A reply: judged again (if stale) as its opener was, with the
-            // opener's destination port, which is this packet's source.
-            return on_ct_hit(
-                entry,
-                &s.ct,
-                ep,
-                pkt,
-                peer_addr,
-                pkt.sport,
-                now,
-                Reason::AllowReply,
-            );
         }
     }
     if pkt.protocol == proto::TCP && pkt.tcp_flags & TCP_SYN == 0 {

@@ -59,7 +59,12 @@ enum Task {
     },
     /// Run every benchmark (root) and write docs/BENCHMARKS.md and
     /// docs/benchmarks.json.
-    Bench,
+    Bench {
+        /// Run only these benchmarks (the others' last results in
+        /// target/bench-results are rendered as they are).
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
+    },
     /// Create a kind cluster (docker, kind and kubectl needed), deploy the
     /// agent as a DaemonSet and run a smoke check.
     Run {
@@ -229,10 +234,10 @@ fn main() -> anyhow::Result<()> {
             }
             std::process::exit(out.status)
         }
-        Task::Bench => {
+        Task::Bench { only } => {
             setup()?;
             require_root("the benchmarks")?;
-            bench::run(&root())
+            bench::run(&root(), &only)
         }
         Task::Demo { manifests, node } => {
             setup()?;

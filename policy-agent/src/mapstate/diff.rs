@@ -7,12 +7,18 @@
 //!    refers to them;
 //! 3. endpoints added or changed: isolation flips, identity and lookup bits
 //!    switch atomically per endpoint, with their allows already present;
-//! 4. ipcache entries added or changed: an address changes identity only
-//!    once the entries that allow its new identity exist;
-//! 5. policy entries removed: old allows go only after nothing needs them;
-//! 6. ipcache entries removed; 7. endpoints removed; 8. identity names and
-//!    Service frontends removed;
-//! 9. new revisions of existing endpoints (step 3 writes them with their
+//! 4. endpoints removed, while their allows still exist (a leaving pod is
+//!    never isolated with nothing allowed; without an entry its interface
+//!    is the new state's);
+//! 5. ipcache entries added or changed, longest prefix first, then removed,
+//!    shortest prefix first: an address moves from the class it had to the
+//!    class it will have with no stop at a third (a wide prefix's new class
+//!    never lands before the prefixes an `except` carves out of it), and
+//!    only once the entries that allow its new class exist, while those
+//!    of its old class still do;
+//! 6. policy entries removed: old allows go only after nothing needs them;
+//! 7. identity names and Service frontends removed;
+//! 8. new revisions of existing endpoints (step 3 writes them with their
 //!    old revision): conntrack entries are judged again only once the maps
 //!    hold the whole new state.
 //!
@@ -62,39 +68,116 @@ fn removals<'a, K: Ord + Clone, V>(
     old.keys().filter(move |k| !new.contains_key(k)).cloned()
 }
 
+/// The writes of one change, map by map, in no particular order.
+pub struct Writes<K> {
+    pub identity_upserts: Vec<(u32, IdentityName)>,
+    pub identity_removals: Vec<u32>,
+    pub policy_upserts: Vec<(PolicyKey, PolicyEntry)>,
+    pub policy_removals: Vec<PolicyKey>,
+    pub endpoint_upserts: Vec<(K, EndpointInfo)>,
+    pub endpoint_removals: Vec<K>,
+    pub ipcache_upserts: Vec<(IpNet, IpcacheEntry)>,
+    pub ipcache_removals: Vec<IpNet>,
+    pub service_upserts: Vec<(IpNet, ServiceEntry)>,
+    pub service_removals: Vec<IpNet>,
+}
+
+impl<K> Writes<K> {
+    /// The writes in the order of steps 1-7 (the module's comment).
+    pub fn ordered(self) -> Vec<MapOp<K>> {
+        let Self {
+            identity_upserts,
+            identity_removals,
+            policy_upserts,
+            policy_removals,
+            endpoint_upserts,
+            endpoint_removals,
+            mut ipcache_upserts,
+            mut ipcache_removals,
+            service_upserts,
+            service_removals,
+        } = self;
+        let mut ops = Vec::with_capacity(
+            identity_upserts.len()
+                + identity_removals.len()
+                + policy_upserts.len()
+                + policy_removals.len()
+                + endpoint_upserts.len()
+                + endpoint_removals.len()
+                + ipcache_upserts.len()
+                + ipcache_removals.len()
+                + service_upserts.len()
+                + service_removals.len(),
+        );
+        ops.extend(
+            identity_upserts
+                .into_iter()
+                .map(|(k, v)| MapOp::UpsertIdentity(k, Box::new(v))),
+        );
+        ops.extend(
+            service_upserts
+                .into_iter()
+                .map(|(k, v)| MapOp::UpsertService(k, v)),
+        );
+        ops.extend(
+            policy_upserts
+                .into_iter()
+                .map(|(k, v)| MapOp::UpsertPolicy(k, v)),
+        );
+        ops.extend(
+            endpoint_upserts
+                .into_iter()
+                .map(|(k, v)| MapOp::UpsertEndpoint(k, v)),
+        );
+        ops.extend(endpoint_removals.into_iter().map(MapOp::DeleteEndpoint));
+        // Stable sorts: within one length the maps' own order stays.
+        ipcache_upserts.sort_by_key(|(net, _)| std::cmp::Reverse(net.prefix_len()));
+        ops.extend(
+            ipcache_upserts
+                .into_iter()
+                .map(|(k, v)| MapOp::UpsertIpcache(k, v)),
+        );
+        ipcache_removals.sort_by_key(IpNet::prefix_len);
+        ops.extend(ipcache_removals.into_iter().map(MapOp::DeleteIpcache));
+        ops.extend(policy_removals.into_iter().map(MapOp::DeletePolicy));
+        ops.extend(identity_removals.into_iter().map(MapOp::DeleteIdentity));
+        ops.extend(service_removals.into_iter().map(MapOp::DeleteService));
+        ops
+    }
+}
+
 /// The minimal ordered list of writes turning `old` into `new`.
 pub fn diff<K: Ord + Clone>(old: &MapState<K>, new: &MapState<K>) -> Vec<MapOp<K>> {
-    let mut ops = Vec::new();
-    ops.extend(
-        upserts(&old.identities, &new.identities)
-            .map(|(k, v)| MapOp::UpsertIdentity(k, Box::new(v))),
-    );
-    ops.extend(upserts(&old.services, &new.services).map(|(k, v)| MapOp::UpsertService(k, v)));
-    ops.extend(upserts(&old.policy, &new.policy).map(|(k, v)| MapOp::UpsertPolicy(k, v)));
-    // Existing endpoints keep their old revision here; the new one is
-    // written last (below).
-    ops.extend(
-        upserts(&old.endpoints, &new.endpoints).filter_map(|(k, mut v)| {
-            if let Some(prev) = old.endpoints.get(&k) {
-                v.revision = prev.revision;
-                if *prev == v {
-                    return None;
+    let writes = Writes {
+        identity_upserts: upserts(&old.identities, &new.identities).collect(),
+        identity_removals: removals(&old.identities, &new.identities).collect(),
+        policy_upserts: upserts(&old.policy, &new.policy).collect(),
+        policy_removals: removals(&old.policy, &new.policy).collect(),
+        // Existing endpoints keep their old revision here; the new one is
+        // written last (below).
+        endpoint_upserts: upserts(&old.endpoints, &new.endpoints)
+            .filter_map(|(k, mut v)| {
+                if let Some(prev) = old.endpoints.get(&k) {
+                    v.revision = prev.revision;
+                    if *prev == v {
+                        return None;
+                    }
                 }
-            }
-            Some(MapOp::UpsertEndpoint(k, v))
-        }),
-    );
-    ops.extend(upserts(&old.ipcache, &new.ipcache).map(|(k, v)| MapOp::UpsertIpcache(k, v)));
-    ops.extend(removals(&old.policy, &new.policy).map(MapOp::DeletePolicy));
-    ops.extend(removals(&old.ipcache, &new.ipcache).map(MapOp::DeleteIpcache));
-    ops.extend(removals(&old.endpoints, &new.endpoints).map(MapOp::DeleteEndpoint));
-    ops.extend(removals(&old.identities, &new.identities).map(MapOp::DeleteIdentity));
-    ops.extend(removals(&old.services, &new.services).map(MapOp::DeleteService));
+                Some((k, v))
+            })
+            .collect(),
+        endpoint_removals: removals(&old.endpoints, &new.endpoints).collect(),
+        ipcache_upserts: upserts(&old.ipcache, &new.ipcache).collect(),
+        ipcache_removals: removals(&old.ipcache, &new.ipcache).collect(),
+        service_upserts: upserts(&old.services, &new.services).collect(),
+        service_removals: removals(&old.services, &new.services).collect(),
+    };
+    let mut ops = writes.ordered();
     ops.extend(revision_bumps(old, new));
     ops
 }
 
-/// Step 9: new revisions of existing endpoints, once every other write has
+/// Step 8: new revisions of existing endpoints, once every other write has
 /// landed. A flow re-judged earlier (under half-applied maps) would be
 /// stamped with the new revision and never judged again.
 fn revision_bumps<K: Ord + Clone>(old: &MapState<K>, new: &MapState<K>) -> Vec<MapOp<K>> {

@@ -26,7 +26,7 @@ use policy_common::{
 pub(crate) use self::names::fnv1a64;
 pub use self::{
     addresses::{AddressSet, identity_addresses},
-    diff::{MapOp, assign_revisions, diff},
+    diff::{MapOp, Writes, assign_revisions, diff},
     names::{identity_name, identity_name_str},
     origin::RuleOrigin,
 };
@@ -139,6 +139,9 @@ impl<K: Ord + Clone> MapState<K> {
         };
         for (net, entry) in &self.ipcache {
             m.insert_prefix(net.addr(), u32::from(net.prefix_len()), *entry);
+        }
+        for (net, entry) in &self.services {
+            m.insert_frontend(net.addr(), u32::from(net.prefix_len()), *entry);
         }
         m
     }

@@ -228,7 +228,8 @@ impl Run {
     /// flow classified, as the kernel does (`policy_common::model`), at
     /// the source's endpoint (its egress) and at the destination's (its
     /// ingress), each over the compiled maps. Nothing is decided here:
-    /// traffic of a pod to itself passes because the datapath says so.
+    /// traffic of a pod to itself passes because the datapath's egress
+    /// hook says so.
     pub fn allows_ips(
         &self,
         src: &str,
@@ -246,7 +247,14 @@ impl Run {
                 .classify(&p.to_string(), direction::EGRESS, s, d, protocol, port)
                 .is_drop();
         }
+        // A pod's packet to its own address is delivered inside its own
+        // namespace: it never reaches its ingress hook (and if the pod
+        // forces it out of its interface, only the egress hook can tell it
+        // sent it itself; at ingress a source equal to the destination
+        // proves nothing and is judged).
+        let to_itself = src == dst && s == d;
         if let FlowEnd::Pod(p) = end(dst)
+            && !to_itself
             && self.compiled.maps.endpoints.contains_key(&p)
         {
             ok &= !self
@@ -300,7 +308,10 @@ impl Run {
                 icmp_type,
                 hop_limit: 64,
                 quoted: None,
+                mark: 0,
             })
+            .judgement
+            .expect("an unmarked packet at a pod's hook is judged")
             .reason
     }
 

@@ -23,6 +23,7 @@ use policy_common::{
     endpoint::{ENDPOINT_HAS_V4, ENDPOINT_HAS_V6, EndpointInfo},
     ipcache::IpcacheEntry,
     policy::{PolicyEntry, PolicyKey},
+    service::ServiceEntry,
     verdict::Reason,
 };
 
@@ -151,6 +152,24 @@ pub enum Verdict {
     Drop,
 }
 
+/// What one run at a chosen interface with a chosen mark did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Run {
+    pub verdict: Verdict,
+    /// `skb->mark` as the program left it.
+    pub mark: u32,
+    /// The verdict counters that moved, as (reason, direction), sorted.
+    pub counted: Vec<(Reason, u8)>,
+}
+
+/// Size of the `__sk_buff` image passed in and read back (the kernel's
+/// is 192 bytes; a larger output buffer is fine, a larger input must be
+/// zero beyond it).
+const SKB_CTX: usize = 192;
+/// Offsets in `struct __sk_buff`.
+const SKB_MARK: usize = 8;
+const SKB_IFINDEX: usize = 40;
+
 impl Harness {
     pub fn new() -> Self {
         Self {
@@ -210,6 +229,35 @@ impl Harness {
         );
     }
 
+    /// An endpoint at any interface, for the pod holding `addrs`.
+    pub fn endpoint_at(
+        &mut self,
+        ifindex: u32,
+        identity: u32,
+        flags: u32,
+        revision: u32,
+        addrs: &[IpAddr],
+    ) {
+        self.state.endpoints.insert(
+            ifindex,
+            EndpointInfo {
+                identity,
+                flags,
+                revision,
+                ..Default::default()
+            }
+            .with_addresses(addrs),
+        );
+    }
+
+    /// A Service frontend address or range.
+    pub fn frontend(&mut self, net: &str) {
+        let net: IpNet = net.parse().unwrap();
+        self.state
+            .services
+            .insert(net.trunc(), ServiceEntry::default());
+    }
+
     pub fn ipcache(&mut self, net: &str, identity: u32, cidr_identity: u32) {
         let net: IpNet = net.parse().unwrap();
         self.state.ipcache.insert(
@@ -237,6 +285,53 @@ impl Harness {
             -1 => Verdict::Pass,
             2 => Verdict::Drop,
             other => panic!("unexpected tc verdict {other}"),
+        }
+    }
+
+    /// Runs one frame through the program at `hook` as if it crossed
+    /// interface `ifindex` (a device in the calling thread's network
+    /// namespace, or 0 for loopback) carrying `mark`; reports the verdict,
+    /// the mark it leaves with and every verdict counter that moved.
+    pub fn run_at(&mut self, hook: Hook, frame: &[u8], ifindex: u32, mark: u32) -> Run {
+        let before = self.dp.maps.counters().unwrap();
+        let mut ctx_in = [0u8; SKB_CTX];
+        ctx_in[SKB_MARK..SKB_MARK + 4].copy_from_slice(&mark.to_ne_bytes());
+        ctx_in[SKB_IFINDEX..SKB_IFINDEX + 4].copy_from_slice(&ifindex.to_ne_bytes());
+        let mut ctx_out = [0u8; 2 * SKB_CTX];
+        let prog = self.dp.program(hook).unwrap();
+        let opts = TestRunOptions {
+            data_in: Some(frame),
+            ctx_in: Some(&ctx_in),
+            ctx_out: Some(&mut ctx_out),
+            ..TestRunOptions::default()
+        };
+        let r = prog
+            .test_run(opts)
+            .expect("BPF_PROG_TEST_RUN with a context");
+        let verdict = match r.return_value as i32 {
+            -1 => Verdict::Pass,
+            2 => Verdict::Drop,
+            other => panic!("unexpected tc verdict {other}"),
+        };
+        let ifindex_out =
+            u32::from_ne_bytes(ctx_out[SKB_IFINDEX..SKB_IFINDEX + 4].try_into().unwrap());
+        assert_eq!(
+            ifindex_out,
+            if ifindex == 0 { 1 } else { ifindex },
+            "the run took the interface asked for"
+        );
+        let after = self.dp.maps.counters().unwrap();
+        let mut counted: Vec<(Reason, u8)> = after
+            .iter()
+            .filter(|((r, _), _)| r.is_verdict())
+            .filter(|(k, n)| before.get(k) != Some(n))
+            .map(|(k, _)| *k)
+            .collect();
+        counted.sort();
+        Run {
+            verdict,
+            mark: u32::from_ne_bytes(ctx_out[SKB_MARK..SKB_MARK + 4].try_into().unwrap()),
+            counted,
         }
     }
 

@@ -8,3 +8,4 @@ pub mod fake_apiserver;
 pub mod harness;
 pub mod map_reset;
 pub mod netfilter;
+pub mod testns;

@@ -232,7 +232,7 @@ fn parse_rule(w: &[String]) -> Rule {
                         i += 2;
                         Target::SetXmark { value, mask }
                     }
-                    chain if chain.starts_with("PA-") => Target::Jump(chain.to_owned()),
+                    chain if chain.starts_with("pa-agent:") => Target::Jump(chain.to_owned()),
                     other => panic!("unknown target {other} in {w:?}"),
                 });
                 i += 2;

@@ -327,7 +327,7 @@ fn sync_ops(
     for w in &writes {
         state.apply_op(w);
     }
-    // Step 9 of the diff order: the revisions, once everything else landed.
+    // Step 8 of the diff order: the revisions, once everything else landed.
     for (ifindex, ep) in state.endpoints.iter_mut() {
         let bump = ep.revision != next_revision
             && (bump_all || bumped_identities.contains(&ep.identity) || touched.contains(ifindex));

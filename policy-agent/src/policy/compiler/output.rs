@@ -20,7 +20,7 @@ use policy_common::{
 
 use crate::{
     cluster::PodRef,
-    mapstate::{MapOp, MapState},
+    mapstate::{MapOp, MapState, Writes},
 };
 
 /// Counter slots, one per bit of [`lookups`]: 0..=16 port prefix lengths,
@@ -266,38 +266,29 @@ impl Output {
             }
             (up, del)
         }
-        let (id_up, id_del) = split(&self.maps.identities, self.journal_identities.take());
-        let (pol_up, pol_del) = split(&self.maps.policy, self.journal_policy.take());
-        let (ep_up, ep_del) = split(&self.maps.endpoints, self.journal_endpoints.take());
-        let (ip_up, ip_del) = split(&self.maps.ipcache, self.journal_ipcache.take());
-        let (svc_up, svc_del) = split(&self.maps.services, self.journal_services.take());
-        let mut ops = Vec::with_capacity(
-            id_up.len()
-                + id_del.len()
-                + pol_up.len()
-                + pol_del.len()
-                + ep_up.len()
-                + ep_del.len()
-                + ip_up.len()
-                + ip_del.len()
-                + svc_up.len()
-                + svc_del.len(),
-        );
-        ops.extend(
-            id_up
-                .into_iter()
-                .map(|(k, v)| MapOp::UpsertIdentity(k, Box::new(v))),
-        );
-        ops.extend(svc_up.into_iter().map(|(k, v)| MapOp::UpsertService(k, v)));
-        ops.extend(pol_up.into_iter().map(|(k, v)| MapOp::UpsertPolicy(k, v)));
-        ops.extend(ep_up.into_iter().map(|(k, v)| MapOp::UpsertEndpoint(k, v)));
-        ops.extend(ip_up.into_iter().map(|(k, v)| MapOp::UpsertIpcache(k, v)));
-        ops.extend(pol_del.into_iter().map(MapOp::DeletePolicy));
-        ops.extend(ip_del.into_iter().map(MapOp::DeleteIpcache));
-        ops.extend(ep_del.into_iter().map(MapOp::DeleteEndpoint));
-        ops.extend(id_del.into_iter().map(MapOp::DeleteIdentity));
-        ops.extend(svc_del.into_iter().map(MapOp::DeleteService));
-        ops
+        let (identity_upserts, identity_removals) =
+            split(&self.maps.identities, self.journal_identities.take());
+        let (policy_upserts, policy_removals) =
+            split(&self.maps.policy, self.journal_policy.take());
+        let (endpoint_upserts, endpoint_removals) =
+            split(&self.maps.endpoints, self.journal_endpoints.take());
+        let (ipcache_upserts, ipcache_removals) =
+            split(&self.maps.ipcache, self.journal_ipcache.take());
+        let (service_upserts, service_removals) =
+            split(&self.maps.services, self.journal_services.take());
+        Writes {
+            identity_upserts,
+            identity_removals,
+            policy_upserts,
+            policy_removals,
+            endpoint_upserts,
+            endpoint_removals,
+            ipcache_upserts,
+            ipcache_removals,
+            service_upserts,
+            service_removals,
+        }
+        .ordered()
     }
 
     /// Memory estimate of the content and the bookkeeping, in bytes:

@@ -1,0 +1,348 @@
+//! Tracked flows and the stateful verdict: conntrack, related ICMP
+//! errors, re-judging on a revision change.
+
+use std::{collections::HashMap, net::IpAddr};
+
+use crate::{
+    direction, endpoint::EndpointInfo, ipcache::IpcacheEntry, proto, service::mark, verdict::Reason,
+};
+
+use super::{
+    Judgement, Maps, Outcome, Packet, Quoted, ServiceKey, ServiceState, TCP_ACK, TCP_FIN, TCP_RST,
+    TCP_SYN, addr_bytes,
+};
+
+/// A tracked flow, named as its first packet travelled: at which
+/// interface, in which direction, with which tuple.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Flow {
+    pub ifindex: u32,
+    /// The direction of the packet that opened it.
+    pub opened: u8,
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub protocol: u8,
+    pub sport: u16,
+    pub dport: u16,
+}
+
+impl Flow {
+    /// The flow `pkt` would open.
+    pub(super) fn of(pkt: &Packet) -> Self {
+        Self {
+            ifindex: pkt.ifindex,
+            opened: pkt.direction,
+            src: pkt.src,
+            dst: pkt.dst,
+            protocol: pkt.protocol,
+            sport: pkt.sport,
+            dport: pkt.dport,
+        }
+    }
+
+    /// The flow a reply to this one belongs to: opened the other way,
+    /// with the tuple reversed.
+    fn answered(&self) -> Self {
+        Self {
+            opened: direction::opposite(self.opened),
+            src: self.dst,
+            dst: self.src,
+            sport: self.dport,
+            dport: self.sport,
+            ..*self
+        }
+    }
+
+    /// The far side, as the opener saw it.
+    fn peer(&self) -> IpAddr {
+        if self.opened == direction::EGRESS {
+            self.dst
+        } else {
+            self.src
+        }
+    }
+}
+
+/// What the model remembers of a flow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlowState {
+    /// The endpoint revision it was last judged under.
+    pub revision: u32,
+    /// A FIN or RST was seen.
+    pub closing: bool,
+    /// A flow to a Service frontend, opened by the pod's egress: its
+    /// verdict is the one taken after DNAT (see [`super::service`]).
+    pub service: bool,
+    /// Of a Service flow: not judged yet (the verdict after DNAT has not
+    /// come back, or the revision moved and the backend is not known).
+    pub pending: bool,
+}
+
+impl FlowState {
+    /// A flow judged now, under `revision`.
+    pub fn judged(revision: u32, closing: bool) -> Self {
+        Self {
+            revision,
+            closing,
+            service: false,
+            pending: false,
+        }
+    }
+}
+
+/// The maps plus the tracked flows, for stateful replay.
+#[derive(Clone, Debug, Default)]
+pub struct Datapath {
+    pub maps: Maps,
+    pub flows: HashMap<Flow, FlowState>,
+    /// Clients' flows to Service frontends, by what survives DNAT
+    /// (`SERVICE_FLOWS`).
+    pub services: HashMap<ServiceKey, ServiceState>,
+}
+
+/// Whether the pod with endpoint `ep` holds `addr`.
+pub(super) fn pod_holds(ep: &EndpointInfo, addr: IpAddr) -> bool {
+    let (bytes, fam) = addr_bytes(addr);
+    ep.owns(fam, &bytes)
+}
+
+/// How an ICMP echo may meet conntrack: a request only continues the flow
+/// it opened, a reply only answers a request (the identifier alone would
+/// let a far-side request pose as a reply). None: not an echo.
+fn echo_role(pkt: &Packet) -> Option<bool> {
+    match (pkt.protocol, pkt.icmp_type) {
+        (proto::ICMP, 8) | (proto::ICMPV6, 128) => Some(true),
+        (proto::ICMP, 0) | (proto::ICMPV6, 129) => Some(false),
+        _ => None,
+    }
+}
+
+impl Datapath {
+    pub fn new(maps: Maps) -> Self {
+        Self {
+            maps,
+            flows: HashMap::new(),
+            services: HashMap::new(),
+        }
+    }
+
+    /// What a pod's hook (`pkt.direction`: egress at `from_pod`, ingress
+    /// at `to_pod`) does with one well-formed, unfragmented IP packet,
+    /// updating the tracked flows as the kernel does. At the ingress hook
+    /// a packet with the pending mark is first its client's egress after
+    /// DNAT; a packet deferred to its Service leaves with the mark.
+    pub fn classify(&mut self, pkt: &Packet) -> Outcome {
+        let mut out = Outcome {
+            after_dnat: None,
+            judgement: None,
+            mark: pkt.mark,
+        };
+        if pkt.direction == direction::INGRESS
+            && let Some(client) = mark::client(pkt.mark)
+        {
+            out.mark &= !mark::MASK;
+            let judged = self.after_dnat(client, pkt);
+            out.after_dnat = Some(judged);
+            if judged.reason.is_drop() {
+                return out;
+            }
+        }
+        let judged = self.decide(pkt);
+        if judged.reason == Reason::PassService
+            && let Some(m) = mark::pending(pkt.ifindex)
+        {
+            out.mark = (out.mark & !mark::MASK) | m;
+        }
+        out.judgement = Some(judged);
+        out
+    }
+
+    /// The verdict of a pod's hook on one packet.
+    fn decide(&mut self, pkt: &Packet) -> Judgement {
+        let verdict = |reason| Judgement {
+            reason,
+            matched: None,
+            peer: IpcacheEntry::UNKNOWN,
+        };
+        let Some(ep) = self.maps.endpoints.get(&pkt.ifindex).copied() else {
+            return verdict(Reason::PassNoEndpoint);
+        };
+        // Neighbour discovery and MLD as RFC 4861/3810 send them pass.
+        if pkt.protocol == proto::ICMPV6 {
+            let (src, _) = addr_bytes(pkt.src);
+            let link_local = pkt.src.is_ipv6() && src[0] == 0xfe && (src[1] & 0xc0) == 0x80;
+            let unspecified = pkt.src.is_unspecified();
+            let ok = match pkt.icmp_type {
+                133..=137 => pkt.hop_limit == 255,
+                130..=132 | 143 => pkt.hop_limit == 1 && (link_local || unspecified),
+                _ => false,
+            };
+            if ok {
+                return verdict(Reason::AllowNeighborDiscovery);
+            }
+        }
+        // What a pod sends must come from its own address.
+        if pkt.direction == direction::EGRESS {
+            if !pod_holds(&ep, pkt.src) {
+                return verdict(Reason::DropSpoofed);
+            }
+            if pkt.src == pkt.dst {
+                return verdict(Reason::AllowSelf);
+            }
+        }
+        let port = pkt.policy_port();
+        // A pod isolated in no direction needs no tracking.
+        if !ep.tracks() {
+            return self
+                .maps
+                .judge(&ep, pkt.direction, pkt.peer(), pkt.protocol, port);
+        }
+        if let Some(q) = pkt.quoted
+            && let Some(reason) = self.related(&ep, pkt, &q)
+        {
+            return verdict(reason);
+        }
+        let trackable = match pkt.protocol {
+            proto::ICMP | proto::ICMPV6 => echo_role(pkt).is_some(),
+            _ => true,
+        };
+        let opening_syn =
+            pkt.protocol == proto::TCP && pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+        let closing = pkt.protocol == proto::TCP && pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0;
+        // A new SYN on a closing flow's tuple opens a new connection.
+        let usable = |st: &FlowState| !(opening_syn && st.closing);
+        if trackable {
+            let own = Flow::of(pkt);
+            if echo_role(pkt) != Some(false)
+                && let Some(st) = self.flows.get(&own).copied().filter(usable)
+            {
+                if !st.service {
+                    return self.rejudge(
+                        &ep,
+                        own,
+                        st,
+                        pkt.dport,
+                        closing,
+                        Reason::AllowEstablished,
+                    );
+                }
+                if let Some(judged) = self.service_hit(&ep, own, st, closing, true) {
+                    return judged;
+                }
+            }
+            let answered = own.answered();
+            if echo_role(pkt) != Some(true)
+                && let Some(st) = self.flows.get(&answered).copied().filter(usable)
+            {
+                if !st.service {
+                    return self.rejudge(&ep, answered, st, pkt.sport, closing, Reason::AllowReply);
+                }
+                if let Some(judged) = self.service_hit(&ep, answered, st, closing, false) {
+                    return judged;
+                }
+            }
+        }
+        // To a Service frontend: the backend is chosen after this hook.
+        if pkt.direction == direction::EGRESS
+            && ep.isolated(direction::EGRESS)
+            && proto::has_ports(pkt.protocol)
+            && self.maps.is_frontend(pkt.dst)
+        {
+            return self.defer(&ep, pkt);
+        }
+        let judged = self
+            .maps
+            .judge(&ep, pkt.direction, pkt.peer(), pkt.protocol, port);
+        let allowed = matches!(
+            judged.reason,
+            Reason::AllowPolicy | Reason::AllowNotIsolated
+        );
+        // Only what the pod sent, or received at its own address, opens a flow.
+        let opens = pkt.direction == direction::EGRESS || pod_holds(&ep, pkt.dst);
+        if allowed && trackable && opens {
+            self.flows
+                .insert(Flow::of(pkt), FlowState::judged(ep.revision, closing));
+        }
+        judged
+    }
+
+    /// An ICMP error is related when it goes back to the quoted packet's
+    /// sender and the quoted packet belongs to a flow tracked at this
+    /// interface that is still allowed. None: judge it as plain ICMP.
+    fn related(&mut self, ep: &EndpointInfo, pkt: &Packet, q: &Quoted) -> Option<Reason> {
+        if pkt.dst != q.src {
+            return None;
+        }
+        // The quoted packet travelled against the error.
+        let quoted = Flow {
+            ifindex: pkt.ifindex,
+            opened: direction::opposite(pkt.direction),
+            src: q.src,
+            dst: q.dst,
+            protocol: q.protocol,
+            sport: q.sport,
+            dport: q.dport,
+        };
+        let flow = [quoted, quoted.answered()]
+            .into_iter()
+            .find(|f| self.flows.contains_key(f))?;
+        let st = self.flows.get(&flow).copied()?;
+        if st.service {
+            return Some(self.service_related(ep, flow, st));
+        }
+        if st.revision != ep.revision {
+            let port = proto::policy_port(flow.protocol, flow.dport);
+            let judged = self
+                .maps
+                .judge(ep, flow.opened, flow.peer(), flow.protocol, port);
+            if judged.reason.is_drop() {
+                self.flows.remove(&flow);
+                return Some(Reason::DropPolicyChanged);
+            }
+            self.flows.insert(
+                flow,
+                FlowState {
+                    revision: ep.revision,
+                    ..st
+                },
+            );
+        }
+        Some(Reason::AllowRelated)
+    }
+
+    /// A packet of a tracked flow: judged again (as the flow's opener:
+    /// its direction, its peer, `port` its destination port) when the
+    /// endpoint's revision moved since; denied → the flow is forgotten.
+    fn rejudge(
+        &mut self,
+        ep: &EndpointInfo,
+        flow: Flow,
+        mut st: FlowState,
+        port: u16,
+        closing: bool,
+        hit: Reason,
+    ) -> Judgement {
+        let mut out = Judgement {
+            reason: hit,
+            matched: None,
+            peer: IpcacheEntry::UNKNOWN,
+        };
+        if st.revision != ep.revision {
+            let port = proto::policy_port(flow.protocol, port);
+            let judged = self
+                .maps
+                .judge(ep, flow.opened, flow.peer(), flow.protocol, port);
+            out.peer = judged.peer;
+            out.matched = judged.matched;
+            if judged.reason.is_drop() {
+                self.flows.remove(&flow);
+                out.reason = Reason::DropPolicyChanged;
+                return out;
+            }
+            st.revision = ep.revision;
+        }
+        st.closing |= closing;
+        self.flows.insert(flow, st);
+        out
+    }
+}

@@ -1,0 +1,180 @@
+//! The map content a verdict reads, and judging a new flow against it.
+
+use std::{collections::BTreeMap, net::IpAddr};
+
+use crate::{
+    endpoint::{EndpointInfo, lookups},
+    identity,
+    ipcache::IpcacheEntry,
+    policy::{PolicyEntry, PolicyKey},
+    proto,
+    service::ServiceEntry,
+    verdict::Reason,
+};
+
+use super::has_ports;
+
+/// The content of the datapath maps the verdict depends on.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Maps {
+    pub endpoints: BTreeMap<u32, EndpointInfo>,
+    /// (prefix length, address bytes masked to the prefix) → entry.
+    pub ipcache_v4: BTreeMap<(u32, [u8; 4]), IpcacheEntry>,
+    pub ipcache_v6: BTreeMap<(u32, [u8; 16]), IpcacheEntry>,
+    pub policy: BTreeMap<PolicyKey, PolicyEntry>,
+    /// Service frontends (`SERVICES`): (prefix length, masked address) →
+    /// entry, per family.
+    pub frontends_v4: BTreeMap<(u32, [u8; 4]), ServiceEntry>,
+    pub frontends_v6: BTreeMap<(u32, [u8; 16]), ServiceEntry>,
+}
+
+/// Outcome of judging a flow against the policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Judgement {
+    pub reason: Reason,
+    /// The policy key that allowed it, when a policy entry did.
+    pub matched: Option<PolicyKey>,
+    /// What the peer address resolved to.
+    pub peer: IpcacheEntry,
+}
+
+fn masked<const N: usize>(addr: [u8; N], prefix_len: u32) -> [u8; N] {
+    let mut out = [0u8; N];
+    for (i, byte) in addr.iter().enumerate() {
+        let bit = (i as u32) * 8;
+        if bit + 8 <= prefix_len {
+            out[i] = *byte;
+        } else if bit < prefix_len {
+            let keep = prefix_len - bit;
+            out[i] = byte & !(0xffu8 >> keep);
+        }
+    }
+    out
+}
+
+fn longest_match<const N: usize, V: Copy>(
+    trie: &BTreeMap<(u32, [u8; N]), V>,
+    addr: [u8; N],
+) -> Option<V> {
+    (0..=(N as u32 * 8))
+        .rev()
+        .find_map(|len| trie.get(&(len, masked(addr, len))).copied())
+}
+
+impl Maps {
+    /// Inserts an ipcache prefix (the address is masked as the kernel would).
+    pub fn insert_prefix(&mut self, addr: IpAddr, prefix_len: u32, entry: IpcacheEntry) {
+        match addr {
+            IpAddr::V4(a) => {
+                self.ipcache_v4
+                    .insert((prefix_len, masked(a.octets(), prefix_len)), entry);
+            }
+            IpAddr::V6(a) => {
+                self.ipcache_v6
+                    .insert((prefix_len, masked(a.octets(), prefix_len)), entry);
+            }
+        }
+    }
+
+    /// Inserts a Service frontend prefix (masked as the kernel would).
+    pub fn insert_frontend(&mut self, addr: IpAddr, prefix_len: u32, entry: ServiceEntry) {
+        match addr {
+            IpAddr::V4(a) => {
+                self.frontends_v4
+                    .insert((prefix_len, masked(a.octets(), prefix_len)), entry);
+            }
+            IpAddr::V6(a) => {
+                self.frontends_v6
+                    .insert((prefix_len, masked(a.octets(), prefix_len)), entry);
+            }
+        }
+    }
+
+    /// Whether `addr` is a Service frontend or in a Service range: a new
+    /// flow of an egress-isolated pod to it is judged after DNAT.
+    pub fn is_frontend(&self, addr: IpAddr) -> bool {
+        match addr {
+            IpAddr::V4(a) => longest_match(&self.frontends_v4, a.octets()).is_some(),
+            IpAddr::V6(a) => longest_match(&self.frontends_v6, a.octets()).is_some(),
+        }
+    }
+
+    /// Longest-prefix lookup; an address nobody claims is [`IpcacheEntry::UNKNOWN`].
+    pub fn ipcache_lookup(&self, addr: IpAddr) -> IpcacheEntry {
+        match addr {
+            IpAddr::V4(a) => longest_match(&self.ipcache_v4, a.octets()),
+            IpAddr::V6(a) => longest_match(&self.ipcache_v6, a.octets()),
+        }
+        .unwrap_or(IpcacheEntry::UNKNOWN)
+    }
+
+    /// The policy probes for one peer identity, in the kernel's order: port
+    /// prefixes from the longest (one port) to 0 (all ports of the
+    /// protocol), then the any-protocol entry.
+    pub fn probes_for_peer(
+        ep: &EndpointInfo,
+        dir: u8,
+        peer: u32,
+        protocol: u8,
+        port: u16,
+    ) -> Vec<PolicyKey> {
+        let bits = ep.lookups(dir);
+        let mut out = Vec::new();
+        if has_ports(protocol) {
+            for len in (0..=16u8).rev() {
+                if bits & lookups::port_prefix(len) != 0 {
+                    out.push(PolicyKey::new(ep.identity, dir, peer, protocol, len, port));
+                }
+            }
+        }
+        if bits & lookups::ANY_PROTOCOL != 0 {
+            out.push(PolicyKey::new(ep.identity, dir, peer, proto::ANY, 0, 0));
+        }
+        out
+    }
+
+    /// The peer identities probed, in order: the label identity (if the
+    /// address has one), the address class, then the wildcard peer.
+    pub fn peers_to_probe(ep: &EndpointInfo, dir: u8, peer: IpcacheEntry) -> Vec<u32> {
+        let mut out = Vec::with_capacity(3);
+        if peer.identity != identity::ANY {
+            out.push(peer.identity);
+        }
+        out.push(peer.cidr_identity);
+        if ep.lookups(dir) & lookups::ANY_PEER != 0 {
+            out.push(identity::ANY);
+        }
+        out
+    }
+
+    /// Judges a new flow of endpoint `ep` with `peer_addr` in `dir`.
+    pub fn judge(
+        &self,
+        ep: &EndpointInfo,
+        dir: u8,
+        peer_addr: IpAddr,
+        protocol: u8,
+        port: u16,
+    ) -> Judgement {
+        let peer = self.ipcache_lookup(peer_addr);
+        let verdict = |reason, matched| Judgement {
+            reason,
+            matched,
+            peer,
+        };
+        if peer.identity == identity::NODE {
+            return verdict(Reason::AllowNode, None);
+        }
+        if !ep.isolated(dir) {
+            return verdict(Reason::AllowNotIsolated, None);
+        }
+        for peer_id in Self::peers_to_probe(ep, dir, peer) {
+            for key in Self::probes_for_peer(ep, dir, peer_id, protocol, port) {
+                if self.policy.contains_key(&key) {
+                    return verdict(Reason::AllowPolicy, Some(key));
+                }
+            }
+        }
+        verdict(Reason::DropPolicy, None)
+    }
+}
