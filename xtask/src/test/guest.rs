@@ -34,8 +34,8 @@ pub struct Suite {
 /// SCTP (a module the host lacks), chosen to keep the guest part of
 /// `.ci/run` near 20 minutes under TCG on two cores. On the host only:
 /// `iptables_hardening` (~3 min there), `iptables`, `sim_services`,
-/// `cluster_mode`, `deploy`, the pure suites, and most of `conformance`
-/// (see its note). Each test binary runs with `--test-threads=1`: the
+/// `cluster_mode`, `deploy`, `node_addresses`, the pure suites, and most
+/// of `conformance` (see its note). Each test binary runs with `--test-threads=1`: the
 /// guest has two vCPUs, and tests that share the machine's CPUs under
 /// emulation would only stretch each other's deadlines.
 pub const SUITES: &[Suite] = &[
@@ -45,6 +45,13 @@ pub const SUITES: &[Suite] = &[
         env: &[],
         subset: None,
         timeout: Duration::from_secs(900),
+    },
+    Suite {
+        name: "kernel_services",
+        args: &[],
+        env: &[],
+        subset: None,
+        timeout: Duration::from_secs(600),
     },
     Suite {
         name: "kernel_differential",
