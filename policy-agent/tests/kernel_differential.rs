@@ -21,7 +21,7 @@ use policy_common::{
     proto,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng, seq::IndexedRandom};
-use support::harness::{Harness, TEST_IFINDEX, hook_direction};
+use support::harness::{Harness, TEST_IFINDEX, Verdict, hook_direction};
 
 const PACKETS_PER_ROUND: usize = 600;
 const ROUNDS: u64 = 6;
@@ -170,7 +170,7 @@ fn random_l4(rng: &mut StdRng) -> L4 {
 fn random_packet(rng: &mut StdRng, hook: Hook, sent: &[(Packet, Hook)]) -> Packet {
     let v6 = rng.random_bool(0.3);
     // Host-veth ingress carries what the pod sends: the pod is the source.
-    let pod_sends = hook == Hook::Ingress;
+    let pod_sends = matches!(hook, Hook::Ingress | Hook::Uplink);
     let mut src = random_addr(rng, v6, pod_sends);
     let mut dst = random_addr(rng, v6, !pod_sends);
     let l4 = match rng.random_range(0..20) {
@@ -304,6 +304,95 @@ fn reply(p: &Packet, hook: Hook) -> (Packet, Hook) {
     (Packet::new(p.dst, p.src, l4), other)
 }
 
+/// The catch-all's content (`--pod-cidr`): ranges over the pod and some
+/// peers, and which local addresses are enforced.
+struct CatchAll {
+    ranges: Vec<&'static str>,
+    enforced: Vec<IpAddr>,
+}
+
+impl CatchAll {
+    fn random(rng: &mut StdRng) -> Self {
+        let ranges = if rng.random_bool(0.5) {
+            vec![
+                "10.0.0.0/24",
+                "10.0.1.0/29",
+                "fd00::/64",
+                "fd00:0:0:1::/126",
+            ]
+        } else {
+            Vec::new()
+        };
+        let mut enforced = Vec::new();
+        for a in [pod_v4(), pod_v6()]
+            .into_iter()
+            .chain(peers_v4())
+            .chain(peers_v6())
+        {
+            if rng.random_bool(0.5) {
+                enforced.push(a);
+            }
+        }
+        Self { ranges, enforced }
+    }
+
+    /// Flips one address's entry (a pod enforced, or withdrawn).
+    fn flip(&mut self, rng: &mut StdRng) {
+        let all: Vec<IpAddr> = peers_v4().into_iter().chain(peers_v6()).collect();
+        let a = *all.choose(rng).unwrap();
+        match self.enforced.iter().position(|e| *e == a) {
+            Some(i) => {
+                self.enforced.remove(i);
+            }
+            None => self.enforced.push(a),
+        }
+    }
+
+    fn write(&self, h: &mut Harness) {
+        for a in peers_v4().into_iter().chain(peers_v6()) {
+            h.enforce(&a.to_string(), None);
+        }
+        for a in &self.enforced {
+            h.enforce(&a.to_string(), Some(TEST_IFINDEX + 1));
+        }
+        for r in &self.ranges {
+            h.pod_range(r);
+        }
+    }
+
+    fn model(&self, maps: &mut model::Maps) {
+        for r in &self.ranges {
+            let net: ipnet::IpNet = r.parse().unwrap();
+            maps.insert_pod_range(net.addr(), u32::from(net.prefix_len()));
+        }
+        maps.enforced = self
+            .enforced
+            .iter()
+            .map(|a| (*a, TEST_IFINDEX + 1))
+            .collect();
+    }
+}
+
+/// The uplinks count drops only: at most one counter moves.
+fn run_uplink(h: &mut Harness, hook: Hook, pkt: &Packet) -> Option<policy_common::verdict::Reason> {
+    let before = h.dp.maps.counters().unwrap();
+    let verdict = h.run(hook, &pkt.frame());
+    let after = h.dp.maps.counters().unwrap();
+    let moved: Vec<_> = after
+        .iter()
+        .filter(|((r, d), n)| {
+            *d == hook_direction(hook) && before.get(&(*r, *d)) != Some(n) && r.is_verdict()
+        })
+        .map(|((r, _), _)| *r)
+        .collect();
+    assert!(moved.len() <= 1, "{moved:?}");
+    assert_eq!(
+        verdict == Verdict::Drop,
+        moved.first().is_some_and(|r| r.is_drop())
+    );
+    moved.first().copied()
+}
+
 /// Verdict reasons seen, over all seeds.
 type Seen = std::collections::BTreeMap<policy_common::verdict::Reason, usize>;
 
@@ -317,7 +406,10 @@ fn run_seed(seed: u64, seen: &mut Seen) -> usize {
         Harness::new()
     };
     random_state(&mut h, &mut rng);
+    let mut catchall = CatchAll::random(&mut rng);
+    catchall.write(&mut h);
     let mut model = Datapath::new(h.state.to_model(|k| *k));
+    catchall.model(&mut model.maps);
     let mut sent: Vec<(Packet, Hook)> = Vec::new();
     let mut checked = 0;
     for i in 0..PACKETS_PER_ROUND {
@@ -333,7 +425,33 @@ fn run_seed(seed: u64, seen: &mut Seen) -> usize {
             ep.revision += 1;
             h.state.endpoints.insert(TEST_IFINDEX, ep);
             h.sync();
+            catchall.flip(&mut rng);
+            catchall.write(&mut h);
             model.maps = h.state.to_model(|k| *k);
+            catchall.model(&mut model.maps);
+        }
+        // Now and then a packet at an uplink (egress or ingress).
+        if rng.random_bool(0.1) {
+            let hook = *[Hook::Uplink, Hook::UplinkIngress]
+                .choose(&mut rng)
+                .unwrap();
+            let pkt = random_packet(&mut rng, hook, &sent);
+            let m = to_model(&pkt, hook);
+            let want = if hook == Hook::Uplink {
+                model.uplink(&m)
+            } else {
+                model.uplink_ingress(&m)
+            };
+            let got = run_uplink(&mut h, hook, &pkt);
+            assert_eq!(
+                got,
+                want.reason(),
+                "seed {seed}, packet {i}: {pkt:?} at {hook:?}\nmodel: {want:?}"
+            );
+            if let Some(r) = got {
+                *seen.entry(r).or_default() += 1;
+            }
+            continue;
         }
         let (pkt, hook) = match sent.choose(&mut rng) {
             Some(prev) if rng.random_bool(0.35) => {
@@ -395,6 +513,7 @@ fn kernel_verdicts_equal_the_model() {
             DropPolicy,
             DropPolicyChanged,
             DropSpoofed,
+            DropUnenforced,
         ] {
             assert!(
                 seen.get(&reason).copied().unwrap_or(0) >= 3,

@@ -101,6 +101,12 @@ pub mod code {
     pub const NOT_ENFORCED: u32 = 100;
     /// The request is malformed or of another protocol version.
     pub const BAD_REQUEST: u32 = 101;
+    /// The plugin's own (never sent by the agent): the pod's host-side
+    /// interface could be found neither in the kernel nor in `prevResult`.
+    pub const NO_HOST_INTERFACE: u32 = 102;
+    /// The plugin's own: `prevResult` holds no address for the pod's
+    /// interface.
+    pub const NO_ADDRESS: u32 = 103;
 }
 
 #[cfg(test)]

@@ -120,6 +120,10 @@ pub const ATTACH_CREATED_CLSACT: u32 = 1 << 2;
 pub const ATTACH_POD: u32 = 1 << 3;
 /// [`EndpointMeta::attach`]: the uplink classifier is attached at egress.
 pub const ATTACH_UPLINK: u32 = 1 << 4;
+/// [`EndpointMeta::attach`]: the uplink's ingress classifier is attached
+/// (`from_uplink`, with `--pod-cidr`: traffic to local addresses not
+/// enforced yet).
+pub const ATTACH_UPLINK_INGRESS: u32 = 1 << 5;
 
 /// Value of `ENDPOINT_META` (userspace only): who the endpoint is and how
 /// the agent attached to it, so `dump` can name it and `reset` can undo

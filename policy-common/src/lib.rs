@@ -10,6 +10,7 @@
 //! re-statement of the kernel's lookup order that tests use as an oracle.
 #![cfg_attr(not(feature = "user"), no_std)]
 
+pub mod catchall;
 pub mod config;
 pub mod conntrack;
 pub mod endpoint;

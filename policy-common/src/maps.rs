@@ -28,6 +28,14 @@ pub const SERVICES: &str = "SERVICES";
 /// [`crate::service::ServiceFlowKey`] → [`crate::service::ServiceFlow`]
 /// (LRU hash): clients' flows to frontends and the backends they reached.
 pub const SERVICE_FLOWS: &str = "SERVICE_FLOWS";
+/// [`crate::catchall::LocalAddr`] prefix → [`crate::catchall::POD_RANGE`]:
+/// the ranges the node hands to its own pods (`--pod-cidr`; LPM trie,
+/// both families).
+pub const POD_RANGES: &str = "POD_RANGES";
+/// [`crate::catchall::LocalAddr`] → ifindex (hash): the local addresses
+/// that are enforced (a pod's once both classifiers are attached; node
+/// addresses inside the ranges with [`crate::catchall::ENFORCED_NODE`]).
+pub const ENFORCED: &str = "ENFORCED";
 /// Verdict counters, per CPU, indexed by [`crate::verdict::counter_index`].
 pub const COUNTERS: &str = "COUNTERS";
 /// Ring buffer of [`crate::event::DropEvent`].
@@ -41,7 +49,7 @@ pub const IDENTITY_NAMES: &str = "IDENTITY_NAMES";
 pub const ENDPOINT_META: &str = "ENDPOINT_META";
 
 /// Every map the agent pins, in the order `dump` prints them.
-pub const ALL: [&str; 14] = [
+pub const ALL: [&str; 16] = [
     CONFIG,
     ENDPOINT_SLOTS,
     ENDPOINTS,
@@ -53,6 +61,8 @@ pub const ALL: [&str; 14] = [
     SERVICES,
     CONNTRACK,
     SERVICE_FLOWS,
+    POD_RANGES,
+    ENFORCED,
     FRAGMENTS,
     COUNTERS,
     DROP_EVENTS,
@@ -70,6 +80,10 @@ pub mod capacity {
     pub const IDENTITIES: u32 = 65536;
     pub const SERVICES: u32 = 65536;
     pub const SERVICE_FLOWS: u32 = 65536;
+    /// `--pod-cidr` ranges (a node has one or two).
+    pub const POD_RANGES: u32 = 64;
+    /// Local addresses: two per endpoint slot, and node addresses.
+    pub const ENFORCED: u32 = 32768;
     /// Bytes of the drop-event ring buffer (a power of two, page multiple).
     pub const DROP_EVENTS_BYTES: u32 = 1 << 18;
 }
@@ -83,4 +97,7 @@ pub mod programs {
     /// Attached at the egress of the node's uplinks: judges a pod's egress
     /// to a Service whose backend is on another node, after DNAT.
     pub const TO_UPLINK: &str = "to_uplink";
+    /// Attached at the ingress of the node's uplinks (with `--pod-cidr`):
+    /// drops traffic to a local address that is not enforced yet.
+    pub const FROM_UPLINK: &str = "from_uplink";
 }

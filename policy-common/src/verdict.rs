@@ -39,6 +39,10 @@ pub enum Reason {
     DropFragmentUnknown = 35,
     /// Sent by the pod with a source address that is not the pod's.
     DropSpoofed = 36,
+    /// To or from an address in the node's pod ranges (`--pod-cidr`) that
+    /// no enforced endpoint holds yet: a pod whose veth the agent has not
+    /// attached to (see `policy_common::catchall`).
+    DropUnenforced = 37,
     /// Not a verdict: a drop event lost because the ring buffer was full.
     EventLost = 48,
     /// Not a verdict: a conntrack entry could not be created.
@@ -65,7 +69,7 @@ pub const fn counter_index(reason: Reason, direction: u8) -> u32 {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 20] = [
+    pub const ALL: [Reason; 21] = [
         Reason::AllowPolicy,
         Reason::AllowEstablished,
         Reason::AllowReply,
@@ -83,6 +87,7 @@ impl Reason {
         Reason::DropMalformed,
         Reason::DropFragmentUnknown,
         Reason::DropSpoofed,
+        Reason::DropUnenforced,
         Reason::EventLost,
         Reason::CtCreateFailed,
         Reason::CtMidstreamMiss,
@@ -121,6 +126,7 @@ impl Reason {
             34 => Reason::DropMalformed,
             35 => Reason::DropFragmentUnknown,
             36 => Reason::DropSpoofed,
+            37 => Reason::DropUnenforced,
             48 => Reason::EventLost,
             49 => Reason::CtCreateFailed,
             50 => Reason::CtMidstreamMiss,
@@ -148,6 +154,7 @@ impl Reason {
             Reason::DropMalformed => "drop_malformed",
             Reason::DropFragmentUnknown => "drop_fragment_unknown",
             Reason::DropSpoofed => "drop_spoofed",
+            Reason::DropUnenforced => "drop_unenforced",
             Reason::EventLost => "event_lost",
             Reason::CtCreateFailed => "ct_create_failed",
             Reason::CtMidstreamMiss => "ct_midstream_miss",

@@ -553,9 +553,19 @@ pub fn dnat_hook(ctx: &TcContext) -> bool {
 }
 
 /// The uplink's egress: a pod's packet to a Service whose backend is on
-/// another node, judged after DNAT; anything else passes.
+/// another node, judged after DNAT; a local pod's packet leaving before
+/// it is enforced is dropped; anything else passes.
 pub fn uplink(ctx: &TcContext) -> i32 {
-    if dnat_hook(ctx) { PASS } else { DROP }
+    let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
+        return PASS;
+    };
+    // SAFETY: this CPU's slot; programs do not nest on one CPU.
+    let s = unsafe { &mut *scratch };
+    if !after_dnat(ctx, s, config_flags()) || crate::catchall::uplink_out_unenforced(ctx, s) {
+        DROP
+    } else {
+        PASS
+    }
 }
 
 /// An ICMP error about a flow of this endpoint (its quoted header is in
@@ -650,6 +660,9 @@ fn decide(
         if addr_eq(&pkt.src, &pkt.dst) {
             return (Reason::AllowSelf, unknown);
         }
+    }
+    if crate::catchall::peer_unenforced(pkt, dir) {
+        return (Reason::DropUnenforced, unknown);
     }
     if pkt.frag == FRAG_LATER {
         fill_frag_key(&mut s.frag, ifindex, pkt);

@@ -3,10 +3,13 @@
 //!
 //! `from_pod` runs at host-veth ingress (what the pod sends: its egress
 //! policy); `to_pod` at host-veth egress (what reaches the pod: its ingress
-//! policy). See `docs/ARCHITECTURE.md` for the maps and the lookup order.
+//! policy); `to_uplink` and `from_uplink` on every other interface. See
+//! `docs/ARCHITECTURE.md` for the maps and the lookup order.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 
+#[cfg(target_arch = "bpf")]
+mod catchall;
 #[cfg(target_arch = "bpf")]
 mod classify;
 #[cfg(target_arch = "bpf")]
@@ -41,6 +44,13 @@ mod programs {
     #[classifier]
     pub fn to_uplink(ctx: TcContext) -> i32 {
         crate::classify::uplink(&ctx)
+    }
+
+    /// Uplink ingress (with `--pod-cidr`): nothing enters the node for a
+    /// local address that is not enforced yet.
+    #[classifier]
+    pub fn from_uplink(ctx: TcContext) -> i32 {
+        crate::catchall::from_uplink(&ctx)
     }
 }
 

@@ -7,6 +7,7 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use policy_common::{
+    catchall::LocalAddr,
     config::Config,
     conntrack::{CtEntry, CtKey, FragEntry, FragKey},
     endpoint::{EndpointInfo, EndpointMeta},
@@ -71,6 +72,15 @@ pub static SERVICE_FLOWS: LruHashMap<
     ServiceFlow,
     { capacity::SERVICE_FLOWS as usize },
 > = LruHashMap::new();
+
+/// The node's pod ranges (`--pod-cidr`) and its enforced local addresses:
+/// see `crate::catchall`.
+#[btf_map]
+pub static POD_RANGES: LpmTrie<LocalAddr, u32, { capacity::POD_RANGES as usize }> = LpmTrie::new();
+
+#[btf_map]
+pub static ENFORCED: HashMap<LocalAddr, u32, { capacity::ENFORCED as usize }, NO_PREALLOC> =
+    HashMap::new();
 
 #[btf_map]
 pub static FRAGMENTS: LruHashMap<FragKey, FragEntry, { capacity::FRAGMENTS as usize }> =

@@ -85,7 +85,7 @@ pub fn plan(root: &Path) -> Vec<Step> {
         "--timeout=2s",
     ];
     let mut cni = step(
-        "install the ptp CNI (no kindnet: its policy enforcement would race ours)",
+        "install kindnet's ptp list without kindnetd (its own policy enforcement would race ours)",
         &[
             "docker",
             "exec",
@@ -93,10 +93,10 @@ pub fn plan(root: &Path) -> Vec<Step> {
             &node,
             "sh",
             "-c",
-            "cat > /etc/cni/net.d/10-ptp.conflist",
+            "cat > /etc/cni/net.d/10-kindnet.conflist",
         ],
     );
-    cni.stdin = Some(deploy.join("kind/cni-ptp.conflist"));
+    cni.stdin = Some(deploy.join("kind/kindnet.conflist"));
     let mut ip = step(
         "find the server's IP",
         &[
@@ -112,6 +112,19 @@ pub fn plan(root: &Path) -> Vec<Step> {
         ],
     );
     ip.capture = Some("SERVER_IP");
+    let mut chained = step(
+        "the plugin is chained (cni-install wrote our list once the agent answered)",
+        &[
+            "docker",
+            "exec",
+            &node,
+            "grep",
+            "-q",
+            "\"type\": \"policy-cni\"",
+            "/etc/cni/net.d/00-policy-agent.conflist",
+        ],
+    );
+    chained.expect = Expect::EventuallySuccess;
     let mut open = step("the probe reaches the server (no policy)", &connect);
     open.expect = Expect::EventuallySuccess;
     let mut blocked = step("default deny blocks the probe", &connect);
@@ -175,6 +188,7 @@ pub fn plan(root: &Path) -> Vec<Step> {
                 "--timeout=180s",
             ],
         ),
+        chained,
         step(
             "create the smoke pods",
             &["kubectl", ctx, "apply", "-f", &smoke],
@@ -289,11 +303,12 @@ mod tests {
         let steps = plan(Path::new("/repo"));
         let order = [
             "kind create cluster --name policy-agent --config /repo/deploy/kind/kind-config.yaml",
-            "10-ptp.conflist < /repo/deploy/kind/cni-ptp.conflist",
+            "10-kindnet.conflist < /repo/deploy/kind/kindnet.conflist",
             "docker build -f /repo/deploy/Dockerfile -t policy-agent:dev /repo",
             "kind load docker-image policy-agent:dev --name policy-agent",
             "apply -k /repo/deploy",
             "rollout status ds/policy-agent",
+            "00-policy-agent.conflist",
             "apply -f /repo/deploy/kind/smoke.yaml",
             "apply -f /repo/deploy/kind/smoke-deny.yaml",
             "apply -f /repo/deploy/kind/smoke-allow.yaml",

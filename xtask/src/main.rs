@@ -27,7 +27,8 @@ enum Task {
     /// Install what this machine lacks (apt packages, nightly rust-src,
     /// bpf-linker with LLVM 22). Idempotent; a second run takes seconds.
     Setup,
-    /// Build the agent (with the embedded eBPF object), release profile.
+    /// Build the agent (with the embedded eBPF object) and the CNI plugin,
+    /// release profile.
     Build,
     /// Set up, check formatting and lints, run every test (the root
     /// kernel tests included), then the kernel suites again in a guest on
@@ -64,6 +65,10 @@ enum Task {
         /// target/bench-results are rendered as they are).
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
+        /// Render the blocks from the results already in
+        /// target/bench-results, without running anything.
+        #[arg(long)]
+        no_run: bool,
     },
     /// Create a kind cluster (docker, kind and kubectl needed), deploy the
     /// agent as a DaemonSet and run a smoke check.
@@ -159,7 +164,14 @@ fn main() -> anyhow::Result<()> {
         Task::Setup => setup(),
         Task::Build => {
             setup()?;
-            run(cargo().args(["build", "--release", "-p", "policy-agent"]))
+            run(cargo().args([
+                "build",
+                "--release",
+                "-p",
+                "policy-agent",
+                "-p",
+                "policy-cni",
+            ]))
         }
         Task::Test {
             no_lint,
@@ -234,10 +246,12 @@ fn main() -> anyhow::Result<()> {
             }
             std::process::exit(out.status)
         }
-        Task::Bench { only } => {
-            setup()?;
-            require_root("the benchmarks")?;
-            bench::run(&root(), &only)
+        Task::Bench { only, no_run } => {
+            if !no_run {
+                setup()?;
+                require_root("the benchmarks")?;
+            }
+            bench::run(&root(), &only, !no_run)
         }
         Task::Demo { manifests, node } => {
             setup()?;

@@ -92,6 +92,20 @@ pub struct DatapathArgs {
     /// the backend (BPF datapath).
     #[arg(long = "service-cidr", value_name = "CIDR")]
     pub service_cidrs: Vec<ipnet::IpNet>,
+    /// The range(s) this node's IPAM hands to its own pods (the Node's
+    /// spec.podCIDRs; repeatable, one per family). An address in them that
+    /// no enforced pod holds yet (a new pod whose veth the agent has not
+    /// attached to) is unreachable: nothing from it or to it passes the
+    /// other pods' veths or the node's uplinks. The node's own addresses
+    /// in them (a ptp gateway) keep working. Both datapaths.
+    #[arg(long = "pod-cidr", value_name = "CIDR")]
+    pub pod_cidrs: Vec<ipnet::IpNet>,
+    /// In cluster mode without --pod-cidr, do not take the ranges from the
+    /// Node's spec.podCIDRs: for an IPAM that ignores them (Calico IPAM,
+    /// Cilium cluster-pool), which may give those addresses to pods of
+    /// other nodes.
+    #[arg(long)]
+    pub ignore_node_pod_cidrs: bool,
 }
 
 /// The node the agent enforces on.
@@ -162,6 +176,7 @@ impl EnforceArgs {
                     .iter()
                     .map(|n| n.trunc())
                     .collect(),
+                pod_ranges: self.datapath.pod_cidrs.iter().map(|n| n.trunc()).collect(),
                 capacities: Sizing {
                     max_pods: self.sizing.max_pods,
                     cluster_pods: self.sizing.cluster_pods,

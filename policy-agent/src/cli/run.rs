@@ -65,6 +65,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 let client = kube::Client::try_default()
                     .await
                     .context("connecting to the API server (in-cluster config or KUBECONFIG)")?;
+                if config.datapath.load.pod_ranges.is_empty()
+                    && !args.enforce.datapath.ignore_node_pod_cidrs
+                {
+                    config.datapath.load.pod_ranges = node_pod_ranges(&client, &config.node).await;
+                }
                 Sources::Cluster(client)
             }
         };
@@ -73,4 +78,27 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             .map_err(anyhow::Error::from)
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Without `--pod-cidr` in cluster mode: this node's `spec.podCIDRs`. If
+/// they cannot be read the agent runs without the catch-all (as before),
+/// and says so.
+async fn node_pod_ranges(client: &kube::Client, node: &str) -> Vec<ipnet::IpNet> {
+    match policy_agent::source::kube::node_pod_cidrs(client.clone(), node).await {
+        Ok(ranges) if ranges.is_empty() => {
+            tracing::warn!(
+                node,
+                "the Node has no spec.podCIDRs and --pod-cidr is not given: a new pod is unjudged until the agent attaches to it"
+            );
+            ranges
+        }
+        Ok(ranges) => {
+            tracing::info!(node, ?ranges, "pod ranges from the Node's spec.podCIDRs");
+            ranges
+        }
+        Err(e) => {
+            tracing::warn!(node, error = %e, "cannot read the Node's spec.podCIDRs and --pod-cidr is not given: a new pod is unjudged until the agent attaches to it");
+            Vec::new()
+        }
+    }
 }

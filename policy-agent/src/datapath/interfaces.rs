@@ -107,12 +107,25 @@ pub struct InterfaceCache {
     found: BTreeMap<PodRef, (Vec<IpAddr>, Interface)>,
     /// Set by a clear: the next full sync re-verifies every attachment.
     verify: bool,
+    /// Set by a link event: the next sync looks again at the pods whose
+    /// interface is missing or gone (not at every pod).
+    links: bool,
 }
 
 impl InterfaceCache {
     pub fn clear(&mut self) {
         self.found.clear();
         self.verify = true;
+    }
+
+    /// Links came or went: the next sync re-checks what they can change.
+    pub fn links_changed(&mut self) {
+        self.links = true;
+    }
+
+    /// Whether links came or went since the last call.
+    pub fn take_links_changed(&mut self) -> bool {
+        std::mem::take(&mut self.links)
     }
 
     /// Whether every attachment should be checked this sync (once).
@@ -155,6 +168,11 @@ impl InterfaceCache {
     /// The interface last found for `pod`.
     pub fn get(&self, pod: &PodRef) -> Option<&Interface> {
         self.found.get(pod).map(|(_, i)| i)
+    }
+
+    /// The addresses `pod`'s interface was last found for.
+    pub fn ips(&self, pod: &PodRef) -> Option<&[IpAddr]> {
+        self.found.get(pod).map(|(ips, _)| ips.as_slice())
     }
 
     /// Drops a pod that is gone, returning the interface it had.

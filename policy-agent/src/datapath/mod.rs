@@ -144,7 +144,10 @@ pub struct OpenOptions {
 /// the iptables fallback is used.
 pub fn open(opts: &OpenOptions) -> Result<Box<dyn Datapath>, Error> {
     let iptables = || -> Result<Box<dyn Datapath>, Error> {
-        Ok(Box::new(iptables::IptablesDriver::open(opts.iptables)?))
+        Ok(Box::new(iptables::IptablesDriver::open(
+            opts.iptables,
+            &opts.load.pod_ranges,
+        )?))
     };
     match opts.choice {
         Choice::Bpf => Ok(Box::new(bpf::BpfDriver::open(&opts.layout, &opts.load)?)),

@@ -26,6 +26,20 @@ pub struct Dump {
     pub policy: Vec<PolicyRow>,
     pub conntrack: Vec<CtRow>,
     pub counters: Vec<CounterRow>,
+    /// `--pod-cidr` (the catch-all: see docs/ARCHITECTURE.md), and whether
+    /// the classifier checks it.
+    pub pod_ranges: Vec<String>,
+    pub catchall_on: bool,
+    /// Enforced local addresses and whose they are.
+    pub enforced: Vec<EnforcedRow>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct EnforcedRow {
+    pub address: String,
+    pub ifindex: u32,
+    /// The endpoint's name, or "(node)" for the node's own addresses.
+    pub endpoint: String,
 }
 
 #[derive(Debug, Serialize)]
@@ -195,7 +209,23 @@ pub fn dump(layout: &PinLayout) -> Result<Dump, Error> {
             packets,
         })
         .collect();
+    let (ranges, catchall_on, held) = maps.read_catchall()?;
+    let enforced = held
+        .into_iter()
+        .map(|(ip, ifindex)| EnforcedRow {
+            address: ip.to_string(),
+            ifindex,
+            endpoint: if ifindex == policy_common::catchall::ENFORCED_NODE {
+                "(node)".into()
+            } else {
+                names.endpoint(ifindex)
+            },
+        })
+        .collect();
     Ok(Dump {
+        pod_ranges: ranges.iter().map(ToString::to_string).collect(),
+        catchall_on,
+        enforced,
         pin_dir: layout.versioned().display().to_string(),
         debug_log: config.flags & CONFIG_DEBUG_LOG != 0,
         endpoints,
@@ -263,6 +293,17 @@ impl fmt::Display for Dump {
                 "  {:<28} {:<6} {} -> {} (opened {}, rev {})",
                 c.endpoint, c.protocol, c.src, c.dst, c.opened, c.revision
             )?;
+        }
+        writeln!(
+            f,
+            "\nPOD RANGES ({}, catch-all {}): {}",
+            self.pod_ranges.len(),
+            if self.catchall_on { "on" } else { "off" },
+            self.pod_ranges.join(" ")
+        )?;
+        writeln!(f, "\nENFORCED ({})", self.enforced.len())?;
+        for e in &self.enforced {
+            writeln!(f, "  {:<40} if{:<5} {}", e.address, e.ifindex, e.endpoint)?;
         }
         writeln!(f, "\nCOUNTERS")?;
         for c in &self.counters {

@@ -15,6 +15,7 @@
 //! and [`dns`] (a kube-dns stand-in and a resolver).
 pub mod backend;
 mod cluster;
+pub mod cni;
 pub mod dns;
 pub mod kube_proxy;
 pub mod manifests;

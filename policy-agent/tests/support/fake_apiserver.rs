@@ -1,6 +1,6 @@
 //! A fake Kubernetes API server on loopback HTTP, enough for the agent's
 //! watchers: list and watch of pods, namespaces, networkpolicies, services
-//! and endpointslices with
+//! and endpointslices (and get of nodes) with
 //! the API server's resourceVersion semantics (a list returns the version
 //! a watch resumes from; a watch without a version starts with the current
 //! objects as ADDED; `410 Gone` only for versions older than the compacted
@@ -96,6 +96,7 @@ fn kind_of(obj: &Value) -> Option<&'static str> {
         "NetworkPolicy" => Some("networkpolicies"),
         "Service" => Some("services"),
         "EndpointSlice" => Some("endpointslices"),
+        "Node" => Some("nodes"),
         _ => None,
     }
 }
@@ -380,6 +381,20 @@ async fn serve(
     }
     if method == "PATCH" && path.starts_with("/apis/events.k8s.io/v1/namespaces/") {
         return respond(&mut stream, "200 OK", &body).await;
+    }
+    // Nodes: get by name only (the agent reads its own, once).
+    if let Some(name) = path.strip_prefix("/api/v1/nodes/")
+        && method == "GET"
+    {
+        let node = state
+            .lock()
+            .unwrap()
+            .kinds
+            .get("nodes")
+            .and_then(|k| k.objects.get(&(String::new(), name.to_owned())).cloned());
+        if let Some(node) = node {
+            return respond(&mut stream, "200 OK", &node).await;
+        }
     }
     let Some(kind) = kind.filter(|_| method == "GET") else {
         let status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404});

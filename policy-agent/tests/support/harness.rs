@@ -273,6 +273,45 @@ impl Harness {
         self.state.policy.insert(key, PolicyEntry::default());
     }
 
+    /// Adds a pod range (`--pod-cidr`) and turns the catch-all on.
+    #[allow(dead_code)]
+    pub fn pod_range(&mut self, net: &str) {
+        use policy_common::catchall::{POD_RANGE, local_addr, range_prefix_len};
+        let net: IpNet = net.parse().unwrap();
+        let (fam, bytes) = family_bytes(net.trunc().addr());
+        let key = aya::maps::lpm_trie::Key::new(
+            range_prefix_len(net.prefix_len()),
+            local_addr(fam, &bytes),
+        );
+        self.dp.maps.pod_ranges.insert(&key, POD_RANGE, 0).unwrap();
+        self.catchall(true);
+    }
+
+    /// Sets or clears `CONFIG_POD_RANGES`.
+    #[allow(dead_code)]
+    pub fn catchall(&mut self, on: bool) {
+        let mut c = self.dp.maps.config().unwrap();
+        c.flags &= !policy_common::config::CONFIG_POD_RANGES;
+        if on {
+            c.flags |= policy_common::config::CONFIG_POD_RANGES;
+        }
+        self.dp.maps.set_config(c).unwrap();
+    }
+
+    /// Marks a local address enforced (`ENFORCED`), or not.
+    #[allow(dead_code)]
+    pub fn enforce(&mut self, addr: &str, ifindex: Option<u32>) {
+        let (fam, bytes) = family_bytes(ip(addr));
+        let key = policy_common::catchall::local_addr(fam, &bytes);
+        match ifindex {
+            Some(i) => self.dp.maps.enforced.insert(key, i, 0).unwrap(),
+            // Absent already is fine.
+            None => {
+                let _ = self.dp.maps.enforced.remove(&key);
+            }
+        }
+    }
+
     /// Runs one frame through the program at `hook`.
     pub fn run(&mut self, hook: Hook, frame: &[u8]) -> Verdict {
         let prog = self.dp.program(hook).unwrap();
@@ -366,7 +405,18 @@ impl Harness {
 pub fn hook_direction(hook: Hook) -> u8 {
     match hook {
         Hook::Ingress | Hook::Uplink => direction::EGRESS,
-        Hook::Egress => direction::INGRESS,
+        Hook::Egress | Hook::UplinkIngress => direction::INGRESS,
+    }
+}
+
+fn family_bytes(a: IpAddr) -> (u8, [u8; 16]) {
+    match a {
+        IpAddr::V4(v4) => {
+            let mut b = [0u8; 16];
+            b[..4].copy_from_slice(&v4.octets());
+            (policy_common::family::IPV4, b)
+        }
+        IpAddr::V6(v6) => (policy_common::family::IPV6, v6.octets()),
     }
 }
 

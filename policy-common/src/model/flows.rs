@@ -190,6 +190,9 @@ impl Datapath {
                 return verdict(Reason::AllowSelf);
             }
         }
+        if self.maps.unenforced(pkt.peer()) {
+            return verdict(Reason::DropUnenforced);
+        }
         let port = pkt.policy_port();
         // A pod isolated in no direction needs no tracking.
         if !ep.tracks() {

@@ -1,6 +1,9 @@
 //! The map content a verdict reads, and judging a new flow against it.
 
-use std::{collections::BTreeMap, net::IpAddr};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
 
 use crate::{
     endpoint::{EndpointInfo, lookups},
@@ -26,6 +29,12 @@ pub struct Maps {
     /// entry, per family.
     pub frontends_v4: BTreeMap<(u32, [u8; 4]), ServiceEntry>,
     pub frontends_v6: BTreeMap<(u32, [u8; 16]), ServiceEntry>,
+    /// The node's pod ranges (`POD_RANGES`): (prefix length, masked
+    /// address), per family. See [`super::catchall`].
+    pub pod_ranges_v4: BTreeSet<(u32, [u8; 4])>,
+    pub pod_ranges_v6: BTreeSet<(u32, [u8; 16])>,
+    /// The enforced local addresses (`ENFORCED`) → ifindex.
+    pub enforced: BTreeMap<IpAddr, u32>,
 }
 
 /// Outcome of judging a flow against the policy.
@@ -38,7 +47,7 @@ pub struct Judgement {
     pub peer: IpcacheEntry,
 }
 
-fn masked<const N: usize>(addr: [u8; N], prefix_len: u32) -> [u8; N] {
+pub(super) fn masked<const N: usize>(addr: [u8; N], prefix_len: u32) -> [u8; N] {
     let mut out = [0u8; N];
     for (i, byte) in addr.iter().enumerate() {
         let bit = (i as u32) * 8;

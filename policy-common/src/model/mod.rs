@@ -13,6 +13,8 @@
 //!    (or unspecified) source with hop limit 1 → pass;
 //! 3. sent by the pod (egress) from an address that is not its own → drop
 //!    (spoofed); from its own address to itself → pass;
+//!    3a. the peer (destination at egress, source at ingress) in the node's
+//!    pod ranges and not enforced → drop (see [`catchall`]);
 //! 4. E isolated in no direction: judge (nothing is tracked);
 //! 5. an ICMP error travelling back to the sender of the packet it quotes,
 //!    which belongs to a flow tracked at E and still allowed → related;
@@ -33,6 +35,7 @@
 //! Service is a tracked flow of the client whose verdict that judgement
 //! gives ([`FlowState::pending`]).
 
+pub mod catchall;
 mod flows;
 mod maps;
 pub mod service;
@@ -96,8 +99,8 @@ pub struct Outcome {
     /// destination (counted as that client's egress).
     pub after_dnat: Option<Judgement>,
     /// The hook's own verdict on the packet: None when the verdict after
-    /// DNAT dropped it first, and at the uplink (which judges nothing
-    /// else).
+    /// DNAT dropped it first, and at the uplinks unless the catch-all
+    /// drops it (they judge nothing else).
     pub judgement: Option<Judgement>,
     /// The `skb->mark` the packet leaves with.
     pub mark: u32,

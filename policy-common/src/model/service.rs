@@ -89,6 +89,9 @@ impl Datapath {
             out.mark &= !mark::MASK;
             out.after_dnat = Some(self.after_dnat(client, pkt));
         }
+        if out.passes() {
+            out.judgement = super::catchall::uplink_out(&self.maps, pkt);
+        }
         out
     }
 

@@ -14,6 +14,7 @@ use aya::programs::{
 };
 use policy_common::endpoint::{
     ATTACH_CREATED_CLSACT, ATTACH_NETLINK, ATTACH_POD, ATTACH_TCX, ATTACH_UPLINK,
+    ATTACH_UPLINK_INGRESS,
 };
 use tracing::debug;
 
@@ -36,7 +37,8 @@ pub const NETLINK_UPLINK_HANDLE: TcHandle = TcHandle::new(0, 0x4e51);
 pub fn netlink_slot(hook: Hook) -> (u16, TcHandle) {
     match hook {
         Hook::Ingress | Hook::Egress => (NETLINK_PRIORITY, NETLINK_HANDLE),
-        Hook::Uplink => (NETLINK_UPLINK_PRIORITY, NETLINK_UPLINK_HANDLE),
+        // At ingress, where the pod filter (same slot) never sits with it.
+        Hook::Uplink | Hook::UplinkIngress => (NETLINK_UPLINK_PRIORITY, NETLINK_UPLINK_HANDLE),
     }
 }
 
@@ -45,6 +47,7 @@ pub fn hook_bit(hook: Hook) -> u32 {
     match hook {
         Hook::Ingress | Hook::Egress => ATTACH_POD,
         Hook::Uplink => ATTACH_UPLINK,
+        Hook::UplinkIngress => ATTACH_UPLINK_INGRESS,
     }
 }
 
@@ -343,6 +346,6 @@ impl<'a> Attachment<'a> {
 
     /// Whether anything is still attached (besides how: mode bits).
     pub fn any_hook(&self) -> bool {
-        self.bits & (ATTACH_POD | ATTACH_UPLINK) != 0
+        self.bits & (ATTACH_POD | ATTACH_UPLINK | ATTACH_UPLINK_INGRESS) != 0
     }
 }

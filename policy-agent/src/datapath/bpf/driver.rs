@@ -20,11 +20,14 @@ use policy_common::{
 };
 
 use super::{
-    BpfDatapath, Error, LoadOptions, PinLayout, endpoint_meta_name, observe, uplinks::sync_uplinks,
+    BpfDatapath, Error, LoadOptions, PinLayout, catchall::Enforcement, endpoint_meta_name, observe,
+    uplinks::sync_uplinks,
 };
 use crate::{
     cluster::{ObjectKind, PodRef, Problem},
-    datapath::{self, Datapath, Desired, Interface, InterfaceCache, SyncReport},
+    datapath::{
+        self, Datapath, Desired, Interface, InterfaceCache, SyncReport, resolve_interfaces,
+    },
     identity::IdentityAllocator,
     mapstate::{MapOp, MapState, assign_revisions, diff},
     metrics::MetricsSource,
@@ -40,13 +43,18 @@ pub struct BpfDriver {
     kernel_log: bool,
     /// Configured Service ranges, written beside the compiled frontends.
     service_ranges: Vec<ipnet::IpNet>,
+    /// `--pod-cidr` and the enforced local addresses.
+    enforcement: Enforcement,
 }
 
 impl BpfDriver {
     /// Opens (or creates) the pinned datapath.
     pub fn open(layout: &PinLayout, opts: &LoadOptions) -> Result<Self, Error> {
+        let mut dp = BpfDatapath::open(layout, opts)?;
+        let enforcement = Enforcement::open(&mut dp.maps, &opts.pod_ranges)?;
         Ok(Self {
-            dp: BpfDatapath::open(layout, opts)?,
+            dp,
+            enforcement,
             last: None,
             interfaces: InterfaceCache::default(),
             drop_log: false,
@@ -62,26 +70,43 @@ impl BpfDriver {
     ) -> Result<SyncReport, Error> {
         let t = std::time::Instant::now();
         let mut report = SyncReport::default();
+        let links_changed = self.interfaces.take_links_changed();
+        let link_writes = if links_changed && self.last.is_some() {
+            link_ops(&self.interfaces, desired)
+        } else {
+            Vec::new()
+        };
         let incremental = self.last.is_some() && !self.interfaces.needs_full_pass();
         if incremental {
-            let ops: Vec<MapOp<PodRef>> = ops
+            let mut ops: Vec<MapOp<PodRef>> = ops
                 .iter()
                 .filter(|op| !touches_range(op, &self.service_ranges))
                 .cloned()
                 .collect();
+            ops.extend(link_writes);
             sync_ops(
                 &mut self.dp,
                 &mut self.last,
                 &mut self.interfaces,
-                desired.local_pods,
+                &mut self.enforcement,
+                desired,
                 &ops,
                 &mut report,
             )?;
+            if links_changed && let Some(state) = &self.last {
+                // A new interface that is no pod's carries the uplink
+                // classifiers from now on; one that became a pod's loses
+                // them.
+                let pods: BTreeSet<u32> = state.endpoints.keys().copied().collect();
+                let ingress = !self.enforcement.ranges().is_empty();
+                sync_uplinks(&mut self.dp, &pods, ingress, false, &mut report);
+            }
         } else {
             sync_full(
                 &mut self.dp,
                 &mut self.last,
                 &mut self.interfaces,
+                &mut self.enforcement,
                 Compiled {
                     maps: desired.maps,
                     local_pods: desired.local_pods,
@@ -124,10 +149,11 @@ impl Datapath for BpfDriver {
     fn forget_cache(&mut self) {
         self.last = None;
         self.interfaces.clear();
+        self.enforcement.forget();
     }
 
     fn links_changed(&mut self) {
-        self.interfaces.clear();
+        self.interfaces.links_changed();
     }
 
     /// The drop log is retried until it runs; the kernel log follower is
@@ -144,11 +170,13 @@ impl Datapath for BpfDriver {
     }
 
     fn enforced(&self, pod: &PodRef) -> Option<u32> {
-        // From the kernel: the entry is there and the programs attached.
+        // From the kernel: the entry is there, the programs attached, and
+        // the addresses in ENFORCED (peers may reach the pod).
         let ifindex = self.interfaces.get(pod)?.ifindex;
         self.dp.maps.endpoint(ifindex).ok().flatten()?;
         let attached = self.dp.maps.meta(ifindex)?.attach & ATTACH_POD != 0;
-        attached.then_some(ifindex)
+        let ips = self.interfaces.ips(pod)?;
+        (attached && Enforcement::holds(&self.dp.maps, ifindex, ips)).then_some(ifindex)
     }
 
     fn metrics(&self) -> Option<MetricsSource> {
@@ -165,6 +193,34 @@ fn touches_range<K>(op: &MapOp<K>, ranges: &[ipnet::IpNet]) -> bool {
     matches!(op, MapOp::UpsertService(net, _) | MapOp::DeleteService(net) if ranges.contains(net))
 }
 
+/// After a link or pod-route event, without a full pass: every local
+/// pod's interface is looked up again (one route lookup per address, no
+/// map read or state diff), and the endpoint writes follow what moved: a
+/// pod whose interface changed or went loses its entry (and the old
+/// interface its classifiers), then a pod with an interface it did not
+/// have gets its entry and is attached as any new endpoint. The periodic
+/// resync re-verifies every attachment.
+fn link_ops(cache: &InterfaceCache, desired: &Desired<'_>) -> Vec<MapOp<PodRef>> {
+    let (current, _) = resolve_interfaces(desired.local_pods);
+    let mut deletes = Vec::new();
+    let mut upserts = Vec::new();
+    for pod in desired.local_pods.keys() {
+        let now = current.get(pod);
+        let cached = cache.get(pod);
+        if cached == now {
+            continue;
+        }
+        if cached.is_some() {
+            deletes.push(MapOp::DeleteEndpoint(pod.clone()));
+        }
+        if let (Some(_), Some(info)) = (now, desired.maps.endpoints.get(pod)) {
+            upserts.push(MapOp::UpsertEndpoint(pod.clone(), *info));
+        }
+    }
+    deletes.extend(upserts);
+    deletes
+}
+
 /// What a full pass writes: the compiled state and the driver's own
 /// entries.
 struct Compiled<'a> {
@@ -178,6 +234,7 @@ fn sync_full(
     dp: &mut BpfDatapath,
     last: &mut Option<MapState<u32>>,
     cache: &mut InterfaceCache,
+    enforcement: &mut Enforcement,
     compiled: Compiled<'_>,
     report: &mut SyncReport,
 ) -> Result<(), Error> {
@@ -190,6 +247,10 @@ fn sync_full(
     let (interfaces, problems) = cache.resolve(local_pods);
     report.problems.extend(problems);
     let resolve_us = t.elapsed().as_micros() as u64;
+    // Addresses leave ENFORCED before anything of theirs is removed.
+    enforcement.set_node(&maps.ipcache);
+    let iface_of = |pod: &PodRef| interfaces.get(pod).map(|i| i.ifindex);
+    enforcement.withdraw(&mut dp.maps, local_pods, &iface_of, report);
 
     let old = match last.take() {
         Some(state) => state,
@@ -215,6 +276,7 @@ fn sync_full(
     let meta = dp.maps.read_meta()?;
     let verify = cache.take_verify();
     let mut fresh = Vec::new();
+    let mut attached = BTreeSet::new();
     for (pod, iface) in &interfaces {
         let known = meta
             .get(&iface.ifindex)
@@ -224,11 +286,14 @@ fn sync_full(
         }
         if !known {
             fresh.push((pod.clone(), iface.clone()));
-        } else if verify {
-            verify_attached(dp, pod, iface, report);
+        } else if !verify || verify_attached(dp, pod, iface, report) {
+            attached.insert(iface.ifindex);
         }
     }
-    attach_fresh(dp, &fresh, report);
+    attached.extend(attach_fresh(dp, &fresh, report));
+    // Attached: their addresses become reachable (ENFORCED), last.
+    enforcement.reset_attached(attached);
+    enforcement.grant(&mut dp.maps, local_pods, &iface_of, report);
     let wanted: BTreeSet<u32> = interfaces.values().map(|i| i.ifindex).collect();
     for (ifindex, m) in meta
         .iter()
@@ -239,7 +304,8 @@ fn sync_full(
     // Interfaces without the pod classifiers (an endpoint left unwritten
     // included) carry the uplink one.
     let pods: BTreeSet<u32> = wanted.difference(&unwritten).copied().collect();
-    sync_uplinks(dp, &pods, verify, report);
+    let ingress = !enforcement.ranges().is_empty();
+    sync_uplinks(dp, &pods, ingress, verify, report);
     debug!(
         resolve_us,
         diff_us,
@@ -259,13 +325,28 @@ fn sync_ops(
     dp: &mut BpfDatapath,
     last: &mut Option<MapState<u32>>,
     cache: &mut InterfaceCache,
-    local_pods: &BTreeMap<PodRef, Vec<IpAddr>>,
+    enforcement: &mut Enforcement,
+    desired: &Desired<'_>,
     ops: &[MapOp<PodRef>],
     report: &mut SyncReport,
 ) -> Result<(), Error> {
+    let local_pods = desired.local_pods;
     let Some(mut state) = last.take() else {
         return Ok(());
     };
+    // Addresses leave ENFORCED before anything of theirs is removed.
+    let node_moved = ops.iter().any(|op| match op {
+        MapOp::UpsertIpcache(k, v) => enforcement.node_may_change(k, Some(v)),
+        MapOp::DeleteIpcache(k) => enforcement.node_may_change(k, None),
+        _ => false,
+    });
+    if node_moved {
+        enforcement.set_node(&desired.maps.ipcache);
+    }
+    {
+        let iface_of = |pod: &PodRef| cache.get(pod).map(|i| i.ifindex);
+        enforcement.withdraw(&mut dp.maps, local_pods, &iface_of, report);
+    }
     let next_revision = state.next_revision();
     let mut writes: Vec<MapOp<u32>> = Vec::with_capacity(ops.len());
     let mut bump_all = false;
@@ -340,8 +421,13 @@ fn sync_ops(
     let failed = apply_all(dp, &writes, report);
     report.endpoints = state.endpoints.len();
     fresh.retain(|(_, iface)| !failed.contains(&iface.ifindex));
-    attach_fresh(dp, &fresh, report);
+    for ifindex in attach_fresh(dp, &fresh, report) {
+        enforcement.set_attached(ifindex, true);
+    }
+    let iface_of = |pod: &PodRef| cache.get(pod).map(|i| i.ifindex);
+    enforcement.grant(&mut dp.maps, local_pods, &iface_of, report);
     for (ifindex, name) in &gone {
+        enforcement.set_attached(*ifindex, false);
         detach(dp, *ifindex, name, report);
     }
     // Anything short: the next sync is a full pass over the maps read back.
@@ -428,13 +514,22 @@ fn report_shortfall(
 }
 
 /// Makes sure a known interface still has both programs attached, and
-/// that nobody else's program runs before them.
-fn verify_attached(dp: &mut BpfDatapath, pod: &PodRef, iface: &Interface, report: &mut SyncReport) {
-    if let Err(e) = dp.attach(iface.ifindex, &pod.to_string()) {
-        report
-            .problems
-            .push(Problem::object(ObjectKind::Pod, pod.clone(), e.to_string()));
-    }
+/// that nobody else's program runs before them. False: not attached.
+fn verify_attached(
+    dp: &mut BpfDatapath,
+    pod: &PodRef,
+    iface: &Interface,
+    report: &mut SyncReport,
+) -> bool {
+    let attached = match dp.attach(iface.ifindex, &pod.to_string()) {
+        Ok(()) => true,
+        Err(e) => {
+            report
+                .problems
+                .push(Problem::object(ObjectKind::Pod, pod.clone(), e.to_string()));
+            false
+        }
+    };
     for (hook, ids) in dp.foreign_ahead(iface.ifindex) {
         warn!(pod = %pod, interface = %iface.name, hook = hook.name(), programs = ?ids, "foreign programs run before the classifier");
         report.problems.push(Problem::object(
@@ -447,12 +542,19 @@ fn verify_attached(dp: &mut BpfDatapath, pod: &PodRef, iface: &Interface, report
             ),
         ));
     }
+    attached
 }
 
-/// New interfaces, attached together (in parallel with TCX).
-fn attach_fresh(dp: &mut BpfDatapath, fresh: &[(PodRef, Interface)], report: &mut SyncReport) {
+/// New interfaces, attached together (in parallel with TCX). Returns
+/// those that carry both classifiers now.
+fn attach_fresh(
+    dp: &mut BpfDatapath,
+    fresh: &[(PodRef, Interface)],
+    report: &mut SyncReport,
+) -> BTreeSet<u32> {
+    let mut done = BTreeSet::new();
     if fresh.is_empty() {
-        return;
+        return done;
     }
     let items: Vec<(u32, String)> = fresh
         .iter()
@@ -466,6 +568,7 @@ fn attach_fresh(dp: &mut BpfDatapath, fresh: &[(PodRef, Interface)], report: &mu
             Ok(()) => {
                 info!(pod = %pod, interface = %iface.name, "attached");
                 report.attached.push(iface.name.clone());
+                done.insert(ifindex);
             }
             Err(e) => {
                 report
@@ -474,6 +577,7 @@ fn attach_fresh(dp: &mut BpfDatapath, fresh: &[(PodRef, Interface)], report: &mu
             }
         }
     }
+    done
 }
 
 fn detach(dp: &mut BpfDatapath, ifindex: u32, name: &str, report: &mut SyncReport) {

@@ -25,6 +25,9 @@ pub struct LoadOptions {
     pub capacities: Vec<(&'static str, u32)>,
     /// Service ranges: frontends whether their Services are known or not.
     pub service_ranges: Vec<ipnet::IpNet>,
+    /// The ranges the node hands to its own pods (`--pod-cidr`): an
+    /// address in them that is not enforced is unreachable.
+    pub pod_ranges: Vec<ipnet::IpNet>,
 }
 
 /// The classifiers, loaded or opened from their pins.
@@ -32,6 +35,7 @@ pub struct Classifiers {
     pub from_pod: SchedClassifier,
     pub to_pod: SchedClassifier,
     pub to_uplink: SchedClassifier,
+    pub from_uplink: SchedClassifier,
 }
 
 impl Classifiers {
@@ -45,6 +49,7 @@ impl Classifiers {
             Hook::Ingress => &mut self.from_pod,
             Hook::Egress => &mut self.to_pod,
             Hook::Uplink => &mut self.to_uplink,
+            Hook::UplinkIngress => &mut self.from_uplink,
         }
     }
 
@@ -53,6 +58,7 @@ impl Classifiers {
             Hook::Ingress => &self.from_pod,
             Hook::Egress => &self.to_pod,
             Hook::Uplink => &self.to_uplink,
+            Hook::UplinkIngress => &self.from_uplink,
         };
         prog.info().ok().map(|i| i.id())
     }
@@ -175,9 +181,10 @@ impl BpfDatapath {
         self.attach_hooks(ifindex, name, &Hook::BOTH)
     }
 
-    /// Attaches the uplink classifier at the egress of `ifindex`.
-    pub fn attach_uplink(&mut self, ifindex: u32, name: &str) -> Result<(), Error> {
-        self.attach_hooks(ifindex, name, &[Hook::Uplink])
+    /// Attaches the uplink classifiers `hooks` (egress, and ingress with
+    /// `--pod-cidr`) to `ifindex`.
+    pub fn attach_uplink(&mut self, ifindex: u32, name: &str, hooks: &[Hook]) -> Result<(), Error> {
+        self.attach_hooks(ifindex, name, hooks)
     }
 
     fn attach_hooks(&mut self, ifindex: u32, name: &str, hooks: &[Hook]) -> Result<(), Error> {
@@ -286,10 +293,10 @@ impl BpfDatapath {
         self.detach_hooks(ifindex, &Hook::BOTH)
     }
 
-    /// Removes the uplink classifier of `ifindex` (and its record, unless
-    /// the pod classifiers stay).
-    pub fn detach_uplink(&mut self, ifindex: u32) -> Result<(), Vec<Error>> {
-        self.detach_hooks(ifindex, &[Hook::Uplink])
+    /// Removes the uplink classifiers `hooks` of `ifindex` (and its
+    /// record, unless other classifiers stay).
+    pub fn detach_uplink(&mut self, ifindex: u32, hooks: &[Hook]) -> Result<(), Vec<Error>> {
+        self.detach_hooks(ifindex, hooks)
     }
 
     /// Detaches `hooks`; the record stays while anything is still attached.
@@ -380,6 +387,7 @@ fn open_pinned(layout: &PinLayout) -> Result<Classifiers, Error> {
         from_pod: open(Hook::Ingress)?,
         to_pod: open(Hook::Egress)?,
         to_uplink: open(Hook::Uplink)?,
+        from_uplink: open(Hook::UplinkIngress)?,
     })
 }
 

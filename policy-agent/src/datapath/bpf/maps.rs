@@ -41,6 +41,9 @@ pub struct BpfMaps {
     pub conntrack: HashMap<MapData, CtKey, CtEntry>,
     pub fragments: HashMap<MapData, FragKey, FragEntry>,
     pub counters: PerCpuArray<MapData, u64>,
+    /// The catch-all's (see `super::catchall`).
+    pub pod_ranges: LpmTrie<MapData, ServiceAddr, u32>,
+    pub enforced: HashMap<MapData, ServiceAddr, u32>,
 }
 
 /// Key and value sizes each map must have in this layout.
@@ -58,6 +61,8 @@ fn expected_sizes(name: &str) -> Option<(usize, usize)> {
         names::CONNTRACK => (size_of::<CtKey>(), size_of::<CtEntry>()),
         names::FRAGMENTS => (size_of::<FragKey>(), size_of::<FragEntry>()),
         names::COUNTERS => (4, 8),
+        names::POD_RANGES => (4 + size_of::<ServiceAddr>(), 4),
+        names::ENFORCED => (size_of::<ServiceAddr>(), 4),
         _ => return None,
     })
 }
@@ -166,6 +171,8 @@ impl BpfMaps {
             conntrack: field(names::CONNTRACK, layout, &mut source)?,
             fragments: field(names::FRAGMENTS, layout, &mut source)?,
             counters: field(names::COUNTERS, layout, &mut source)?,
+            pod_ranges: field(names::POD_RANGES, layout, &mut source)?,
+            enforced: field(names::ENFORCED, layout, &mut source)?,
         })
     }
 
@@ -500,7 +507,7 @@ fn lpm_key(net: &IpNet) -> LpmKey {
 }
 
 /// The `SERVICES` key of a prefix.
-fn service_key(net: &IpNet) -> Key<ServiceAddr> {
+pub(super) fn service_key(net: &IpNet) -> Key<ServiceAddr> {
     let net = net.trunc();
     let (fam, addr) = match net.addr() {
         IpAddr::V4(a) => {
@@ -517,7 +524,7 @@ fn service_key(net: &IpNet) -> Key<ServiceAddr> {
 }
 
 /// The prefix a `SERVICES` key stands for (None: not one this agent writes).
-fn service_net(key: &Key<ServiceAddr>) -> Option<IpNet> {
+pub(super) fn service_net(key: &Key<ServiceAddr>) -> Option<IpNet> {
     let data = key.data();
     let bits = u8::try_from(key.prefix_len().checked_sub(32)?).ok()?;
     let ip = match data[0] {
@@ -534,7 +541,11 @@ fn service_net(key: &Key<ServiceAddr>) -> Option<IpNet> {
     IpNet::new(ip, bits).ok()
 }
 
-fn insert(name: &'static str, r: Result<(), MapError>, map: &MapData) -> Result<(), Error> {
+pub(super) fn insert(
+    name: &'static str,
+    r: Result<(), MapError>,
+    map: &MapData,
+) -> Result<(), Error> {
     r.map_err(|e| match &e {
         MapError::SyscallError(s)
             if matches!(
@@ -552,7 +563,7 @@ fn insert(name: &'static str, r: Result<(), MapError>, map: &MapData) -> Result<
 }
 
 /// A missing key is fine: the state we wanted is reached.
-fn remove(name: &'static str, r: Result<(), MapError>) -> Result<(), Error> {
+pub(super) fn remove(name: &'static str, r: Result<(), MapError>) -> Result<(), Error> {
     match r {
         Err(MapError::KeyNotFound) => Ok(()),
         Err(MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),

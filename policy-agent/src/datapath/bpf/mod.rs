@@ -1,6 +1,7 @@
 //! The eBPF datapath: the classifier object, its pinned maps and programs,
 //! and attachments to pod interfaces.
 mod attach;
+mod catchall;
 mod driver;
 mod error;
 mod events;

@@ -1,7 +1,7 @@
 //! Where everything is pinned.
 //!
 //! `<root>/v<LAYOUT_VERSION>/maps/<MAP>`, `.../progs/<program>`,
-//! `.../links/<ifindex>-<ingress|egress|uplink>` (TCX links). The version in the
+//! `.../links/<ifindex>-<ingress|egress|uplink|uplink-ingress>` (TCX links). The version in the
 //! path keeps an agent from ever opening a map of another layout.
 use std::path::{Path, PathBuf};
 
@@ -24,19 +24,29 @@ pub enum Hook {
     /// packet to a Service, judged after DNAT when its backend is reached
     /// through here (see `policy_common::service`).
     Uplink,
+    /// Ingress of such an interface (with `--pod-cidr`): nothing enters
+    /// the node for a local address not enforced yet (see
+    /// `policy_common::catchall`).
+    UplinkIngress,
 }
 
 impl Hook {
     /// The two hooks of a pod's interface.
     pub const BOTH: [Hook; 2] = [Hook::Ingress, Hook::Egress];
     /// Every hook (what `reset` undoes).
-    pub const ALL: [Hook; 3] = [Hook::Ingress, Hook::Egress, Hook::Uplink];
+    pub const ALL: [Hook; 4] = [
+        Hook::Ingress,
+        Hook::Egress,
+        Hook::Uplink,
+        Hook::UplinkIngress,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             Hook::Ingress => "ingress",
             Hook::Egress => "egress",
             Hook::Uplink => "uplink",
+            Hook::UplinkIngress => "uplink-ingress",
         }
     }
 
@@ -46,6 +56,7 @@ impl Hook {
             Hook::Ingress => policy_common::maps::programs::FROM_POD,
             Hook::Egress => policy_common::maps::programs::TO_POD,
             Hook::Uplink => policy_common::maps::programs::TO_UPLINK,
+            Hook::UplinkIngress => policy_common::maps::programs::FROM_UPLINK,
         }
     }
 }

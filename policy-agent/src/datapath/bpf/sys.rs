@@ -69,7 +69,7 @@ pub(crate) fn tcx_attach_and_pin(
     pin: &Path,
 ) -> std::io::Result<()> {
     let attach_type = match hook {
-        Hook::Ingress => BPF_TCX_INGRESS,
+        Hook::Ingress | Hook::UplinkIngress => BPF_TCX_INGRESS,
         Hook::Egress | Hook::Uplink => BPF_TCX_EGRESS,
     };
     // BPF_LINK_CREATE: { u32 prog_fd; u32 target_ifindex; u32 attach_type;
@@ -92,7 +92,7 @@ pub(crate) fn tcx_attach_and_pin(
 /// The tc attach point of a hook.
 pub(crate) fn tc_type(hook: Hook) -> TcAttachType {
     match hook {
-        Hook::Ingress => TcAttachType::Ingress,
+        Hook::Ingress | Hook::UplinkIngress => TcAttachType::Ingress,
         Hook::Egress | Hook::Uplink => TcAttachType::Egress,
     }
 }

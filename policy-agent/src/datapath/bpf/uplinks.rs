@@ -4,12 +4,16 @@
 //! DNAT: the backend's veth when the backend is local, else the interface
 //! the rewritten packet leaves through (an uplink, a tunnel, a bridge, or
 //! the veth of a pod not known yet), which this keeps covered.
+//!
+//! With `--pod-cidr` the same interfaces also carry `from_uplink` at
+//! ingress, and `to_uplink` also drops what leaves from a local address
+//! that is not enforced yet (see `policy_common::catchall`).
 use std::collections::{BTreeMap, BTreeSet};
 
-use policy_common::endpoint::ATTACH_UPLINK;
+use policy_common::endpoint::{ATTACH_UPLINK, ATTACH_UPLINK_INGRESS};
 use tracing::{info, warn};
 
-use super::{BpfDatapath, loader::uplink_label};
+use super::{BpfDatapath, Hook, loader::uplink_label};
 use crate::{
     cluster::Problem,
     datapath::SyncReport,
@@ -27,15 +31,25 @@ pub fn uplink_candidates(links: Vec<Link>, pods: &BTreeSet<u32>) -> BTreeMap<u32
         .collect()
 }
 
-/// Attaches the uplink classifier where it is missing (every candidate,
-/// re-checked when `verify`), and removes it from interfaces that are no
-/// longer candidates (they became endpoints, or are gone).
+/// Attaches the uplink classifiers where they are missing (every
+/// candidate, re-checked when `verify`; the ingress one only when
+/// `ingress`: pod ranges are configured), and removes them from interfaces
+/// that are no longer candidates (they became endpoints, or are gone).
 pub fn sync_uplinks(
     dp: &mut BpfDatapath,
     pods: &BTreeSet<u32>,
+    ingress: bool,
     verify: bool,
     report: &mut SyncReport,
 ) {
+    let (hooks, bits): (&[Hook], u32) = if ingress {
+        (
+            &[Hook::Uplink, Hook::UplinkIngress],
+            ATTACH_UPLINK | ATTACH_UPLINK_INGRESS,
+        )
+    } else {
+        (&[Hook::Uplink], ATTACH_UPLINK)
+    };
     let links = match netlink::links() {
         Ok(links) => links,
         Err(e) => {
@@ -60,13 +74,11 @@ pub fn sync_uplinks(
         }
     };
     for (ifindex, name) in &wanted {
-        let has = meta
-            .get(ifindex)
-            .is_some_and(|m| m.attach & ATTACH_UPLINK != 0);
+        let has = meta.get(ifindex).is_some_and(|m| m.attach & bits == bits);
         if has && !verify {
             continue;
         }
-        match dp.attach_uplink(*ifindex, &uplink_label(*ifindex)) {
+        match dp.attach_uplink(*ifindex, &uplink_label(*ifindex), hooks) {
             Ok(()) if !has => info!(interface = %name, "uplink classifier attached"),
             Ok(()) => {}
             Err(e) => {
@@ -79,10 +91,17 @@ pub fn sync_uplinks(
         }
     }
     for (ifindex, m) in &meta {
-        if m.attach & ATTACH_UPLINK == 0 || wanted.contains_key(ifindex) {
+        let gone: &[Hook] = if wanted.contains_key(ifindex) {
+            if ingress || m.attach & ATTACH_UPLINK_INGRESS == 0 {
+                continue;
+            }
+            &[Hook::UplinkIngress] // --pod-cidr no longer given.
+        } else if m.attach & (ATTACH_UPLINK | ATTACH_UPLINK_INGRESS) != 0 {
+            &[Hook::Uplink, Hook::UplinkIngress]
+        } else {
             continue;
-        }
-        if let Err(errors) = dp.detach_uplink(*ifindex) {
+        };
+        if let Err(errors) = dp.detach_uplink(*ifindex, gone) {
             for e in errors {
                 warn!(ifindex, error = %e, "uplink classifier detach");
                 report.problems.push(Problem::node(format!(

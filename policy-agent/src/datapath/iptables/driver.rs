@@ -1,10 +1,15 @@
 //! The iptables driver: the same compiled state, rendered as ipsets and
 //! chains and applied (only what differs from what is installed).
-use std::collections::BTreeMap;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
 
 use tracing::info;
 
-use super::{Backend, DEFAULT_MARK, Error, Executor, NAME_BITS, RenderInput, Ruleset, render};
+use super::{
+    Backend, DEFAULT_MARK, Error, Executor, NAME_BITS, RenderInput, Ruleset, catchall, render,
+};
 use crate::{
     cluster::{ObjectKind, PodRef, Problem},
     datapath::{self, Datapath, Desired, InterfaceCache, SyncReport},
@@ -18,14 +23,19 @@ pub struct IptablesDriver {
     /// The pods whose rules the last successful sync installed, and their
     /// interfaces.
     installed: BTreeMap<PodRef, u32>,
+    /// `--pod-cidr`: traffic from or to an address in them that no
+    /// installed pod holds is dropped.
+    pub pod_ranges: Vec<ipnet::IpNet>,
 }
 
 impl IptablesDriver {
     /// Checks that ipset and the iptables tools of `backend` are usable.
-    pub fn open(backend: Backend) -> Result<Self, Error> {
+    pub fn open(backend: Backend, pod_ranges: &[ipnet::IpNet]) -> Result<Self, Error> {
         let exec = Executor::new(backend);
         exec.check()?;
-        Ok(Self::unchecked_with(exec))
+        let mut this = Self::unchecked_with(exec);
+        this.pod_ranges = pod_ranges.to_vec();
+        Ok(this)
     }
 
     /// A driver that has not checked for the tools (for rendering).
@@ -39,6 +49,7 @@ impl IptablesDriver {
             interfaces: InterfaceCache::default(),
             mark: DEFAULT_MARK,
             installed: BTreeMap::new(),
+            pod_ranges: Vec::new(),
         }
     }
 
@@ -58,7 +69,7 @@ impl IptablesDriver {
             .iter()
             .map(|(p, i)| (p.clone(), i.name.clone()))
             .collect();
-        let ruleset = render(&RenderInput {
+        let mut ruleset = render(&RenderInput {
             maps: desired.maps,
             local_pods: desired.local_pods,
             interfaces: &names,
@@ -66,12 +77,33 @@ impl IptablesDriver {
             mark: self.mark,
             name_bits: NAME_BITS,
         });
-        let indexes = interfaces
+        let indexes: BTreeMap<PodRef, u32> = interfaces
             .iter()
             .map(|(p, i)| (p.clone(), i.ifindex))
             .collect();
+        let enforced = enforced_addresses(desired, &indexes, |_, _| true);
+        catchall::add(&mut ruleset, &self.pod_ranges, &enforced);
         (ruleset, problems, indexes)
     }
+}
+
+/// The enforced local addresses: the node's own, and those of the pods in
+/// `interfaces` (with an endpoint entry) that `keep` accepts.
+fn enforced_addresses(
+    desired: &Desired<'_>,
+    interfaces: &BTreeMap<PodRef, u32>,
+    keep: impl Fn(&PodRef, u32) -> bool,
+) -> BTreeSet<IpAddr> {
+    let node = desired.maps.ipcache.iter().filter(|(net, e)| {
+        e.identity == policy_common::identity::NODE && net.prefix_len() == net.max_prefix_len()
+    });
+    let mut out: BTreeSet<IpAddr> = node.map(|(net, _)| net.addr()).collect();
+    for (pod, ifindex) in interfaces {
+        if desired.maps.endpoints.contains_key(pod) && keep(pod, *ifindex) {
+            out.extend(desired.local_pods.get(pod).into_iter().flatten().copied());
+        }
+    }
+    out
 }
 
 impl Datapath for IptablesDriver {
@@ -89,7 +121,24 @@ impl Datapath for IptablesDriver {
         let (ruleset, mut problems, interfaces) = self.ruleset_for(desired);
         let endpoints = interfaces.len();
         problems.extend(ruleset.problems.iter().cloned());
-        self.installed.clear();
+        // With --pod-cidr, a new pod's address joins the enforced set only
+        // once its chains are in (a second apply), and a gone pod's leaves
+        // it before its chains go (the first: sets are written first).
+        let installed = std::mem::take(&mut self.installed);
+        let before = enforced_addresses(desired, &interfaces, |pod, ifindex| {
+            installed.get(pod) == Some(&ifindex)
+        });
+        let mut first = None;
+        if !self.pod_ranges.is_empty() {
+            let mut r = ruleset.clone();
+            catchall::set_enforced(&mut r, &before);
+            if r != ruleset {
+                first = Some(r);
+            }
+        }
+        if let Some(r) = &first {
+            self.exec.apply(r)?;
+        }
         let applied = self.exec.apply(&ruleset)?;
         self.installed = interfaces;
         if applied.wrote_anything() {

@@ -3,6 +3,7 @@
 //! applied atomically with `ipset restore` and `iptables-restore --noflush`,
 //! touching only the agent's own chains and sets.
 mod apply;
+mod catchall;
 mod driver;
 mod error;
 mod render;

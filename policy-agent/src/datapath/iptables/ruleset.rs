@@ -49,6 +49,8 @@ pub enum SetKind {
     Class,
     /// Everything outside every carved prefix (`hash:net`).
     World,
+    /// The enforced local addresses (`--pod-cidr`, `hash:ip`).
+    Enforced,
 }
 
 impl SetKind {
@@ -66,6 +68,7 @@ impl SetKind {
             SetKind::Identity => 'I',
             SetKind::Class => 'C',
             SetKind::World => 'W',
+            SetKind::Enforced => 'L',
         }
     }
 }
@@ -201,7 +204,7 @@ pub fn is_own_set(name: &str) -> bool {
     let mut parts = rest.split('-');
     matches!(
         (parts.next(), parts.next(), parts.next(), parts.next()),
-        (Some("I" | "C" | "W"), Some(hash), Some("4" | "6"), None) if is_hex(hash, 16)
+        (Some("I" | "C" | "W" | "L"), Some(hash), Some("4" | "6"), None) if is_hex(hash, 16)
     )
 }
 

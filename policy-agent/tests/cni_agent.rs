@@ -1,0 +1,440 @@
+//! The CNI hand-off with the real agent: `policy-agent run --cni-socket`
+//! on a simulated node whose pods are made as a runtime makes them
+//! (`sim::cni`: Debian's ptp + host-local, then our plugin), in manifests
+//! mode and against the fake API server. Judged at the receiver: a
+//! capture in the pod's namespace, opened before its ADD. Needs root and
+//! containernetworking-plugins; run under the kernel-test lock.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod cni_common;
+mod support;
+
+use std::{
+    net::{Ipv4Addr, SocketAddrV4},
+    time::Duration,
+};
+
+use cni_common::{
+    agent::{AgentNode, POD_CIDR, ipv4, namespace, pod, policy, status},
+    traffic::{Flood, Receiver, connect, send_udp},
+};
+use policy_agent::sim::cni::{CniError, CniRuntime, Sandbox};
+use policy_cni::protocol::code;
+use serde_json::{Value, json};
+use support::fake_apiserver::FakeApi;
+
+/// The victim's listeners.
+const PORT: u16 = 19600;
+/// Where a pod under deny-all egress tries to send.
+const EGRESS_PORT: u16 = 19601;
+/// How long traffic keeps coming after ADD returned.
+const AFTER_ADD: Duration = Duration::from_secs(1);
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    Manifests,
+    Cluster,
+}
+
+/// The agent's node and, in cluster mode, the API server it watches.
+struct World {
+    node: AgentNode,
+    api: Option<FakeApi>,
+    objects: Vec<Value>,
+}
+
+impl World {
+    /// `objects` are in the source before the agent starts.
+    fn new(prefix: &'static str, mode: Mode, objects: Vec<Value>, extra: &[&str]) -> Self {
+        let mut node = AgentNode::new(prefix);
+        node.extra = extra.iter().map(|s| (*s).to_owned()).collect();
+        let api = match mode {
+            Mode::Manifests => {
+                node.write(&objects);
+                None
+            }
+            Mode::Cluster => {
+                let api = FakeApi::start(&node.fx.node.node, objects.clone());
+                let kubeconfig = node.fx.dir.path().join("kubeconfig");
+                api.kubeconfig(&kubeconfig);
+                node.env
+                    .push(("KUBECONFIG".into(), kubeconfig.to_str().unwrap().to_owned()));
+                Some(api)
+            }
+        };
+        node.start();
+        Self { node, api, objects }
+    }
+
+    /// A new object in the source (the file rewritten, or applied).
+    fn add_object(&mut self, obj: Value) {
+        self.objects.push(obj.clone());
+        match &self.api {
+            Some(api) => {
+                api.apply(obj);
+            }
+            None => self.node.write(&self.objects),
+        }
+    }
+
+    /// A pod made through the whole chain, then published as the kubelet
+    /// does once the sandbox is up (status.podIPs, Running); its IPv4
+    /// address.
+    fn pod(&mut self, rt: &CniRuntime, name: &str) -> (Sandbox, Ipv4Addr) {
+        let mut sb = self.node.sandbox(rt, name);
+        let result = rt
+            .add(&mut sb)
+            .unwrap_or_else(|e| panic!("ADD {name}: {e}"));
+        let ip = ipv4(&result);
+        let obj = self
+            .objects
+            .iter_mut()
+            .find(|o| o["kind"] == "Pod" && o["metadata"]["name"] == name)
+            .unwrap();
+        obj["status"] = json!({"phase": "Running", "podIP": ip.to_string(), "podIPs": [{"ip": ip.to_string()}]});
+        let obj = obj.clone();
+        match &self.api {
+            Some(api) => {
+                api.apply(obj);
+            }
+            None => self.node.write(&self.objects),
+        }
+        (sb, ip)
+    }
+}
+
+/// friend (allowed into the victim), foe (not), and the victim's policy:
+/// `app=victim` isolated for ingress, only `role=friend` let in.
+fn friend_foe_victim() -> Vec<Value> {
+    vec![
+        namespace(),
+        pod("friend", &[("role", "friend")]),
+        pod("foe", &[("role", "foe")]),
+        pod("victim", &[("app", "victim")]),
+        policy(
+            "victim-from-friends",
+            "victim",
+            &["Ingress"],
+            json!([{"from": [{"podSelector": {"matchLabels": {"role": "friend"}}}]}]),
+        ),
+    ]
+}
+
+/// Right after the victim's ADD returned: the foe floods it (nothing
+/// arrives) and the friend connects (it arrives, and is accepted).
+fn assert_enforced_now(
+    victim: &Sandbox,
+    victim_ip: Ipv4Addr,
+    rx: &Receiver,
+    friend: (&Sandbox, Ipv4Addr),
+    foe: (&Sandbox, Ipv4Addr),
+) {
+    let to = SocketAddrV4::new(victim_ip, PORT);
+    let flood = Flood::start(&foe.0.netns, vec![to], AFTER_ADD);
+    let reached = connect(&friend.0.netns, to, Duration::from_secs(3));
+    std::thread::sleep(AFTER_ADD);
+    let sent = flood.stop();
+    assert!(sent > 0, "the foe sent nothing");
+    let from_foe = rx.from(foe.1);
+    assert!(
+        from_foe.is_empty(),
+        "{} packet(s) from the foe reached {} ({victim_ip}) after its ADD returned (of {sent} sent); first: {:?}",
+        from_foe.len(),
+        victim.container_id,
+        from_foe.first()
+    );
+    assert!(
+        reached && !rx.from(friend.1).is_empty() && rx.accepted() >= 1,
+        "the friend must get through (the pod is up and only the foe is denied)"
+    );
+}
+
+fn enforced_once_add_returns(prefix: &'static str, mode: Mode) {
+    let mut w = World::new(prefix, mode, friend_foe_victim(), &[]);
+    let rt = w.node.runtime(10.0);
+    let (friend, friend_ip) = w.pod(&rt, "friend");
+    let (foe, foe_ip) = w.pod(&rt, "foe");
+    let mut victim = w.node.sandbox(&rt, "victim");
+    let rx = Receiver::start(&victim.netns, PORT);
+    let result = rt
+        .add(&mut victim)
+        .unwrap_or_else(|e| panic!("ADD victim: {e}"));
+    let victim_ip = ipv4(&result);
+    assert_enforced_now(
+        &victim,
+        victim_ip,
+        &rx,
+        (&friend, friend_ip),
+        (&foe, foe_ip),
+    );
+    for mut sb in [victim, foe, friend] {
+        rt.del(&mut sb).unwrap();
+    }
+    assert!(w.node.fx.reserved().is_empty(), "every address released");
+}
+
+/// ADD returns only once the pod is enforced: the first packets a peer
+/// sends after it returned are judged (manifests mode).
+#[test]
+fn add_returns_once_the_pod_is_enforced_manifests() {
+    enforced_once_add_returns("cnia1m", Mode::Manifests);
+}
+
+/// The same in cluster mode (the pod object in the API before ADD).
+#[test]
+fn add_returns_once_the_pod_is_enforced_cluster() {
+    enforced_once_add_returns("cnia1c", Mode::Cluster);
+}
+
+fn cni_code(r: &Result<Value, CniError>) -> Option<u64> {
+    r.as_ref().err().and_then(CniError::code)
+}
+
+/// Agent down: no socket, then a stale socket of a killed agent. ADD
+/// fails with "try again later" (the kubelet retries); the runtime's DEL
+/// succeeds; once the agent is back the retried ADD succeeds enforced.
+#[test]
+fn add_fails_while_the_agent_is_down_and_succeeds_enforced_once_it_is_back() {
+    let mut w = World::new("cnidown", Mode::Manifests, friend_foe_victim(), &[]);
+    let rt = w.node.runtime(2.0);
+    let (friend, friend_ip) = w.pod(&rt, "friend");
+    let (foe, foe_ip) = w.pod(&rt, "foe");
+    w.node.kill();
+    let mut victim = w.node.sandbox(&rt, "victim");
+    let rx = Receiver::start(&victim.netns, PORT);
+    for (what, stale) in [("stale socket", true), ("no socket", false)] {
+        if !stale {
+            std::fs::remove_file(w.node.fx.socket()).unwrap();
+        }
+        let r = rt.add(&mut victim);
+        assert_eq!(
+            cni_code(&r),
+            Some(u64::from(code::TRY_AGAIN)),
+            "{what}: {r:?}"
+        );
+        rt.del(&mut victim)
+            .unwrap_or_else(|e| panic!("{what}: DEL after a failed ADD: {e}"));
+    }
+    w.node.start();
+    let result = rt
+        .add(&mut victim)
+        .unwrap_or_else(|e| panic!("ADD with the agent back: {e}"));
+    assert_enforced_now(
+        &victim,
+        ipv4(&result),
+        &rx,
+        (&friend, friend_ip),
+        (&foe, foe_ip),
+    );
+}
+
+/// Agent slow: the pod object is not there yet, so the agent cannot
+/// enforce it; the plugin's timeout (2 s) runs out first and ADD fails.
+/// The object arrives (the agent would confirm now, nobody is waiting);
+/// the retried ADD succeeds, enforced.
+#[test]
+fn add_fails_when_the_agent_confirms_after_the_timeout() {
+    let mut objects = friend_foe_victim();
+    let victim_obj = objects.remove(3);
+    let mut w = World::new("cnislow", Mode::Manifests, objects, &[]);
+    let rt = w.node.runtime(2.0);
+    let (friend, friend_ip) = w.pod(&rt, "friend");
+    let (foe, foe_ip) = w.pod(&rt, "foe");
+    let mut victim = w.node.sandbox(&rt, "victim");
+    let rx = Receiver::start(&victim.netns, PORT);
+    let r = rt.add(&mut victim);
+    assert_eq!(cni_code(&r), Some(u64::from(code::TRY_AGAIN)), "{r:?}");
+    rt.del(&mut victim).unwrap();
+    w.add_object(victim_obj);
+    let result = rt
+        .add(&mut victim)
+        .unwrap_or_else(|e| panic!("retried ADD: {e}"));
+    assert_enforced_now(
+        &victim,
+        ipv4(&result),
+        &rx,
+        (&friend, friend_ip),
+        (&foe, foe_ip),
+    );
+}
+
+/// Agent restarting during ADD: the ADD is waiting (pod object not there
+/// yet) when the agent is killed and started again with it. The ADD fails
+/// (its connection died with the agent) or succeeds only enforced; a
+/// failed one, retried, succeeds enforced.
+#[test]
+fn an_agent_restart_during_add_never_lets_the_pod_start_unenforced() {
+    let mut objects = friend_foe_victim();
+    let victim_obj = objects.remove(3);
+    let mut w = World::new("cnirst", Mode::Manifests, objects, &[]);
+    let rt = w.node.runtime(15.0);
+    let (friend, friend_ip) = w.pod(&rt, "friend");
+    let (foe, foe_ip) = w.pod(&rt, "foe");
+    let mut victim = w.node.sandbox(&rt, "victim");
+    let rx = Receiver::start(&victim.netns, PORT);
+    let first = std::thread::scope(|s| {
+        let add = s.spawn(|| rt.add(&mut victim));
+        std::thread::sleep(Duration::from_secs(1));
+        w.node.kill();
+        w.add_object(victim_obj);
+        w.node.start();
+        add.join().unwrap()
+    });
+    let result = match first {
+        Ok(result) => result,
+        Err(e) => {
+            assert_eq!(e.code(), Some(u64::from(code::TRY_AGAIN)), "{e}");
+            rt.del(&mut victim).unwrap();
+            rt.add(&mut victim)
+                .unwrap_or_else(|e| panic!("retried ADD: {e}"))
+        }
+    };
+    assert_enforced_now(
+        &victim,
+        ipv4(&result),
+        &rx,
+        (&friend, friend_ip),
+        (&foe, foe_ip),
+    );
+}
+
+/// DEL of a sandbox the agent never saw (and a second DEL of one it did)
+/// succeeds; the agent keeps answering.
+#[test]
+fn del_of_an_unknown_pod_succeeds() {
+    let mut w = World::new("cnidel", Mode::Manifests, friend_foe_victim(), &[]);
+    let rt = w.node.runtime(5.0);
+    let mut never = w.node.sandbox(&rt, "ghost");
+    rt.del(&mut never).unwrap();
+    let (mut friend, _) = w.pod(&rt, "friend");
+    rt.del(&mut friend).unwrap();
+    rt.del(&mut friend).unwrap();
+    assert!(status(&w.node.fx.socket()).is_some_and(|r| r.ok));
+}
+
+/// foe and receiver (neither isolated), victim (deny-all ingress) and
+/// leaker (deny-all egress).
+fn first_packet_objects() -> Vec<Value> {
+    vec![
+        namespace(),
+        pod("foe", &[("role", "foe")]),
+        pod("receiver", &[("role", "receiver")]),
+        policy("victim-deny-all", "victim", &["Ingress"], Value::Null),
+        policy("leaker-deny-all", "leaker", &["Egress"], Value::Null),
+        pod("victim", &[("app", "victim")]),
+        pod("leaker", &[("app", "leaker")]),
+    ]
+}
+
+/// The first-packet test. The foe floods the victim's address (the next
+/// host-local hands out) from before the victim's ADD starts until a
+/// while after it returned; the victim's capture, open before ADD, sees
+/// not one packet from it. Then the leaker, under deny-all egress, floods
+/// the receiver from inside its namespace from before its ADD: the
+/// receiver's capture sees not one packet from it (the foe's datagrams to
+/// the same port do arrive: the capture works). `late`: the pod objects
+/// reach the API only after ADD started (cluster mode).
+fn first_packet(prefix: &'static str, mode: Mode, late: bool) {
+    let mut objects = first_packet_objects();
+    let pending: Vec<Value> = if late {
+        objects.split_off(5)
+    } else {
+        Vec::new()
+    };
+    let mut w = World::new(prefix, mode, objects, &["--pod-cidr", POD_CIDR]);
+    let rt = w.node.runtime(10.0);
+    let (foe, foe_ip) = w.pod(&rt, "foe");
+    let (receiver, receiver_ip) = w.pod(&rt, "receiver");
+    // host-local hands out addresses in order from the first free one.
+    let next = |ip: Ipv4Addr| Ipv4Addr::from(u32::from(ip) + 1);
+    let (victim_ip, leaker_ip) = (next(receiver_ip), next(next(receiver_ip)));
+
+    let mut victim = w.node.sandbox(&rt, "victim");
+    let rx = Receiver::start(&victim.netns, PORT);
+    let flood = Flood::start(
+        &foe.netns,
+        vec![SocketAddrV4::new(victim_ip, PORT)],
+        Duration::from_secs(60),
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    let mut pending = pending.into_iter();
+    let result = std::thread::scope(|s| {
+        let add = s.spawn(|| rt.add(&mut victim));
+        if late {
+            std::thread::sleep(Duration::from_millis(500));
+            w.add_object(pending.next().unwrap());
+        }
+        add.join().unwrap()
+    })
+    .unwrap_or_else(|e| panic!("ADD victim: {e}"));
+    let added = std::time::Instant::now();
+    assert_eq!(
+        ipv4(&result),
+        victim_ip,
+        "the flood aimed at the victim's address"
+    );
+    std::thread::sleep(AFTER_ADD);
+    let sent = flood.stop();
+    let leaked = rx.from(foe_ip);
+    assert!(sent > 0);
+    let after = leaked.iter().filter(|p| p.at > added).count();
+    assert!(
+        leaked.is_empty(),
+        "{} of {sent} packets from the foe reached the victim (deny-all ingress): {} before its ADD returned, {after} after",
+        leaked.len(),
+        leaked.len() - after,
+    );
+
+    let rx = Receiver::start(&receiver.netns, EGRESS_PORT);
+    let mut leaker = w.node.sandbox(&rt, "leaker");
+    let flood = Flood::start(
+        &leaker.netns,
+        vec![SocketAddrV4::new(receiver_ip, EGRESS_PORT)],
+        Duration::from_secs(60),
+    );
+    let result = std::thread::scope(|s| {
+        let add = s.spawn(|| rt.add(&mut leaker));
+        if late {
+            std::thread::sleep(Duration::from_millis(500));
+            w.add_object(pending.next().unwrap());
+        }
+        add.join().unwrap()
+    })
+    .unwrap_or_else(|e| panic!("ADD leaker: {e}"));
+    let added = std::time::Instant::now();
+    assert_eq!(ipv4(&result), leaker_ip);
+    std::thread::sleep(AFTER_ADD);
+    let sent = flood.stop();
+    send_udp(&foe.netns, SocketAddrV4::new(receiver_ip, EGRESS_PORT), 5);
+    let arrived = rx.to_port(EGRESS_PORT);
+    assert!(
+        arrived.iter().any(|p| p.src == foe_ip),
+        "the control datagrams from the foe must arrive"
+    );
+    let out: Vec<_> = arrived.iter().filter(|p| p.src == leaker_ip).collect();
+    let after = out.iter().filter(|p| p.at > added).count();
+    assert!(
+        out.is_empty(),
+        "{} packet(s) of the {sent} the leaker sent under deny-all egress reached the receiver: {} before its ADD returned, {after} after",
+        out.len(),
+        out.len() - after,
+    );
+    for mut sb in [leaker, victim, receiver, foe] {
+        rt.del(&mut sb).unwrap();
+    }
+}
+
+#[test]
+fn first_packet_manifests() {
+    first_packet("cnifpm", Mode::Manifests, false);
+}
+
+#[test]
+fn first_packet_cluster() {
+    first_packet("cnifpc", Mode::Cluster, false);
+}
+
+#[test]
+fn first_packet_cluster_pod_object_after_add_started() {
+    first_packet("cnifpl", Mode::Cluster, true);
+}
