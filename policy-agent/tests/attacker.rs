@@ -19,7 +19,10 @@ use policy_agent::sim::{
     packet::{Fragment, L4, Packet, TCP_ACK, TCP_SYN},
 };
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
-use support::conformance::{Backend, Conformance, NsSpec, PodSpec, labels};
+use support::{
+    conformance::{Backend, Conformance, NsSpec, PodSpec, labels},
+    deadline::scaled,
+};
 
 const ATTACKER: &str = "t/attacker";
 const VICTIM: &str = "t/victim";
@@ -126,7 +129,7 @@ fn arrived(victim: &NetNs, from: IpAddr, to: IpAddr, send: impl FnOnce()) -> usi
             loop {
                 if until.is_none() && stop_rx.try_recv().is_ok() {
                     // Let late packets land.
-                    until = Some(Instant::now() + Duration::from_millis(300));
+                    until = Some(Instant::now() + scaled(Duration::from_millis(300)));
                 }
                 if until.is_some_and(|u| Instant::now() >= u) {
                     return n;

@@ -9,8 +9,9 @@ mod support;
 use std::time::Duration;
 
 use policy_agent::sim::{Outcome, Transport, Verdict, connect, echo};
-use support::conformance::{
-    Backend, Conformance, is_node, labels, name_of, ns_of, same_ns, socket,
+use support::{
+    conformance::{Backend, Conformance, is_node, labels, name_of, ns_of, same_ns, socket},
+    deadline::scaled,
 };
 
 /// The metrics a daemon serves, by series ("name{labels}").
@@ -306,10 +307,10 @@ macro_rules! conformance_suite {
                 let c = env(concat!($p, "cut"));
                 c.apply_ok();
                 let client = &c.node().pod("beta/web").unwrap().netns;
-                let mut cut = connect(client, socket("10.244.1.12", 80), Duration::from_secs(2)).unwrap();
-                let mut kept = connect(client, socket("10.244.1.11", 80), Duration::from_secs(2)).unwrap();
-                assert_eq!(echo(&mut cut, b"one", Duration::from_secs(1)), Outcome::Open);
-                assert_eq!(echo(&mut kept, b"one", Duration::from_secs(1)), Outcome::Open);
+                let mut cut = connect(client, socket("10.244.1.12", 80), scaled(Duration::from_secs(2))).unwrap();
+                let mut kept = connect(client, socket("10.244.1.11", 80), scaled(Duration::from_secs(2))).unwrap();
+                assert_eq!(echo(&mut cut, b"one", scaled(Duration::from_secs(1))), Outcome::Open);
+                assert_eq!(echo(&mut kept, b"one", scaled(Duration::from_secs(1))), Outcome::Open);
                 // alpha/db now takes no ingress; alpha/api allows beta.
                 c.write_policies(
                     "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: db, namespace: alpha}\nspec: {podSelector: {matchLabels: {app: db}}, policyTypes: [Ingress]}\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: api, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: api}}\n  ingress: [{from: [{namespaceSelector: {matchLabels: {team: b}}}]}]\n",
@@ -317,8 +318,8 @@ macro_rules! conformance_suite {
                 c.apply_ok();
                 let servers = c.servers.as_ref().unwrap();
                 servers.arrivals().unwrap();
-                assert_eq!(echo(&mut cut, b"two", Duration::from_millis(600)), Outcome::Blocked, "the denied connection must be cut");
-                assert_eq!(echo(&mut kept, b"two", Duration::from_secs(1)), Outcome::Open, "the still-allowed connection survives");
+                assert_eq!(echo(&mut cut, b"two", scaled(Duration::from_millis(600))), Outcome::Blocked, "the denied connection must be cut");
+                assert_eq!(echo(&mut kept, b"two", scaled(Duration::from_secs(1))), Outcome::Open, "the still-allowed connection survives");
                 // Judged where it arrives: the cut connection's data never
                 // reached its server, the kept one's did.
                 let seen = servers.arrivals().unwrap();
@@ -373,7 +374,7 @@ macro_rules! conformance_suite {
                     udp_ports: vec![53, 5353],
                 };
                 c.node.as_mut().unwrap().add(&pod).unwrap();
-                std::thread::sleep(Duration::from_millis(600));
+                std::thread::sleep(scaled(Duration::from_millis(600)));
                 c.node.as_mut().unwrap().readdress("alpha/late", &late.ips).unwrap();
                 {
                     let node = c.node.as_ref().unwrap();
@@ -398,7 +399,7 @@ macro_rules! conformance_suite {
                 let took = c.eventually("daemon applies a new policy", Duration::from_secs(3), |f, t, _, _| {
                     always(f, t) || ns_of(t) != "gamma"
                 });
-                assert!(took < Duration::from_millis(2500), "took {took:?}");
+                assert!(took < scaled(Duration::from_millis(2500)), "took {took:?}");
                 let applied = Metrics::read(&c, port);
                 assert!(applied.get("policy_agent_syncs_total{result=\"ok\"}") > first.get("policy_agent_syncs_total{result=\"ok\"}"), "a sync is counted:\n{}", applied.text);
                 assert!(applied.get("policy_agent_map_writes_total") > first.get("policy_agent_map_writes_total"), "the writes are counted:\n{}", applied.text);

@@ -1,15 +1,18 @@
 //! End to end on the real kernel: pods in their own network namespaces
 //! behind routed veths of a simulated node, the classifier attached to the
-//! host-side veths (TCX, and netlink clsact when forced), real TCP, UDP and
-//! ping. Enforcement must outlive the loader; removing it restores traffic.
-//! Needs root.
+//! host-side veths (TCX where the kernel has it; netlink clsact filters
+//! below 6.6, where the tests assert that fallback, or when forced), real
+//! TCP, UDP and ping. Enforcement must outlive the loader; removing it
+//! restores traffic. Needs root.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
 
 use std::{net::IpAddr, time::Duration};
 
 use ipnet::IpNet;
 use policy_agent::{
-    datapath::bpf::{AttachMode, BpfDatapath, LoadOptions, PinLayout, probe, reset},
+    datapath::bpf::{AttachMode, BpfDatapath, Hook, LoadOptions, PinLayout, probe, reset},
     mapstate::{MapState, diff},
     sim::{
         NODE_ROW, NODE_V4, NODE_V6, Servers, SimNode, SimPod, Target, Transport, cleanup_prefix,
@@ -23,10 +26,12 @@ use policy_common::{
     policy::{PolicyEntry, PolicyKey},
     proto::TCP,
 };
+use support::deadline::scaled;
 
 const A: u32 = 300;
 const B: u32 = 301;
 const C: u32 = 302;
+/// How long the probes of one matrix wait, on the host ([`scaled`]).
 const TIMEOUT: Duration = Duration::from_millis(400);
 /// Cells expected open that failed are probed again with this timeout
 /// (twice at most); cells expected blocked are judged once.
@@ -188,7 +193,14 @@ fn assert_matrix(
 ) {
     let by_target = |f: &str, t: &Target, _v6: bool| expect(f, &t.pod, t.port, t.transport);
     let (m, wrong) = node
-        .judge_matrix(servers, true, TIMEOUT, RETRY_TIMEOUT, 2, &by_target)
+        .judge_matrix(
+            servers,
+            true,
+            scaled(TIMEOUT),
+            scaled(RETRY_TIMEOUT),
+            2,
+            &by_target,
+        )
         .unwrap();
     assert!(
         wrong.is_empty(),
@@ -240,6 +252,17 @@ fn scenario(prefix: &'static str, force_netlink: bool) {
     };
     assert_eq!(mode, expected, "attach path on this kernel");
     eprintln!("attached with {mode:?}");
+    if mode == AttachMode::Netlink {
+        assert_our_filters(&node);
+    } else {
+        // TCX links are no tc filters.
+        for p in &node.pods {
+            for hook in Hook::BOTH {
+                let listing = tc_filters(&node, &p.host_if, hook.name());
+                assert!(filter_prefs(&listing).is_empty(), "{listing}");
+            }
+        }
+    }
     // The loader is gone (every fd dropped): the pins keep enforcing.
     assert_matrix(&node, &servers, "enforced", enforced);
 
@@ -257,22 +280,10 @@ fn scenario(prefix: &'static str, force_netlink: bool) {
         .unwrap();
     assert!(!layout.exists(), "pins removed");
     assert_matrix(&node, &servers, "after reset", open);
-    if force_netlink {
+    if mode == AttachMode::Netlink {
         for p in &node.pods {
             for hook in ["ingress", "egress"] {
-                let out = policy_agent::sim::run(
-                    "nsenter",
-                    &[
-                        &format!("--net={}", node.node.path().display()),
-                        "tc",
-                        "filter",
-                        "show",
-                        "dev",
-                        &p.host_if,
-                        hook,
-                    ],
-                )
-                .unwrap();
+                let out = tc_filters(&node, &p.host_if, hook);
                 assert!(
                     out.trim().is_empty(),
                     "no filters left on {} {hook}: {out}",
@@ -283,12 +294,50 @@ fn scenario(prefix: &'static str, force_netlink: bool) {
     }
 }
 
+/// Our filter, and only ours, on every pod's host-side interface in both
+/// directions: priority 20, handle 0x4e50, direct-action, our program.
+fn assert_our_filters(node: &SimNode) {
+    for p in &node.pods {
+        for hook in Hook::BOTH {
+            let listing = tc_filters(node, &p.host_if, hook.name());
+            let prefs = filter_prefs(&listing);
+            assert_eq!(
+                prefs.len(),
+                1,
+                "one filter on {} {hook:?}:\n{listing}",
+                p.host_if
+            );
+            assert_our_filter(prefs[0], hook, &p.host_if);
+        }
+    }
+}
+
+fn assert_our_filter((pref, line): (u32, &str), hook: Hook, interface: &str) {
+    assert_eq!(pref, 20, "{interface} {hook:?}: {line}");
+    for want in ["handle 0x4e50", hook.program(), "direct-action"] {
+        assert!(
+            line.contains(want),
+            "our filter on {interface} {hook:?} shows {want:?}: {line}"
+        );
+    }
+}
+
 #[test]
 fn the_kernel_offers_what_the_classifier_needs() {
     let kernel = probe::probe();
     assert_eq!(kernel.missing_line(), None, "{kernel:#?}");
     assert_eq!(kernel.tcx(), kernel_has_tcx(), "{kernel:#?}");
     assert!(kernel.has("LPM trie maps") && kernel.has("BPF ring buffers"));
+    // Below 6.6 the one fallback is named, with what replaces TCX.
+    let fallbacks = kernel.fallbacks();
+    if kernel_has_tcx() {
+        assert!(fallbacks.is_empty(), "{fallbacks:?}");
+    } else {
+        assert_eq!(
+            fallbacks,
+            ["TCX links (bpf_link attachment to tc) (Linux 6.6) absent: netlink clsact filters"],
+        );
+    }
     eprintln!(
         "kernel {}: fallbacks {:?}",
         kernel.release,
@@ -299,10 +348,14 @@ fn the_kernel_offers_what_the_classifier_needs() {
 /// Under TCX a program earlier in the chain that returns `TC_ACT_OK` ends
 /// it: ours attaches first, so a foreign program that accepts everything
 /// cannot pass a packet unjudged; one that jumps ahead later is reported.
+///
+/// Without TCX (below 6.6) the agent attaches netlink filters on its own,
+/// and the order is by priority: see [`foreign_filters_after_ours`].
 #[test]
 fn the_classifier_runs_before_foreign_tcx_programs() {
     if !kernel_has_tcx() {
-        eprintln!("no TCX on this kernel: netlink filters, nothing to order");
+        eprintln!("no TCX on this kernel: checking the netlink fallback's order");
+        foreign_filters_after_ours("e2efrn", false);
         return;
     }
     let prefix = "e2efrn";
@@ -386,7 +439,120 @@ fn the_classifier_runs_before_foreign_tcx_programs() {
     foreign.join().unwrap().unwrap();
 }
 
-/// TCX links where the kernel has them (netlink filters below 6.6).
+/// Netlink clsact filters (forced here; below 6.6 on their own): ours on
+/// every host-side interface in both directions at priority 20, handle
+/// 0x4e50, direct-action, ahead of a foreign filter at priority 30 that
+/// accepts everything. Ours drops what the policy denies before the
+/// foreign one could pass it; what ours passes (`TC_ACT_UNSPEC`) goes on
+/// to it.
+#[test]
+fn netlink_filters_run_before_foreign_filters_of_a_later_priority() {
+    foreign_filters_after_ours("e2efnl", true);
+}
+
+/// `tc filter show dev <interface> <hook>` in the node namespace.
+fn tc_filters(node: &SimNode, interface: &str, hook: &str) -> String {
+    policy_agent::sim::run(
+        "nsenter",
+        &[
+            &format!("--net={}", node.node.path().display()),
+            "tc",
+            "filter",
+            "show",
+            "dev",
+            interface,
+            hook,
+        ],
+    )
+    .unwrap()
+}
+
+/// The priority (`pref`) of each filter line, in the order `tc` lists
+/// them (the order the kernel runs them), with the line.
+fn filter_prefs(listing: &str) -> Vec<(u32, &str)> {
+    listing
+        .lines()
+        .filter(|l| l.starts_with("filter") && l.contains(" handle "))
+        .filter_map(|l| {
+            let mut words = l.split_whitespace();
+            words.find(|w| *w == "pref")?;
+            Some((words.next()?.parse().ok()?, l))
+        })
+        .collect()
+}
+
+fn foreign_filters_after_ours(prefix: &'static str, force_netlink: bool) {
+    use aya::programs::{
+        TcAttachType,
+        tc::{self, NlOptions, TcAttachOptions, TcHandle},
+    };
+    let layout = PinLayout::new(format!("/sys/fs/bpf/policy-agent-test-{prefix}"));
+    let _cleanup = Cleanup {
+        prefix,
+        layout: layout.clone(),
+    };
+    cleanup_prefix(prefix);
+    let node = SimNode::create(prefix, &pods()).unwrap();
+    let servers = Servers::start(&node).unwrap();
+    let ifaces: Vec<String> = node.pods.iter().map(|p| p.host_if.clone()).collect();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    // The foreign filters live as long as this thread waits (they go
+    // when its handles drop, or with the namespace on a failure).
+    let foreign = node
+        .node
+        .spawn(move || {
+            let mut dp = policy_agent::datapath::bpf::Unpinned::load().unwrap();
+            let prog = dp.extra_program("foreign_pass").unwrap();
+            for i in &ifaces {
+                tc::qdisc_add_clsact(i).unwrap();
+                for t in [TcAttachType::Ingress, TcAttachType::Egress] {
+                    let options = NlOptions {
+                        priority: 30,
+                        handle: TcHandle::new(0, 0x77),
+                        classid: None,
+                    };
+                    prog.attach_with_options(i, t, TcAttachOptions::Netlink(options))
+                        .unwrap();
+                }
+            }
+            ready_tx.send(()).unwrap();
+            let _ = done_rx.recv();
+        })
+        .unwrap();
+    ready_rx.recv().unwrap();
+    assert_eq!(
+        enforce(&node, &layout, force_netlink),
+        AttachMode::Netlink,
+        "attach path on this kernel"
+    );
+    for p in &node.pods {
+        for hook in Hook::BOTH {
+            let listing = tc_filters(&node, &p.host_if, hook.name());
+            let prefs = filter_prefs(&listing);
+            assert_eq!(
+                prefs.iter().map(|(pref, _)| *pref).collect::<Vec<_>>(),
+                [20, 30],
+                "ours at 20, the foreign one at 30, in that order on {} {hook:?}:\n{listing}",
+                p.host_if
+            );
+            assert_our_filter(prefs[0], hook, &p.host_if);
+            assert!(prefs[1].1.contains("foreign_pass"), "{listing}");
+        }
+    }
+    assert_matrix(
+        &node,
+        &servers,
+        "enforced, foreign filters after ours",
+        enforced,
+    );
+    drop(done_tx);
+    foreign.join().unwrap().unwrap();
+}
+
+/// TCX links where the kernel has them; below 6.6 the same scenario takes
+/// the fallback on its own (`AttachMode::detect`) and asserts it did:
+/// netlink filters, enforcing and outliving the loader.
 #[test]
 fn tcx_attachments_enforce_and_outlive_the_loader() {
     scenario("e2etcx", false);

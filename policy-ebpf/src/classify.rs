@@ -40,7 +40,7 @@ use crate::{
 /// Allowed: hand the packet on (TCX_NEXT / next tc filter), so programs
 /// after ours still see it.
 const PASS: i32 = TC_ACT_UNSPEC;
-const DROP: i32 = TC_ACT_SHOT;
+pub const DROP: i32 = TC_ACT_SHOT;
 
 const TCP_FIN: u8 = 0x01;
 const TCP_SYN: u8 = 0x02;
@@ -534,8 +534,27 @@ fn after_dnat(ctx: &TcContext, s: &mut Scratch, flags: u32) -> bool {
     judge_service(s, client, flags) != 0
 }
 
+/// The judgement after DNAT at a hook where it can happen (see
+/// [`after_dnat`]); false: drop. The programs call it before
+/// [`classify`], never inside it: a path through it then reaches the
+/// classifier at a call, where the verifier of kernels before 6.4 (no
+/// precision tracking across subprograms) prunes it; inside, every such
+/// path re-explored the whole classifier and 6.1 gave up at a million
+/// instructions.
+#[inline(always)]
+pub fn dnat_hook(ctx: &TcContext) -> bool {
+    let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
+        // The classifier refuses the packet then, where it takes the slot.
+        return true;
+    };
+    // SAFETY: this CPU's slot; programs do not nest on one CPU.
+    let s = unsafe { &mut *scratch };
+    after_dnat(ctx, s, config_flags())
+}
+
 /// The uplink's egress: a pod's packet to a Service whose backend is on
-/// another node, judged after DNAT; anything else passes.
+/// another node, judged after DNAT; a local pod's packet leaving before
+/// it is enforced is dropped; anything else passes.
 pub fn uplink(ctx: &TcContext) -> i32 {
     let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
         return PASS;
@@ -821,6 +840,7 @@ fn emit_drop(ep: &EndpointInfo, meta: u64, pkt: Option<&IpPacket>, peer: &Ipcach
     slot.submit(0);
 }
 
+#[inline(never)]
 pub fn classify(ctx: &TcContext, dir: u8) -> i32 {
     // SAFETY: the context pointer is the kernel's __sk_buff for this run.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
@@ -832,10 +852,6 @@ pub fn classify(ctx: &TcContext, dir: u8) -> i32 {
     // SAFETY: this CPU's slot; programs do not nest on one CPU.
     let s = unsafe { &mut *scratch };
     let flags = config_flags();
-    // First the egress of a client whose packet DNAT brought here.
-    if dir == direction::INGRESS && !after_dnat(ctx, s, flags) {
-        return DROP;
-    }
     let Some(ep) = endpoint(ifindex) else {
         count(Reason::PassNoEndpoint, dir);
         return PASS;

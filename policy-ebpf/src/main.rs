@@ -33,6 +33,10 @@ mod programs {
     /// Host-veth egress: the pod's ingress.
     #[classifier]
     pub fn to_pod(ctx: TcContext) -> i32 {
+        // First the egress of a client whose packet DNAT brought here.
+        if !crate::classify::dnat_hook(&ctx) {
+            return crate::classify::DROP;
+        }
         classify(&ctx, direction::INGRESS)
     }
 

@@ -4,6 +4,7 @@
 //! machine with one command.
 mod bench;
 mod kind;
+mod test;
 mod vm;
 
 use std::{
@@ -29,13 +30,23 @@ enum Task {
     /// Build the agent (with the embedded eBPF object) and the CNI plugin,
     /// release profile.
     Build,
-    /// Set up, check formatting and lints, and run every test, the root
-    /// kernel tests included.
+    /// Set up, check formatting and lints, run every test (the root
+    /// kernel tests included), then the kernel suites again in a guest on
+    /// Debian 12's 6.1 kernel, and print on which kernel each ran.
     Test {
         /// Skip `cargo fmt --check` and clippy.
         #[arg(long)]
         no_lint: bool,
-        /// Extra arguments for `cargo test` (after `--`).
+        /// Leave out the 6.1 guest (fast local runs; CI runs it).
+        #[arg(long, conflicts_with = "vm_only")]
+        no_vm: bool,
+        /// Only the kernel suites in the 6.1 guest (no lints, no host run).
+        #[arg(long)]
+        vm_only: bool,
+        /// Run only this suite in the guest (repeatable; default: all).
+        #[arg(long = "vm-suite", value_name = "NAME")]
+        vm_suites: Vec<String>,
+        /// Extra arguments for the host's `cargo test` (after `--`).
         #[arg(last = true)]
         args: Vec<String>,
     },
@@ -162,7 +173,13 @@ fn main() -> anyhow::Result<()> {
                 "policy-cni",
             ]))
         }
-        Task::Test { no_lint, args } => {
+        Task::Test {
+            no_lint,
+            no_vm,
+            vm_only,
+            vm_suites,
+            args,
+        } => {
             // The suite CI runs is always the whole suite: switches that
             // rewrite golden files or replay one seed are for `cargo test`.
             for switch in ["UPDATE_GOLDEN", "DIFF_SEED"] {
@@ -174,18 +191,16 @@ fn main() -> anyhow::Result<()> {
             }
             setup()?;
             require_root("the kernel tests")?;
-            if !no_lint {
-                run(cargo().args(["fmt", "--all", "--", "--check"]))?;
-                run(cargo().args([
-                    "clippy",
-                    "--workspace",
-                    "--all-targets",
-                    "--",
-                    "-D",
-                    "warnings",
-                ]))?;
-            }
-            run(cargo().args(["test", "--workspace", "--"]).args(&args))
+            test::run(
+                &root(),
+                &test::Options {
+                    no_lint,
+                    no_vm,
+                    vm_only,
+                    vm_suites,
+                    args,
+                },
+            )
         }
         Task::Run { dry_run } => kind::run(&root(), dry_run),
         Task::Vm {

@@ -51,6 +51,13 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    #[error("sysctl {key} in {netns}: {source}")]
+    Sysctl {
+        netns: String,
+        key: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("socket in {netns}: {source}")]
     Socket {
         netns: String,

@@ -57,10 +57,34 @@ impl NetNs {
         run("ip", &all)
     }
 
-    /// A sysctl inside the namespace (/proc/sys/net is per namespace).
+    /// `ip -n <ns> -batch -`: the commands (one per item, words split on
+    /// whitespace, no global options) in one process, which stops at the
+    /// first that fails and names it. One process instead of one per
+    /// command: spawning is what building a node costs on a slow (e.g.
+    /// emulated) machine.
+    pub fn ip_batch(&self, commands: &[String]) -> Result<(), Error> {
+        if commands.is_empty() {
+            return Ok(());
+        }
+        let input = commands.join("\n") + "\n";
+        crate::exec::run_with_input("ip", &["-n", &self.name, "-batch", "-"], Some(&input))?;
+        Ok(())
+    }
+
+    /// A sysctl inside the namespace (/proc/sys/net is per namespace): its
+    /// file written from a thread inside, no process spawned. `key` is
+    /// dotted (`net.ipv4.ip_forward`), so its parts hold no dots.
     pub fn sysctl(&self, key: &str, value: &str) -> Result<(), Error> {
-        let setting = format!("{key}={value}");
-        self.exec("sysctl", &["-qw", &setting]).map(|_| ())
+        let path = PathBuf::from("/proc/sys").join(key.replace('.', "/"));
+        let value = value.to_owned();
+        self.spawn(move || std::fs::write(path, value))?
+            .join()
+            .map_err(|_| Error::Invalid(format!("sysctl thread in {} panicked", self.name)))??
+            .map_err(|source| Error::Sysctl {
+                netns: self.name.clone(),
+                key: key.to_owned(),
+                source,
+            })
     }
 
     /// Runs a program inside the namespace. nsenter keeps the mount

@@ -128,26 +128,19 @@ impl SimNode {
         if !self.layout.stub_uplink {
             return Ok(());
         }
-        let v4 = format!("{NODE_V4}/32");
-        let v6 = format!("{NODE_V6}/128");
-        for args in [
+        self.node.ip_batch(&[
             // The kernel may lack the dummy driver: a veth pair whose far
             // end stays in the node namespace stands in for the uplink.
-            vec![
-                "link", "add", "uplink0", "type", "veth", "peer", "name", "uplink1",
-            ],
-            vec!["link", "set", "uplink1", "up"],
-            vec!["addr", "add", &v4, "dev", "uplink0"],
-            vec!["-6", "addr", "add", &v6, "dev", "uplink0", "nodad"],
-            vec!["link", "set", "uplink0", "up"],
+            "link add uplink0 type veth peer name uplink1".into(),
+            "link set uplink1 up".into(),
+            format!("addr add {NODE_V4}/32 dev uplink0"),
+            format!("addr add {NODE_V6}/128 dev uplink0 nodad"),
+            "link set uplink0 up".into(),
             // A default route out of the uplink makes the pods' gateway
             // routable, so proxy ARP answers for it (as on a Calico node).
-            vec!["route", "add", "default", "dev", "uplink0"],
-            vec!["-6", "route", "add", "default", "dev", "uplink0"],
-        ] {
-            self.node.ip(&args)?;
-        }
-        Ok(())
+            "route add 0.0.0.0/0 dev uplink0".into(),
+            "route add ::/0 dev uplink0".into(),
+        ])
     }
 
     fn add_pod(&mut self, index: usize, pod: &SimPod) -> Result<(), Error> {
@@ -157,66 +150,29 @@ impl SimNode {
         netns.sysctl("net.ipv6.conf.default.accept_dad", "0")?;
         // Unprivileged ICMP sockets, so probes can ping without raw sockets.
         netns.sysctl("net.ipv4.ping_group_range", "0 2147483647")?;
-        self.node.ip(&[
-            "link",
-            "add",
-            &host_if,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            &netns.name,
-        ])?;
+        self.node.ip_batch(&[format!(
+            "link add {host_if} type veth peer name eth0 netns {}",
+            netns.name
+        )])?;
         self.node
             .sysctl(&format!("net.ipv4.conf.{host_if}.proxy_arp"), "1")?;
         self.node
             .sysctl(&format!("net.ipv4.neigh.{host_if}.proxy_delay"), "0")?;
         self.node
             .sysctl(&format!("net.ipv6.conf.{host_if}.accept_dad"), "0")?;
-        self.node.ip(&["link", "set", &host_if, "up"])?;
-        self.node.ip(&[
-            "-6",
-            "addr",
-            "add",
-            &format!("{GATEWAY_V6}/64"),
-            "dev",
-            &host_if,
-            "nodad",
-        ])?;
-        netns.ip(&["link", "set", "eth0", "up"])?;
+        let mut node = vec![
+            format!("link set {host_if} up"),
+            format!("addr add {GATEWAY_V6}/64 dev {host_if} nodad"),
+        ];
+        let mut pod_side = vec!["link set eth0 up".to_owned()];
         for ip in &pod.ips {
-            match ip {
-                IpAddr::V4(a) => {
-                    netns.ip(&["addr", "add", &format!("{a}/32"), "dev", "eth0"])?;
-                    self.node
-                        .ip(&["route", "add", &format!("{a}/32"), "dev", &host_if])?;
-                }
-                IpAddr::V6(a) => {
-                    netns.ip(&[
-                        "-6",
-                        "addr",
-                        "add",
-                        &format!("{a}/128"),
-                        "dev",
-                        "eth0",
-                        "nodad",
-                    ])?;
-                    self.node
-                        .ip(&["-6", "route", "add", &format!("{a}/128"), "dev", &host_if])?;
-                }
-            }
+            let (net, nodad) = host_net(ip);
+            pod_side.push(format!("addr add {net} dev eth0{nodad}"));
+            node.push(format!("route add {net} dev {host_if}"));
         }
-        if pod.ips.iter().any(IpAddr::is_ipv4) {
-            netns.ip(&["route", "add", GATEWAY_V4, "dev", "eth0", "scope", "link"])?;
-            netns.ip(&["route", "add", "default", "via", GATEWAY_V4, "dev", "eth0"])?;
-        }
-        if pod.ips.iter().any(IpAddr::is_ipv6) {
-            netns.ip(&[
-                "-6", "route", "add", "default", "via", GATEWAY_V6, "dev", "eth0",
-            ])?;
-        }
+        pod_side.extend(gateway_routes(&pod.ips, "add"));
+        self.node.ip_batch(&node)?;
+        netns.ip_batch(&pod_side)?;
         self.pods.push(PodNet {
             pod: pod.clone(),
             netns,
@@ -245,42 +201,28 @@ impl SimNode {
             (p.host_if.clone(), p.netns.name.clone(), p.pod.ips.clone())
         };
         let netns = NetNs::borrow(&netns_name);
-        let net_of = |ip: &IpAddr| {
-            if ip.is_ipv4() {
-                ("-4", format!("{ip}/32"))
-            } else {
-                ("-6", format!("{ip}/128"))
-            }
-        };
         // New addresses first: removing an interface's last address would
         // flush its routes.
+        let mut pod_side = Vec::new();
+        let mut node = Vec::new();
         for ip in ips.iter().filter(|ip| !old.contains(ip)) {
-            let (fam, net) = net_of(ip);
-            if ip.is_ipv6() {
-                netns.ip(&[fam, "addr", "add", &net, "dev", "eth0", "nodad"])?;
-            } else {
-                netns.ip(&[fam, "addr", "add", &net, "dev", "eth0"])?;
-            }
-            self.node
-                .ip(&[fam, "route", "replace", &net, "dev", &host_if])?;
+            let (net, nodad) = host_net(ip);
+            pod_side.push(format!("addr add {net} dev eth0{nodad}"));
+            node.push(format!("route replace {net} dev {host_if}"));
         }
         for ip in old.iter().filter(|ip| !ips.contains(ip)) {
-            let (fam, net) = net_of(ip);
-            netns.ip(&[fam, "addr", "del", &net, "dev", "eth0"])?;
-            let _ = self.node.ip(&[fam, "route", "del", &net, "dev", &host_if]);
+            let (net, _) = host_net(ip);
+            pod_side.push(format!("addr del {net} dev eth0"));
         }
-        if ips.iter().any(IpAddr::is_ipv4) {
-            netns.ip(&[
-                "route", "replace", GATEWAY_V4, "dev", "eth0", "scope", "link",
-            ])?;
-            netns.ip(&[
-                "route", "replace", "default", "via", GATEWAY_V4, "dev", "eth0",
-            ])?;
-        }
-        if ips.iter().any(IpAddr::is_ipv6) {
-            netns.ip(&[
-                "-6", "route", "replace", "default", "via", GATEWAY_V6, "dev", "eth0",
-            ])?;
+        pod_side.extend(gateway_routes(ips, "replace"));
+        netns.ip_batch(&pod_side)?;
+        self.node.ip_batch(&node)?;
+        // The old routes may be gone with their addresses already.
+        for ip in old.iter().filter(|ip| !ips.contains(ip)) {
+            let (net, _) = host_net(ip);
+            let _ = self
+                .node
+                .ip_batch(&[format!("route del {net} dev {host_if}")]);
         }
         self.pods[i].pod.ips = ips.to_vec();
         Ok(())
@@ -295,6 +237,28 @@ impl SimNode {
         let _ = self.node.ip(&["link", "del", &p.host_if]);
         Some(p.pod.clone())
     }
+}
+
+/// A pod address as a host prefix, and the `nodad` an IPv6 address takes.
+fn host_net(ip: &IpAddr) -> (String, &'static str) {
+    match ip {
+        IpAddr::V4(a) => (format!("{a}/32"), ""),
+        IpAddr::V6(a) => (format!("{a}/128"), " nodad"),
+    }
+}
+
+/// The pod's routes to its gateway, for the families it has addresses of
+/// (`verb`: add or replace).
+fn gateway_routes(ips: &[IpAddr], verb: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    if ips.iter().any(IpAddr::is_ipv4) {
+        out.push(format!("route {verb} {GATEWAY_V4} dev eth0 scope link"));
+        out.push(format!("route {verb} 0.0.0.0/0 via {GATEWAY_V4} dev eth0"));
+    }
+    if ips.iter().any(IpAddr::is_ipv6) {
+        out.push(format!("route {verb} ::/0 via {GATEWAY_V6} dev eth0"));
+    }
+    out
 }
 
 /// Deletes leftovers of an earlier run with this prefix (a killed test).

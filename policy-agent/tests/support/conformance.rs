@@ -10,13 +10,18 @@ use std::{
     time::{Duration, Instant},
 };
 
+use super::deadline::scaled;
 use policy_agent::{
     datapath::bpf::PinLayout,
     sim::{Matrix, NODE_ROW, Servers, SimNode, SimPod, Target, Transport, cleanup_prefix},
 };
 
 pub const AGENT: &str = env!("CARGO_BIN_EXE_policy-agent");
+/// How long the probes of one matrix wait, together, on the host (see
+/// [`scaled`]): a cell is open only if its reply came within it.
 pub const PROBE_TIMEOUT: Duration = Duration::from_millis(350);
+/// How long `run` may take to be ready, on the host.
+pub const DAEMON_READY: Duration = Duration::from_secs(20);
 /// A cell expected open that failed is probed again, this long, so many
 /// times, before it counts (a slow answer on a loaded machine is no
 /// verdict). Cells expected blocked are judged once, strictly.
@@ -316,7 +321,7 @@ impl Conformance {
             .unwrap();
         self.daemon = Some(child);
         // Ready once the first sync is enforced.
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + scaled(DAEMON_READY);
         while Instant::now() < deadline {
             if self.http_get(port, "/readyz").starts_with("HTTP/1.1 200") {
                 return;
@@ -369,7 +374,7 @@ impl Conformance {
     /// The matrix as the senders and the receivers saw it, once.
     pub fn matrix(&self) -> Matrix {
         self.node()
-            .probe_matrix_at(self.servers.as_ref().unwrap(), PROBE_TIMEOUT, true)
+            .probe_matrix_at(self.servers.as_ref().unwrap(), scaled(PROBE_TIMEOUT), true)
             .unwrap()
     }
 
@@ -410,16 +415,16 @@ impl Conformance {
             .judge_matrix(
                 self.servers.as_ref().unwrap(),
                 true,
-                PROBE_TIMEOUT,
-                RETRY_TIMEOUT,
+                scaled(PROBE_TIMEOUT),
+                scaled(RETRY_TIMEOUT),
                 if retry { RETRIES } else { 0 },
                 &by_target,
             )
             .unwrap()
     }
 
-    /// Re-checks until the matrix matches (for `run` mode), up to `within`.
-    /// Returns how long it took.
+    /// Re-checks until the matrix matches (for `run` mode), up to `within`
+    /// ([`scaled`]). Returns how long it took.
     pub fn eventually(
         &self,
         what: &str,
@@ -436,6 +441,7 @@ impl Conformance {
         within: Duration,
         expect: impl Fn(&str, &str, u16, Transport, bool) -> bool,
     ) -> Duration {
+        let within = scaled(within);
         let start = Instant::now();
         loop {
             // Not converged while a cell expected blocked is not: cells

@@ -1,5 +1,16 @@
 //! A loaded classifier with private maps, driven by BPF_PROG_TEST_RUN.
-use std::net::IpAddr;
+//!
+//! A test's classifier goes back to a per-process pool when the test
+//! passes, its maps put back as they were after the load
+//! ([`super::map_reset`]), and the next test of the same kind takes it
+//! instead of loading (and verifying) the object again. A classifier is
+//! not reused after a failed test, after a test took one of its maps (a
+//! ring buffer reader, the kernel logger), or with capacities of its own.
+use std::{
+    net::IpAddr,
+    ops::{Deref, DerefMut},
+    sync::Mutex,
+};
 
 use aya::programs::{TestRun as _, TestRunOptions};
 use ipnet::IpNet;
@@ -16,6 +27,8 @@ use policy_common::{
     verdict::Reason,
 };
 
+use super::map_reset::Snapshot;
+
 /// The ifindex BPF_PROG_TEST_RUN gives an skb: the loopback device.
 pub const TEST_IFINDEX: u32 = 1;
 /// The test pod's addresses: 10.0.0.10 and fd00::10.
@@ -23,8 +36,114 @@ pub const POD_V4: [u8; 4] = [10, 0, 0, 10];
 pub const POD_V6: [u8; 16] = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x10];
 
 pub struct Harness {
-    pub dp: Unpinned,
+    pub dp: Loaded,
     pub state: MapState<u32>,
+}
+
+/// The kinds of classifier the pool keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// Default capacities.
+    Default,
+    /// A one-slot endpoint array.
+    OverflowHash,
+}
+
+struct Pooled {
+    kind: Kind,
+    dp: Unpinned,
+    snapshot: Snapshot,
+}
+
+/// Passed tests' classifiers, their maps already put back.
+static POOL: Mutex<Vec<Pooled>> = Mutex::new(Vec::new());
+
+/// A test's classifier (derefs to [`Unpinned`]).
+pub struct Loaded {
+    dp: Option<Unpinned>,
+    /// Where it goes back to when the test passes.
+    reuse: Option<Reuse>,
+}
+
+struct Reuse {
+    kind: Kind,
+    snapshot: Snapshot,
+    /// Maps left in `ebpf` after the load: fewer at the end means the
+    /// test took one.
+    maps: usize,
+}
+
+impl Loaded {
+    fn get(kind: Kind, load: impl FnOnce() -> Unpinned) -> Self {
+        let pooled = {
+            let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+            let i = pool.iter().position(|p| p.kind == kind);
+            i.map(|i| pool.swap_remove(i))
+        };
+        let (dp, snapshot) = match pooled {
+            Some(p) => (p.dp, Some(p.snapshot)),
+            None => {
+                let dp = load();
+                let snapshot = dp
+                    .map_ids
+                    .as_deref()
+                    .and_then(|ids| Snapshot::take(ids).ok().flatten());
+                (dp, snapshot)
+            }
+        };
+        let maps = dp.ebpf.maps().count();
+        Self {
+            dp: Some(dp),
+            reuse: snapshot.map(|snapshot| Reuse {
+                kind,
+                snapshot,
+                maps,
+            }),
+        }
+    }
+
+    fn fresh(dp: Unpinned) -> Self {
+        Self {
+            dp: Some(dp),
+            reuse: None,
+        }
+    }
+}
+
+impl Deref for Loaded {
+    type Target = Unpinned;
+    fn deref(&self) -> &Unpinned {
+        self.dp.as_ref().expect("a classifier until dropped")
+    }
+}
+
+impl DerefMut for Loaded {
+    fn deref_mut(&mut self) -> &mut Unpinned {
+        self.dp.as_mut().expect("a classifier until dropped")
+    }
+}
+
+impl Drop for Loaded {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            return;
+        }
+        let (Some(dp), Some(reuse)) = (self.dp.take(), self.reuse.take()) else {
+            return;
+        };
+        if dp.ebpf.maps().count() != reuse.maps {
+            return;
+        }
+        if let Err(e) = reuse.snapshot.restore() {
+            eprintln!("not reusing a classifier whose maps could not be put back: {e}");
+            return;
+        }
+        POOL.lock().unwrap_or_else(|e| e.into_inner()).push(Pooled {
+            kind: reuse.kind,
+            dp,
+            snapshot: reuse.snapshot,
+        });
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,7 +173,9 @@ const SKB_IFINDEX: usize = 40;
 impl Harness {
     pub fn new() -> Self {
         Self {
-            dp: Unpinned::load().expect("load classifier (are you root?)"),
+            dp: Loaded::get(Kind::Default, || {
+                Unpinned::load().expect("load classifier (are you root?)")
+            }),
             state: MapState::default(),
         }
     }
@@ -66,8 +187,10 @@ impl Harness {
     #[allow(dead_code)]
     pub fn with_endpoints_in_overflow_hash() -> Self {
         Self {
-            dp: Unpinned::load_with(&[(policy_common::maps::ENDPOINT_SLOTS, 1)])
-                .expect("load classifier (are you root?)"),
+            dp: Loaded::get(Kind::OverflowHash, || {
+                Unpinned::load_with(&[(policy_common::maps::ENDPOINT_SLOTS, 1)])
+                    .expect("load classifier (are you root?)")
+            }),
             state: MapState::default(),
         }
     }
@@ -76,7 +199,9 @@ impl Harness {
     #[allow(dead_code)]
     pub fn with_capacities(capacities: &[(&str, u32)]) -> Self {
         Self {
-            dp: Unpinned::load_with(capacities).expect("load classifier (are you root?)"),
+            dp: Loaded::fresh(
+                Unpinned::load_with(capacities).expect("load classifier (are you root?)"),
+            ),
             state: MapState::default(),
         }
     }

@@ -3,8 +3,10 @@
 
 pub mod ci;
 pub mod conformance;
+pub mod deadline;
 pub mod fake_apiserver;
 pub mod harness;
+pub mod map_reset;
 pub mod netfilter;
 pub mod services;
 pub mod testns;

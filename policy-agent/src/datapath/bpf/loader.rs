@@ -395,6 +395,28 @@ fn open_pinned(layout: &PinLayout) -> Result<Classifiers, Error> {
 pub struct Unpinned {
     pub ebpf: aya::Ebpf,
     pub maps: BpfMaps,
+    /// The kernel ids of every map the load created (tests empty them to
+    /// reuse a loaded classifier); `None` if one is of a kind whose handle
+    /// this does not know.
+    pub map_ids: Option<Vec<u32>>,
+}
+
+/// The kernel id of a map of the kinds the object uses.
+fn map_id(map: &aya::maps::Map) -> Option<u32> {
+    use aya::maps::Map;
+    let data = match map {
+        Map::Array(d)
+        | Map::PerCpuArray(d)
+        | Map::HashMap(d)
+        | Map::PerCpuHashMap(d)
+        | Map::LruHashMap(d)
+        | Map::PerCpuLruHashMap(d)
+        | Map::LpmTrie(d)
+        | Map::RingBuf(d)
+        | Map::PerfEventArray(d) => d,
+        _ => return None,
+    };
+    data.info().ok().map(|i| i.id())
 }
 
 impl Unpinned {
@@ -414,8 +436,13 @@ impl Unpinned {
                 pins: Default::default(),
                 source: Box::new(e),
             })?;
+        let map_ids = ebpf.maps().map(|(_, m)| map_id(m)).collect();
         let maps = BpfMaps::from_ebpf(&mut ebpf, None)?;
-        let mut this = Self { ebpf, maps };
+        let mut this = Self {
+            ebpf,
+            maps,
+            map_ids,
+        };
         for hook in Hook::ALL {
             let name = hook.program();
             this.program(hook)?.load().map_err(Error::program(name))?;

@@ -1,0 +1,86 @@
+//! `cargo xtask test`: formatting and lints, every test on the host, then
+//! the kernel suites again in a guest on Debian 12's 6.1 kernel (no TCX),
+//! one guest per suite, after the host run (never beside it: the guest
+//! would take the CPUs the host's kernel tests time against). A summary
+//! names the kernel each suite ran on.
+mod binaries;
+mod guest;
+
+use std::{path::Path, time::Instant};
+
+use anyhow::bail;
+
+pub struct Options {
+    pub no_lint: bool,
+    /// Leave the guest out (fast local runs; CI runs it).
+    pub no_vm: bool,
+    /// Only the guest: no lints, no host run.
+    pub vm_only: bool,
+    /// Only these guest suites (empty: all).
+    pub vm_suites: Vec<String>,
+    /// For the host's `cargo test` (after `--`).
+    pub args: Vec<String>,
+}
+
+pub fn run(root: &Path, opts: &Options) -> anyhow::Result<()> {
+    if !opts.no_lint && !opts.vm_only {
+        crate::run(crate::cargo().args(["fmt", "--all", "--", "--check"]))?;
+        crate::run(crate::cargo().args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]))?;
+    }
+    // A machine without the guest kernel fails here, before the long run.
+    let suites = guest::select(&opts.vm_suites)?;
+    if !opts.no_vm {
+        guest::prepare()?;
+    }
+    let binaries = binaries::build()?;
+    let mut rows = Vec::new();
+    if !opts.vm_only {
+        rows.push(host(&opts.args)?);
+    }
+    if opts.no_vm {
+        eprintln!("\n{}", guest::render(&rows));
+        eprintln!("the 6.1 guest was left out (--no-vm)");
+        return Ok(());
+    }
+    rows.extend(guest::run_all(root, &binaries, &suites));
+    eprintln!("\n{}", guest::render(&rows));
+    let failed: Vec<&str> = rows
+        .iter()
+        .filter(|r| !r.ok)
+        .map(|r| r.suite.as_str())
+        .collect();
+    if !failed.is_empty() {
+        bail!("failed in the 6.1 guest: {}", failed.join(", "));
+    }
+    Ok(())
+}
+
+/// Every test of the workspace on the host's kernel.
+fn host(args: &[String]) -> anyhow::Result<guest::Row> {
+    let host_kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "?".into());
+    eprintln!("host kernel: {host_kernel}");
+    let start = Instant::now();
+    crate::run(
+        crate::cargo()
+            .args(["test", "--workspace", "--"])
+            .args(args),
+    )?;
+    Ok(guest::Row {
+        suite: "every test (host)".into(),
+        kernel: host_kernel,
+        accel: "host".into(),
+        boot_seconds: None,
+        run_seconds: start.elapsed().as_secs_f64(),
+        result: "ok".into(),
+        ok: true,
+    })
+}
