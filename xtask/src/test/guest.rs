@@ -54,6 +54,13 @@ pub const SUITES: &[Suite] = &[
         timeout: Duration::from_secs(600),
     },
     Suite {
+        name: "kernel_catchall",
+        args: &[],
+        env: &[],
+        subset: None,
+        timeout: Duration::from_secs(600),
+    },
+    Suite {
         name: "kernel_differential",
         args: &[],
         env: &[],
