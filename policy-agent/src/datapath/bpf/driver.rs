@@ -71,11 +71,6 @@ impl BpfDriver {
         let t = std::time::Instant::now();
         let mut report = SyncReport::default();
         let links_changed = self.interfaces.take_links_changed();
-        let link_writes = if links_changed && self.last.is_some() {
-            link_ops(&self.interfaces, desired)
-        } else {
-            Vec::new()
-        };
         let incremental = self.last.is_some() && !self.interfaces.needs_full_pass();
         if incremental {
             let mut ops: Vec<MapOp<PodRef>> = ops
@@ -83,7 +78,10 @@ impl BpfDriver {
                 .filter(|op| !touches_range(op, &self.service_ranges))
                 .cloned()
                 .collect();
-            ops.extend(link_writes);
+            // A full pass looks every interface up itself.
+            if links_changed {
+                ops.extend(link_ops(&self.interfaces, desired));
+            }
             sync_ops(
                 &mut self.dp,
                 &mut self.last,
