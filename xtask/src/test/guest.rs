@@ -235,15 +235,6 @@ fn first_line(s: &str) -> &str {
     s.lines().next().unwrap_or("")
 }
 
-/// Whether `dir` lies under a directory the guest covers with a fresh
-/// tmpfs (see `crate::vm`).
-fn hidden_in_guest(dir: &Path) -> bool {
-    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
-    ["/tmp", "/run", "/var/tmp"]
-        .iter()
-        .any(|t| dir.starts_with(t))
-}
-
 fn run_suite(
     root: &Path,
     binaries: &BTreeMap<String, std::path::PathBuf>,
@@ -264,7 +255,7 @@ fn run_suite(
     // checkout (or a target directory) there is shared on its own.
     let build_dir = exe.parent().and_then(Path::parent).unwrap_or(root);
     for dir in [root, build_dir] {
-        if hidden_in_guest(dir) && !spec.writable.iter().any(|w| dir.starts_with(w)) {
+        if vm::hidden_in_guest(dir) && !spec.writable.iter().any(|w| dir.starts_with(w)) {
             spec.writable.push(dir.to_path_buf());
         }
     }

@@ -34,10 +34,7 @@ impl Kernel {
             .with_context(|| format!("kernel directory {}", dir.display()))?;
         // The guest reaches it through the host's root, where these are
         // its own tmpfs.
-        if ["/tmp", "/run", "/var/tmp"]
-            .iter()
-            .any(|t| dir.starts_with(t))
-        {
+        if super::hidden_in_guest(&dir) {
             bail!(
                 "{}: the VM kernel cache must not be under /tmp, /run or /var/tmp",
                 dir.display()

@@ -38,6 +38,16 @@ use std::{
 
 use anyhow::{Context as _, bail};
 pub use initramfs::initramfs;
+
+/// The directories the guest covers with a fresh tmpfs (`scripts/vm/init`).
+const GUEST_TMPFS: [&str; 3] = ["/tmp", "/run", "/var/tmp"];
+
+/// Whether `dir` lies under a directory the guest covers with its own
+/// tmpfs, so the host's files there are not visible in the guest.
+pub fn hidden_in_guest(dir: &std::path::Path) -> bool {
+    let dir = fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    GUEST_TMPFS.iter().any(|t| dir.starts_with(t))
+}
 use io::{Tail, read_lossy, tail_lines};
 pub use kernel::Kernel;
 pub use spec::{Accel, VmOutput, VmSpec, accel};
