@@ -122,13 +122,21 @@ fn step(state: &mut ClusterState, target: &ClusterState, kind: u8, i: usize) -> 
             state.policies.remove(&name);
             Change::DeletePolicy(name)
         }
+        // The node's addresses change: none, or some pod addresses (taken
+        // from pods, and given back).
         8 if i.is_multiple_of(4) => {
-            state.node_ips = target
+            let ips: Vec<IpAddr> = target
                 .pods
                 .values()
+                .chain(state.pods.values())
                 .flat_map(|p| p.ips.iter().copied())
-                .take(1)
                 .collect();
+            state.node_ips = match (i / 4) % 4 {
+                0 => Vec::new(),
+                1 => ips.iter().copied().take(1).collect(),
+                2 => ips.iter().copied().skip(1).step_by(3).collect(),
+                _ => ips.iter().copied().rev().take(2).collect(),
+            };
             Change::Node {
                 name: state.node_name.clone(),
                 ips: state.node_ips.clone(),

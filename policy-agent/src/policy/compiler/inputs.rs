@@ -1,6 +1,6 @@
 //! Changes of the compiler's inputs: each [`Change`] updates the stored
 //! input and, unless a full rebuild is pending, what depends on it.
-use std::{borrow::Cow, collections::BTreeSet};
+use std::{borrow::Cow, collections::BTreeSet, net::IpAddr};
 
 use super::{
     Compiler,
@@ -60,11 +60,42 @@ impl Compiler {
                 self.endpoint_slices.remove(&name);
             }
             Change::Node { name, ips } => {
-                self.node_name = name;
-                self.node_ips = ips.into_iter().collect();
-                self.rebuild_pending = true;
+                let ips: BTreeSet<IpAddr> = ips.into_iter().collect();
+                if name != self.node_name {
+                    // Which pods are local changes: everything moves.
+                    self.rebuild_pending = true;
+                }
+                if self.rebuild_pending {
+                    self.node_name = name;
+                    self.node_ips = ips;
+                } else {
+                    self.node_addresses_changed(ips, ids);
+                }
             }
         }
+    }
+
+    /// The node's addresses changed (a CNI plugin putting a gateway address
+    /// on each pod's host veth does this at every pod start): only the
+    /// moved addresses, the pods claiming them and the NodePort frontends
+    /// are restated, not the whole compile.
+    fn node_addresses_changed(&mut self, ips: BTreeSet<IpAddr>, ids: &mut IdentityAllocator) {
+        let moved: BTreeSet<IpAddr> = self.node_ips.symmetric_difference(&ips).copied().collect();
+        if moved.is_empty() {
+            return;
+        }
+        self.node_ips = ips;
+        // A node address is never a pod's; one that stops being the node's
+        // may go back to the pod claiming it.
+        let affected: BTreeSet<PodRef> = self
+            .pods
+            .iter()
+            .filter(|(_, info)| info.ips.iter().any(|ip| moved.contains(ip)))
+            .map(|(pod, _)| pod.clone())
+            .collect();
+        self.sync_pods(affected, ids);
+        self.refresh_addresses(moved);
+        self.sync_frontends();
     }
 
     /// Every pod of `ns` may have a new identity (its namespace labels are

@@ -217,9 +217,10 @@ impl Compiler {
     /// map writes from the previous content to the new one (exactly
     /// [`crate::mapstate::diff`] of the two).
     ///
-    /// Pod and namespace changes, and policy changes that carve no new
-    /// address prefix and drop none, are incremental; others (node changes,
-    /// and the first apply of an empty compiler) recompile in full and diff.
+    /// Pod, namespace and node-address changes, and policy changes that
+    /// carve no new address prefix and drop none, are incremental; others
+    /// (a new node name, and the first apply of an empty compiler)
+    /// recompile in full and diff.
     pub fn apply(
         &mut self,
         changes: impl IntoIterator<Item = Change>,
