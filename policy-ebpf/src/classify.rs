@@ -751,7 +751,8 @@ fn decide(
             }
         }
     }
-    if pkt.protocol == proto::TCP && pkt.tcp_flags & TCP_SYN == 0 {
+    let midstream = pkt.protocol == proto::TCP && pkt.tcp_flags & TCP_SYN == 0;
+    if midstream {
         count(Reason::CtMidstreamMiss, dir);
     }
     // To a Service frontend: the backend is chosen after us (DNAT), so the
@@ -771,11 +772,16 @@ fn decide(
 
     let (reason, peer) = judge(ep, dir, pkt.family, peer_addr, pkt.protocol, port);
     // Only a packet the pod sent (its source checked above) or one it
-    // receives at its own address opens an entry.
+    // receives at its own address opens an entry; never a TCP packet
+    // without SYN: mid-stream, who opened the connection is unknown, and a
+    // pod answering a connection a policy change just cut would reopen it
+    // in its own name (the peer's packets then pass as replies). Such a
+    // flow is judged packet by packet both ways.
     let opens = dir == direction::EGRESS || ep.owns(pkt.family, &pkt.dst);
     if (reason == Reason::AllowPolicy || reason == Reason::AllowNotIsolated)
         && lookups != 0
         && opens
+        && !midstream
     {
         let mut flags = 0;
         if pkt.protocol == proto::TCP {
