@@ -31,7 +31,7 @@ pub use self::{
         CLUSTER_CIDR_V4, CLUSTER_CIDR_V6, ClusterNode, KubeProxies, SERVICE_CIDR_V4,
         SERVICE_CIDR_V6, SimCluster, UPLINK, node_ips, pod_cidrs, pod_ips,
     },
-    matrix::{Cell, Matrix, NODE_ROW, Target, Verdict},
+    matrix::{Cell, Matrix, NODE_ROW, Target, Verdict, Via},
     netns::{NetNs, run},
     node::{NODE_V4, NODE_V6, PodNet, SimNode, SimPod, cleanup_prefix, pods_from_manifests},
     probe::{Outcome, Probe, Sent, Transport, connect, echo, matrix},
