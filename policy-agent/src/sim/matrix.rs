@@ -12,7 +12,7 @@ use std::{
     time::Duration,
 };
 
-use super::{Error, NetNs, Outcome, Probe, Servers, SimNode, Transport, probe::matrix};
+use super::{Error, NetNs, Outcome, Probe, Servers, SimCluster, SimNode, Transport, probe::matrix};
 
 /// One column: a destination pod's port.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -77,11 +77,14 @@ struct Plan<'a> {
     probes: Vec<Planned>,
 }
 
-impl SimNode {
-    fn plan(&self, ping: bool, via: Option<&Via<'_>>) -> Plan<'_> {
-        let mut targets = Vec::new();
-        let mut probes = Vec::new();
-        for p in &self.pods {
+/// The plan over the pods of `nodes` (each with the name of its node
+/// row): every pod and every node a source, every pod's port a column.
+fn plan_nodes<'a>(nodes: &[(&str, &'a SimNode)], ping: bool, via: Option<&Via<'_>>) -> Plan<'a> {
+    let mut targets = Vec::new();
+    let mut probes = Vec::new();
+    let mut sources: Vec<(String, &NetNs)> = Vec::new();
+    for (_, node) in nodes {
+        for p in &node.pods {
             let id = p.pod.id();
             let mut ports: Vec<(u16, Transport)> = p
                 .pod
@@ -118,14 +121,37 @@ impl SimNode {
                 targets.push(target);
             }
         }
-        let mut sources: Vec<(String, &NetNs)> =
-            self.pods.iter().map(|p| (p.pod.id(), &p.netns)).collect();
-        sources.push((NODE_ROW.to_owned(), &self.node));
-        Plan {
-            sources,
-            targets,
-            probes,
-        }
+        sources.extend(node.pods.iter().map(|p| (p.pod.id(), &p.netns)));
+    }
+    for (row, node) in nodes {
+        sources.push(((*row).to_owned(), &node.node));
+    }
+    Plan {
+        sources,
+        targets,
+        probes,
+    }
+}
+
+impl SimCluster {
+    /// Probes every pod of every node from every pod and every node
+    /// (rows "(node-1)", "(node-2)"), the senders' view only. `ping` adds
+    /// an ICMP echo column per pod.
+    pub fn probe_matrix(&self, timeout: Duration, ping: bool) -> Result<Matrix, Error> {
+        let rows: Vec<String> = self.nodes.iter().map(|n| format!("({})", n.name)).collect();
+        let nodes: Vec<(&str, &SimNode)> = self
+            .nodes
+            .iter()
+            .zip(&rows)
+            .map(|(n, row)| (row.as_str(), &n.sim))
+            .collect();
+        probe_plan(plan_nodes(&nodes, ping, None), None, timeout, &|_| true)
+    }
+}
+
+impl SimNode {
+    fn plan(&self, ping: bool, via: Option<&Via<'_>>) -> Plan<'_> {
+        plan_nodes(&[(NODE_ROW, self)], ping, via)
     }
 
     /// Probes everything. `ping` adds an ICMP echo column per pod. Only
@@ -177,46 +203,7 @@ impl SimNode {
     ) -> Result<Matrix, Error> {
         let plan = self.plan(ping, via);
         let wanted = |c: &Cell| wanted(c) && !via.is_some_and(|v| (v.skip)(c));
-        let namespaces: Vec<&NetNs> = plan.sources.iter().map(|(_, n)| *n).collect();
-        let lists: Vec<Vec<Probe>> = plan
-            .sources
-            .iter()
-            .map(|(name, _)| {
-                plan.probes
-                    .iter()
-                    .filter(|p| wanted(&(name.clone(), p.target.clone(), p.v6)))
-                    .map(|p| p.probe)
-                    .collect()
-            })
-            .collect();
-        // What arrived before this round is no part of it.
-        if let Some(s) = servers {
-            s.arrivals()?;
-        }
-        let raw = matrix(&namespaces, &lists, timeout)?;
-        let arrivals = servers.map(Servers::arrivals).transpose()?;
-        let mut cells = BTreeMap::new();
-        let mut arrived = BTreeMap::new();
-        for (i, (name, _)) in plan.sources.iter().enumerate() {
-            for p in &plan.probes {
-                if let Some(sent) = raw.get(&(i, p.probe)) {
-                    let cell = (name.clone(), p.target.clone(), p.v6);
-                    if let Some(a) = &arrivals {
-                        let reached = sent
-                            .from
-                            .is_some_and(|f| a.request_arrived(f, p.arrive, p.probe.transport));
-                        arrived.insert(cell.clone(), reached);
-                    }
-                    cells.insert(cell, sent.outcome);
-                }
-            }
-        }
-        Ok(Matrix {
-            sources: plan.sources.into_iter().map(|(n, _)| n).collect(),
-            targets: plan.targets,
-            cells,
-            arrived,
-        })
+        probe_plan(plan, servers, timeout, &wanted)
     }
 
     /// Probes everything and compares each cell with `expect(source,
@@ -269,6 +256,56 @@ impl SimNode {
         let wrong = m.mismatches(expect);
         Ok((m, wrong))
     }
+}
+
+/// Runs `plan`'s probes of the cells `wanted` (with the receivers' view
+/// when `servers` are given).
+fn probe_plan(
+    plan: Plan<'_>,
+    servers: Option<&Servers>,
+    timeout: Duration,
+    wanted: &dyn Fn(&Cell) -> bool,
+) -> Result<Matrix, Error> {
+    let namespaces: Vec<&NetNs> = plan.sources.iter().map(|(_, n)| *n).collect();
+    let lists: Vec<Vec<Probe>> = plan
+        .sources
+        .iter()
+        .map(|(name, _)| {
+            plan.probes
+                .iter()
+                .filter(|p| wanted(&(name.clone(), p.target.clone(), p.v6)))
+                .map(|p| p.probe)
+                .collect()
+        })
+        .collect();
+    // What arrived before this round is no part of it.
+    if let Some(s) = servers {
+        s.arrivals()?;
+    }
+    let raw = matrix(&namespaces, &lists, timeout)?;
+    let arrivals = servers.map(Servers::arrivals).transpose()?;
+    let mut cells = BTreeMap::new();
+    let mut arrived = BTreeMap::new();
+    for (i, (name, _)) in plan.sources.iter().enumerate() {
+        for p in &plan.probes {
+            if let Some(sent) = raw.get(&(i, p.probe)) {
+                let cell = (name.clone(), p.target.clone(), p.v6);
+                if let Some(a) = &arrivals {
+                    let reached = sent
+                        .from
+                        .is_some_and(|f| a.request_arrived(f, p.arrive, p.probe.transport));
+                    arrived.insert(cell.clone(), reached);
+                }
+                cells.insert(cell, sent.outcome);
+            }
+        }
+    }
+    Ok(Matrix {
+        sources: plan.sources.into_iter().map(|(n, _)| n).collect(),
+        targets: plan.targets,
+        cells,
+        arrived,
+    })
 }
 
 /// A cell judged at both ends.

@@ -25,6 +25,7 @@ mod node;
 pub mod packet;
 mod probe;
 mod serve;
+mod through;
 
 pub use self::{
     cluster::{
@@ -36,6 +37,7 @@ pub use self::{
     node::{NODE_V4, NODE_V6, PodNet, SimNode, SimPod, cleanup_prefix, pods_from_manifests},
     probe::{Outcome, Probe, Sent, Transport, connect, echo, matrix},
     serve::{Arrival, Arrivals, Servers},
+    through::{Landed, through},
 };
 
 /// Errors of the simulated node.
