@@ -35,7 +35,7 @@ pub use self::{
     matrix::{Cell, Matrix, NODE_ROW, Target, Verdict, Via},
     netns::{NetNs, run},
     node::{NODE_V4, NODE_V6, PodNet, SimNode, SimPod, cleanup_prefix, pods_from_manifests},
-    probe::{Outcome, Probe, Sent, Transport, connect, echo, matrix},
+    probe::{Outcome, Probe, Sent, Transport, connect, echo, matrix, run_probes},
     serve::{Arrival, Arrivals, Servers},
     through::{Landed, through},
 };

@@ -7,20 +7,24 @@
 //! The matrix is then probed a second time through the ClusterIPs and
 //! judged where it lands, the pod's own address, against the very same
 //! expectation as the pod-IP pass.
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use policy_agent::{
     cluster::ClusterState,
     sim::{
-        CLUSTER_CIDR_V4, CLUSTER_CIDR_V6, Cell, NODE_ROW, NODE_V4, NODE_V6, NetNs, SERVICE_CIDR_V4,
-        SERVICE_CIDR_V6, Transport,
+        CLUSTER_CIDR_V4, CLUSTER_CIDR_V6, Cell, NODE_ROW, NODE_V4, NODE_V6, NetNs, Outcome, Probe,
+        SERVICE_CIDR_V4, SERVICE_CIDR_V6, Transport,
         kube_proxy::{KubeProxy, ProxyConfig, ProxyMode},
         manifests::{Manifests, PodManifest, ServiceManifest, TargetPort},
+        run_probes,
     },
 };
 use policy_common::proto;
 
-use super::conformance::{NODE, PodSpec};
+use super::{
+    conformance::{Conformance, NODE, PROBE_TIMEOUT, PodSpec},
+    deadline::scaled,
+};
 
 /// The agent's `--service-cidr` arguments (the sim's Service ranges).
 pub const SERVICE_CIDR_ARGS: [&str; 4] = [
@@ -163,4 +167,61 @@ impl ServiceRun {
 /// The ClusterIP pass's target: the column's pod through its Service.
 pub fn via_address(_pod: &str, ip: IpAddr) -> Option<IpAddr> {
     Some(cluster_ip(ip))
+}
+
+/// One pod's connection to its own ClusterIP.
+#[derive(Debug)]
+pub struct Hairpin {
+    pub pod: String,
+    pub v6: bool,
+    /// What the pod saw.
+    pub outcome: Outcome,
+    /// The sources its connection request arrived from at the pod's own
+    /// address.
+    pub from: Vec<SocketAddr>,
+    /// The node's addresses.
+    pub node: [IpAddr; 2],
+}
+
+/// Each pod to its own ClusterIP on TCP 80, both families, one at a time:
+/// what it saw and where its request came from at the pod (by capture).
+pub fn hairpin(c: &Conformance) -> Vec<Hairpin> {
+    let servers = c.servers.as_ref().unwrap();
+    let mut out = Vec::new();
+    for p in &c.node().pods {
+        for ip in &p.pod.ips {
+            // What arrived before is no part of it.
+            servers.arrivals().unwrap();
+            let probe = Probe {
+                to: SocketAddr::new(cluster_ip(*ip), 80),
+                transport: Transport::Tcp,
+            };
+            let timeout = scaled(PROBE_TIMEOUT);
+            let sent = p
+                .netns
+                .spawn(move || run_probes(&[probe], timeout))
+                .unwrap()
+                .join()
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            let at = SocketAddr::new(*ip, 80);
+            let from = servers
+                .arrivals()
+                .unwrap()
+                .all
+                .iter()
+                .filter(|a| a.to == at && a.syn)
+                .map(|a| a.from)
+                .collect();
+            out.push(Hairpin {
+                pod: p.pod.id(),
+                v6: ip.is_ipv6(),
+                outcome: sent[0].outcome,
+                from,
+                node: [IpAddr::V4(NODE_V4), IpAddr::V6(NODE_V6)],
+            });
+        }
+    }
+    out
 }
