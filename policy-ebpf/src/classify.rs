@@ -287,14 +287,19 @@ fn rejudge_backend(
         return None;
     }
     let port = proto::policy_port(key.protocol, f.backend_port);
-    let (reason, peer) = judge(
-        ep,
-        direction::EGRESS,
-        key.family,
-        &f.backend,
-        key.protocol,
-        port,
-    );
+    // Its own Service's backend is the pod itself: allowed (as after DNAT).
+    let (reason, peer) = if ep.owns(key.family, &f.backend) {
+        (Reason::AllowSelf, IpcacheEntry::UNKNOWN)
+    } else {
+        judge(
+            ep,
+            direction::EGRESS,
+            key.family,
+            &f.backend,
+            key.protocol,
+            port,
+        )
+    };
     if reason.is_drop() {
         let _ = CONNTRACK.remove(key);
         let _ = SERVICE_FLOWS.remove(&*flow);
@@ -467,14 +472,21 @@ fn judge_service(s: &mut Scratch, client: u32, flags: u32) -> u32 {
             return 1;
         }
     }
-    let (reason, peer) = judge(
-        ep,
-        direction::EGRESS,
-        pkt.family,
-        &pkt.dst,
-        pkt.protocol,
-        proto::policy_port(pkt.protocol, pkt.dport),
-    );
+    // A pod to its own Service (hairpin): the backend is the client, and
+    // traffic a pod sends to itself is allowed (as a direct packet to
+    // its own address is, and as the iptables datapath passes it).
+    let (reason, peer) = if ep.owns(pkt.family, &pkt.dst) {
+        (Reason::AllowSelf, IpcacheEntry::UNKNOWN)
+    } else {
+        judge(
+            ep,
+            direction::EGRESS,
+            pkt.family,
+            &pkt.dst,
+            pkt.protocol,
+            proto::policy_port(pkt.protocol, pkt.dport),
+        )
+    };
     if let Some(f) = SERVICE_FLOWS.get_ptr_mut(&s.flow) {
         // SAFETY: a pointer to the map value, valid for this run.
         let f = unsafe { &mut *f };
