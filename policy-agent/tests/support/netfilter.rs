@@ -50,10 +50,24 @@ enum Match {
     Out(String),
     Src(IpNet),
     Dst(IpNet),
-    Set { name: String, src: bool },
+    Set {
+        name: String,
+        src: bool,
+    },
     Proto(u8),
     Dport(u16, u16),
-    Mark { value: u32, mask: u32 },
+    Mark {
+        value: u32,
+        mask: u32,
+    },
+    /// The flow's connmark (a new packet's flow has none yet).
+    ConnMark {
+        value: u32,
+        mask: u32,
+        negated: bool,
+    },
+    /// `--ctdir`: a new packet is in the original direction.
+    CtDir(String),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -62,7 +76,12 @@ enum Target {
     Drop,
     Accept,
     Jump(String),
-    SetXmark { value: u32, mask: u32 },
+    SetXmark {
+        value: u32,
+        mask: u32,
+    },
+    /// CONNMARK: the flow's mark (nothing a verdict depends on here).
+    ConnMarkSet,
 }
 
 #[derive(Clone, Debug)]
@@ -157,11 +176,26 @@ fn parse_rule(w: &[String]) -> Rule {
         match w[i].as_str() {
             "-m" => match arg(i + 1) {
                 "conntrack" => {
-                    assert_eq!(arg(i + 2), "--ctstate", "{w:?}");
-                    matches.push(Match::CtState(
-                        arg(i + 3).split(',').map(str::to_owned).collect(),
-                    ));
+                    match arg(i + 2) {
+                        "--ctstate" => matches.push(Match::CtState(
+                            arg(i + 3).split(',').map(str::to_owned).collect(),
+                        )),
+                        "--ctdir" => matches.push(Match::CtDir(arg(i + 3).to_owned())),
+                        other => panic!("conntrack {other} in {w:?}"),
+                    }
                     i += 4;
+                }
+                "connmark" => {
+                    let negated = arg(i + 2) == "!";
+                    let at = i + 2 + usize::from(negated);
+                    assert_eq!(arg(at), "--mark", "{w:?}");
+                    let (value, mask) = mark_pair(arg(at + 1));
+                    matches.push(Match::ConnMark {
+                        value,
+                        mask,
+                        negated,
+                    });
+                    i = at + 2;
                 }
                 "comment" => {
                     assert_eq!(arg(i + 2), "--comment", "{w:?}");
@@ -231,6 +265,11 @@ fn parse_rule(w: &[String]) -> Rule {
                         let (value, mask) = mark_pair(arg(i + 3));
                         i += 2;
                         Target::SetXmark { value, mask }
+                    }
+                    "CONNMARK" => {
+                        assert_eq!(arg(i + 2), "--set-xmark", "{w:?}");
+                        i += 2;
+                        Target::ConnMarkSet
                     }
                     chain if chain.starts_with("pa-agent:") => Target::Jump(chain.to_owned()),
                     other => panic!("unknown target {other} in {w:?}"),
@@ -400,6 +439,13 @@ impl Netfilter {
             Match::Proto(pr) => *pr == p.protocol,
             Match::Dport(a, b) => (*a..=*b).contains(&p.dport),
             Match::Mark { value, mask } => mark & mask == *value,
+            // A new packet's flow has connmark 0.
+            Match::ConnMark {
+                value,
+                mask: _,
+                negated,
+            } => (*value == 0) != *negated,
+            Match::CtDir(d) => d == "ORIGINAL",
         }
     }
 
@@ -427,6 +473,7 @@ impl Netfilter {
                 Target::Drop => return Some(false),
                 Target::Accept => return Some(true),
                 Target::SetXmark { value, mask } => *mark = (*mark & !mask) ^ value,
+                Target::ConnMarkSet => {}
                 Target::Jump(c) => {
                     if let Some(v) = self.run(table, c, p, mark, depth + 1) {
                         return Some(v);
