@@ -50,10 +50,19 @@ enum Match {
     Out(String),
     Src(IpNet),
     Dst(IpNet),
-    Set { name: String, src: bool },
+    Set {
+        name: String,
+        src: bool,
+    },
     Proto(u8),
     Dport(u16, u16),
-    Mark { value: u32, mask: u32 },
+    Mark {
+        value: u32,
+        mask: u32,
+    },
+    /// `-m addrtype ! --src-type LOCAL`: the evaluator's packets come from
+    /// pods and the world, never from one of the node's own addresses.
+    SrcNotLocal,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -186,6 +195,15 @@ fn parse_rule(w: &[String]) -> Rule {
                     matches.push(Match::Mark { value, mask });
                     i += 4;
                 }
+                "addrtype" => {
+                    assert_eq!(
+                        (arg(i + 2), arg(i + 3), arg(i + 4)),
+                        ("!", "--src-type", "LOCAL"),
+                        "{w:?}"
+                    );
+                    matches.push(Match::SrcNotLocal);
+                    i += 5;
+                }
                 other => panic!("unknown match module {other} in {w:?}"),
             },
             "-i" => {
@@ -300,12 +318,12 @@ impl Netfilter {
                                 .push(rule);
                         }
                         Some("-I") => {
-                            assert_eq!(w[1], "FORWARD", "{line}");
+                            assert!(matches!(w[1].as_str(), "FORWARD" | "OUTPUT"), "{line}");
                             let at: usize = w[2].parse().expect("insert position");
                             let rule = parse_rule(&w[3..]);
                             table
                                 .chains
-                                .entry("FORWARD".into())
+                                .entry(w[1].clone())
                                 .or_default()
                                 .insert(at - 1, rule);
                         }
@@ -400,6 +418,7 @@ impl Netfilter {
             Match::Proto(pr) => *pr == p.protocol,
             Match::Dport(a, b) => (*a..=*b).contains(&p.dport),
             Match::Mark { value, mask } => mark & mask == *value,
+            Match::SrcNotLocal => true,
         }
     }
 
