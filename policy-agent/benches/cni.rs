@@ -42,6 +42,7 @@ const PODS_PER_NS: usize = 100;
 const POLICIES_PER_NS: usize = 10;
 /// Pod creations with the plugin (200 put two samples above the p99).
 const WITH: usize = 200;
+// (BENCH_CNI_WITH=<n> for a quick look; the report's p99 needs 200.)
 /// Pod creations without it.
 const WITHOUT: usize = 50;
 
@@ -146,6 +147,8 @@ fn main() {
     let node = SimNode::create(PREFIX, &[]).unwrap();
     let layout = PinLayout::new("/sys/fs/bpf/policy-agent-bench-cni");
     let socket = dir.join("cni.sock");
+    // BENCH_CNI_LOG=<file>: the agent's debug log there (where the time goes).
+    let log = std::env::var_os("BENCH_CNI_LOG").map(|p| std::fs::File::create(p).unwrap());
     let daemon = Daemon(
         node.node
             .command(AGENT)
@@ -156,9 +159,16 @@ fn main() {
             .arg(layout.root())
             .arg("--cni-socket")
             .arg(&socket)
-            .env("RUST_LOG", "warn")
+            .env(
+                "RUST_LOG",
+                if log.is_some() {
+                    "policy_agent=debug"
+                } else {
+                    "warn"
+                },
+            )
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log.map_or_else(Stdio::null, Stdio::from))
             .spawn()
             .unwrap(),
     );
@@ -176,7 +186,11 @@ fn main() {
     // With the plugin. The first ADD also waits for the agent's first sync.
     let rt = CniRuntime::new(&node.node, list(&ipam, &socket, true), cni_path.clone()).unwrap();
     let (mut ours, mut ptp) = (Vec::new(), Vec::new());
-    for i in 0..WITH {
+    let with: usize = std::env::var("BENCH_CNI_WITH")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(WITH);
+    for i in 0..with {
         let mut sb = rt
             .sandbox(PREFIX, "new", &format!("w{i:03}"), &format!("uid-w{i:03}"))
             .unwrap();

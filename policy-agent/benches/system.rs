@@ -2,7 +2,10 @@
 //! and first-packet latency of new connections between two pods, with no
 //! program, through the BPF classifiers, and through the iptables
 //! fallback, at 10, 100 and 1,000 policies over 10,000 pods; and the time
-//! each takes to apply. Needs root and iperf3.
+//! each takes to apply. Also at 1,000 policies through the server's
+//! ClusterIP: the node runs the kube-proxy stand-in (iptables mode, its
+//! rules in place for every configuration, as on a real node) and the
+//! client's egress is judged after its DNAT. Needs root and iperf3.
 //! `cargo bench -p policy-agent --bench system`.
 //!
 //! Measured in rounds: in every round, each configuration is measured
@@ -23,7 +26,14 @@ use std::{
     time::{Duration, Instant},
 };
 
-use policy_agent::sim::{NetNs, Servers, SimNode, SimPod, cleanup_prefix};
+use policy_agent::{
+    cluster::ClusterState,
+    sim::{
+        NODE_V4, NetNs, Servers, SimNode, SimPod, cleanup_prefix,
+        kube_proxy::{KubeProxy, ProxyConfig, ProxyMode},
+    },
+    source::manifests::{LoadedManifests, load_text},
+};
 
 const AGENT: &str = env!("CARGO_BIN_EXE_policy-agent");
 const PREFIX: &str = "bsys";
@@ -44,6 +54,29 @@ fn server_ip() -> IpAddr {
 /// A pod the server's policy does not allow.
 fn intruder_ip() -> IpAddr {
     "10.244.0.12".parse().unwrap()
+}
+/// The server's Service.
+fn cluster_ip() -> IpAddr {
+    "10.96.0.80".parse().unwrap()
+}
+
+/// The server's Service (HTTP and iperf3) and its EndpointSlice.
+fn service() -> String {
+    format!(
+        "---\napiVersion: v1\nkind: Service\nmetadata: {{name: server, namespace: ns000}}\nspec:\n  clusterIP: {vip}\n  clusterIPs: [{vip}]\n  selector: {{app: server}}\n  ports: [{{name: http, port: 80, protocol: TCP}}, {{name: iperf, port: 5201, protocol: TCP}}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: server-1, namespace: ns000, labels: {{kubernetes.io/service-name: server}}}}\naddressType: IPv4\nendpoints: [{{addresses: [{ip}], conditions: {{ready: true}}, nodeName: node-1}}]\nports: [{{name: http, port: 80, protocol: TCP}}, {{name: iperf, port: 5201, protocol: TCP}}]\n",
+        vip = cluster_ip(),
+        ip = server_ip()
+    )
+}
+
+/// The cluster state kube-proxy syncs (the Service and its slice).
+fn proxy_state() -> ClusterState {
+    let mut loaded = LoadedManifests::default();
+    load_text(Path::new("service.yaml"), &service(), &mut loaded);
+    let state = loaded.cluster_state("node-1", vec![IpAddr::V4(NODE_V4)]);
+    assert!(loaded.errors.is_empty(), "{:?}", loaded.errors);
+    assert_eq!(state.services.len(), 1, "the Service was not read");
+    state
 }
 
 /// Namespaces, the two local pods, 10,000 remote pods, and `policies`
@@ -185,7 +218,7 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn iperf(node: &SimNode) -> f64 {
+fn iperf(node: &SimNode, to: IpAddr) -> f64 {
     let server = &node.pods[1].netns;
     let mut srv = server
         .command("iperf3")
@@ -200,7 +233,7 @@ fn iperf(node: &SimNode) -> f64 {
         .command("iperf3")
         .args([
             "-c",
-            &server_ip().to_string(),
+            &to.to_string(),
             "-p",
             "5201",
             "-t",
@@ -238,7 +271,7 @@ fn measure(node: &SimNode, to: SocketAddr, with_iperf: bool) -> Sample {
         mean,
         p50,
         p99,
-        gbps: with_iperf.then(|| iperf(node)),
+        gbps: with_iperf.then(|| iperf(node, to.ip())),
     }
 }
 
@@ -262,19 +295,40 @@ fn main() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let dir_s = dir.to_str().unwrap().to_owned();
-    let to = SocketAddr::new(server_ip(), 80);
-    let configs: Vec<(&str, usize)> = ["bpf", "iptables"]
+    let proxy = KubeProxy::install(
+        &node.node,
+        ProxyMode::Iptables,
+        ProxyConfig {
+            node_name: "node-1".into(),
+            node_ips: vec![IpAddr::V4(NODE_V4)],
+            cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
+            service_cidrs: vec!["10.96.0.0/12".parse().unwrap()],
+        },
+        &proxy_state(),
+    )
+    .unwrap();
+    // (datapath, policies, through the ClusterIP)
+    let mut configs: Vec<(&str, usize, bool)> = ["bpf", "iptables"]
         .into_iter()
-        .flat_map(|d| [10usize, 100, 1000].map(|p| (d, p)))
+        .flat_map(|d| [10usize, 100, 1000].map(|p| (d, p, false)))
         .collect();
+    configs.extend([("bpf", 1000, true), ("iptables", 1000, true)]);
     // Per configuration: (apply ms, baseline sample, measured sample) per round.
     let mut samples: Vec<Vec<(f64, Sample, Sample)>> = vec![Vec::new(); configs.len()];
     for round in 0..ROUNDS {
-        for (i, (datapath, policies)) in configs.iter().enumerate() {
+        for (i, (datapath, policies, via_service)) in configs.iter().enumerate() {
             let with_iperf = *policies == 1000;
+            let to = SocketAddr::new(
+                if *via_service {
+                    cluster_ip()
+                } else {
+                    server_ip()
+                },
+                80,
+            );
             assert_enforced(&node, to, false, "baseline");
             let none = measure(&node, to, with_iperf);
-            std::fs::write(dir.join("cluster.yaml"), manifests(*policies)).unwrap();
+            std::fs::write(dir.join("cluster.yaml"), manifests(*policies) + &service()).unwrap();
             let took = agent(
                 &node,
                 &[
@@ -292,7 +346,8 @@ fn main() {
             assert_enforced(&node, to, true, "after the measurement");
             agent(&node, &["reset"]);
             eprintln!(
-                "round {round}: {datapath} @ {policies}: connect {:.0} us vs {:.0} us with nothing installed{}",
+                "round {round}: {datapath} @ {policies}{}: connect {:.0} us vs {:.0} us with nothing installed{}",
+                if *via_service { " via ClusterIP" } else { "" },
                 measured.mean,
                 none.mean,
                 match (measured.gbps, none.gbps) {
@@ -304,28 +359,41 @@ fn main() {
         }
     }
 
+    proxy.remove().unwrap();
     let mut results = serde_json::Map::new();
     let mut report = String::new();
-    let all_none: Vec<Sample> = samples.iter().flatten().map(|(_, n, _)| *n).collect();
-    let none_gbps: Vec<f64> = all_none.iter().filter_map(|s| s.gbps).collect();
-    let none = serde_json::json!({
-        "connect_mean_us": median(all_none.iter().map(|s| s.mean).collect()),
-        "connect_p50_us": median(all_none.iter().map(|s| s.p50).collect()),
-        "connect_p99_us": median(all_none.iter().map(|s| s.p99).collect()),
-        "iperf_gbps": median(none_gbps.clone()),
-        "measurements": all_none.len(), "iperf_runs": none_gbps.len(),
-    });
-    let _ = writeln!(
-        report,
-        "nothing installed ({} measurements): new connection mean {:.0} us, p99 {:.0} us; iperf3 {:.2} Gbit/s ({} runs)",
-        all_none.len(),
-        none["connect_mean_us"].as_f64().unwrap(),
-        none["connect_p99_us"].as_f64().unwrap(),
-        none["iperf_gbps"].as_f64().unwrap(),
-        none_gbps.len()
-    );
-    results.insert("none".into(), none);
-    for ((datapath, policies), rounds) in configs.iter().zip(&samples) {
+    for (key, via_service) in [("none", false), ("none_clusterip", true)] {
+        let all_none: Vec<Sample> = configs
+            .iter()
+            .zip(&samples)
+            .filter(|((_, _, v), _)| *v == via_service)
+            .flat_map(|(_, rounds)| rounds.iter().map(|(_, n, _)| *n))
+            .collect();
+        let none_gbps: Vec<f64> = all_none.iter().filter_map(|s| s.gbps).collect();
+        let none = serde_json::json!({
+            "connect_mean_us": median(all_none.iter().map(|s| s.mean).collect()),
+            "connect_p50_us": median(all_none.iter().map(|s| s.p50).collect()),
+            "connect_p99_us": median(all_none.iter().map(|s| s.p99).collect()),
+            "iperf_gbps": median(none_gbps.clone()),
+            "measurements": all_none.len(), "iperf_runs": none_gbps.len(),
+        });
+        let _ = writeln!(
+            report,
+            "nothing installed{} ({} measurements): new connection mean {:.0} us, p99 {:.0} us; iperf3 {:.2} Gbit/s ({} runs)",
+            if via_service {
+                ", via the ClusterIP"
+            } else {
+                ""
+            },
+            all_none.len(),
+            none["connect_mean_us"].as_f64().unwrap(),
+            none["connect_p99_us"].as_f64().unwrap(),
+            none["iperf_gbps"].as_f64().unwrap(),
+            none_gbps.len()
+        );
+        results.insert(key.into(), none);
+    }
+    for ((datapath, policies, via_service), rounds) in configs.iter().zip(&samples) {
         let m = |f: fn(&Sample) -> f64| median(rounds.iter().map(|(_, _, s)| f(s)).collect());
         let ratio = median(rounds.iter().map(|(_, n, s)| s.mean / n.mean).collect());
         let mut entry = serde_json::json!({
@@ -334,7 +402,12 @@ fn main() {
             "connect_ratio_to_none": ratio, "rounds": rounds.len(),
         });
         let mut line = format!(
-            "{datapath} @ {policies} policies: apply {:.0} ms; new connection mean {:.0} us ({ratio:.2}x nothing installed, median of per-round ratios), p99 {:.0} us",
+            "{datapath} @ {policies} policies{}: apply {:.0} ms; new connection mean {:.0} us ({ratio:.2}x nothing installed, median of per-round ratios), p99 {:.0} us",
+            if *via_service {
+                " via the ClusterIP"
+            } else {
+                ""
+            },
             entry["apply_ms"].as_f64().unwrap(),
             entry["connect_mean_us"].as_f64().unwrap(),
             entry["connect_p99_us"].as_f64().unwrap(),
@@ -357,7 +430,8 @@ fn main() {
             );
         }
         let _ = writeln!(report, "{line}");
-        results.insert(format!("{datapath}_{policies}"), entry);
+        let suffix = if *via_service { "_clusterip" } else { "" };
+        results.insert(format!("{datapath}_{policies}{suffix}"), entry);
     }
     print!("{report}");
     let mut json = serde_json::Value::Object(results);

@@ -18,9 +18,12 @@ pub struct Interface {
 }
 
 /// Resolves every pod in the calling thread's namespace. A pod is left out
-/// (with a problem) when an IP has no route, routes through a gateway, or
-/// its IPs route to different interfaces, or the interface is not a veth:
-/// attaching to the node's uplink by mistake would judge all traffic.
+/// (with a problem) when an IP has no route, routes through a gateway or
+/// by a route it shares with other addresses (a subnet or default route:
+/// before the pod's own route exists, its address may route on-link out of
+/// the node's uplink), its IPs route to different interfaces, or the
+/// interface is not a veth: attaching to the node's uplink by mistake
+/// would judge all traffic.
 pub fn resolve_interfaces(
     pods: &BTreeMap<PodRef, Vec<IpAddr>>,
 ) -> (BTreeMap<PodRef, Interface>, Vec<Problem>) {
@@ -43,7 +46,21 @@ pub fn resolve_interfaces(
         let mut bad = false;
         for ip in ips {
             match netlink::route_to(*ip) {
-                Ok(Some(route)) if route.gateway.is_none() => match ifindex {
+                Ok(Some(route)) if route.gateway.is_some() => {
+                    problem(format!(
+                        "{ip} routes through a gateway ({:?}), not to a local pod interface",
+                        route.gateway
+                    ));
+                    bad = true;
+                }
+                Ok(Some(route)) if !route.is_host_route_of(*ip) => {
+                    problem(format!(
+                        "{ip} has no route of its own yet (it matches a /{} route on ifindex {}, which other addresses share): not attaching there",
+                        route.prefix_len, route.oif
+                    ));
+                    bad = true;
+                }
+                Ok(Some(route)) => match ifindex {
                     None => ifindex = Some(route.oif),
                     Some(i) if i == route.oif => {}
                     Some(i) => {
@@ -54,13 +71,6 @@ pub fn resolve_interfaces(
                         bad = true;
                     }
                 },
-                Ok(Some(route)) => {
-                    problem(format!(
-                        "{ip} routes through a gateway ({:?}), not to a local pod interface",
-                        route.gateway
-                    ));
-                    bad = true;
-                }
                 Ok(None) => {
                     problem(format!(
                         "no route to {ip}: its interface is missing (not attached)"

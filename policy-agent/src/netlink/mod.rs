@@ -10,7 +10,7 @@ use netlink_packet_route::{
     AddressFamily, RouteNetlinkMessage,
     address::{AddressAttribute, AddressMessage},
     link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage},
-    route::{RouteAddress, RouteAttribute, RouteMessage},
+    route::{RouteAddress, RouteAttribute, RouteFlags, RouteMessage},
 };
 
 use self::request::request;
@@ -39,17 +39,32 @@ pub struct Link {
     pub kind: Option<String>,
 }
 
-/// Where the kernel would send a packet for `ip` (as `ip route get`).
+/// The route the kernel would send a packet for `ip` by (as `ip route get
+/// fibmatch`: the routing table's entry, with its own prefix).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Route {
     pub oif: u32,
     /// Set when the route goes through a gateway (not a pod's own route).
     pub gateway: Option<IpAddr>,
+    /// The matching entry's prefix length: a pod's own route is a host
+    /// route (/32, /128); a shorter one is a subnet or default route that
+    /// other addresses share.
+    pub prefix_len: u8,
 }
 
-/// `ip route get <ip>` in the calling thread's network namespace.
+impl Route {
+    /// Whether this entry routes `ip` alone.
+    pub fn is_host_route_of(&self, ip: IpAddr) -> bool {
+        self.prefix_len == if ip.is_ipv4() { 32 } else { 128 }
+    }
+}
+
+/// `ip route get fibmatch <ip>` in the calling thread's network namespace.
 pub fn route_to(ip: IpAddr) -> Result<Option<Route>, Error> {
     let mut msg = RouteMessage::default();
+    // The matching table entry rather than a cloned per-address result:
+    // its prefix tells a pod's own route from a shared one.
+    msg.header.flags = RouteFlags::FibMatch;
     match ip {
         IpAddr::V4(a) => {
             msg.header.address_family = AddressFamily::Inet;
@@ -100,7 +115,11 @@ fn route_from(route: &RouteMessage) -> Option<Route> {
             _ => {}
         }
     }
-    oif.map(|oif| Route { oif, gateway })
+    oif.map(|oif| Route {
+        oif,
+        gateway,
+        prefix_len: route.header.destination_prefix_length,
+    })
 }
 
 fn link_from(msg: &LinkMessage) -> Link {

@@ -7,7 +7,7 @@ use std::{
     collections::BTreeMap,
     io::{ErrorKind, Read, Write},
     net::{IpAddr, SocketAddr, TcpListener, UdpSocket},
-    os::fd::AsRawFd,
+    os::fd::{AsRawFd, RawFd},
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, Ordering},
@@ -162,23 +162,12 @@ fn serve(
     };
     let mut buf = [0u8; 2048];
     while !stop.load(Ordering::Relaxed) {
-        let mut fds: Vec<libc::pollfd> = listeners
+        let fds = listeners
             .iter()
             .map(|l| l.as_raw_fd())
-            .chain(datagrams.iter().map(|u| u.as_raw_fd()))
-            .map(|fd| libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            })
-            .collect();
-        // SAFETY: fds is a valid array of pollfd for the call's duration.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 100) };
-        if n <= 0 {
-            continue;
-        }
-        for pfd in fds.iter().filter(|p| p.revents != 0) {
-            if let Some(l) = listeners.iter().find(|l| l.as_raw_fd() == pfd.fd) {
+            .chain(datagrams.iter().map(|u| u.as_raw_fd()));
+        for fd in super::poll::readable(fds, 100) {
+            if let Some(l) = listeners.iter().find(|l| l.as_raw_fd() == fd) {
                 while let Ok((mut s, peer)) = l.accept() {
                     let local = s.local_addr().unwrap_or(peer);
                     record(L4::Tcp, local, peer);
@@ -186,7 +175,7 @@ fn serve(
                     let _ = s.set_nonblocking(false);
                     let _ = s.write_all(&answer(pod, &peer));
                 }
-            } else if let Some(u) = datagrams.iter().find(|u| u.as_raw_fd() == pfd.fd) {
+            } else if let Some(u) = datagrams.iter().find(|u| u.as_raw_fd() == fd) {
                 while let Ok((_, peer)) = u.recv_from(&mut buf) {
                     let local = u.local_addr().unwrap_or(peer);
                     record(L4::Udp, local, peer);
@@ -314,22 +303,10 @@ pub fn ask_here(
         if waiting.is_empty() || now >= deadline {
             break;
         }
-        let mut fds: Vec<libc::pollfd> = waiting
-            .iter()
-            .map(|(_, fd, events)| libc::pollfd {
-                fd: *fd,
-                events: *events,
-                revents: 0,
-            })
-            .collect();
+        let watch: Vec<(RawFd, i16)> = waiting.iter().map(|(_, fd, ev)| (*fd, *ev)).collect();
         let ms = (deadline - now).as_millis().clamp(1, 1000) as i32;
-        // SAFETY: fds is a valid array of pollfd for the call's duration.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
-        if n <= 0 {
-            continue;
-        }
-        for ((i, _, _), pfd) in waiting.iter().zip(&fds) {
-            if pfd.revents == 0 {
+        for ((i, _, _), ready) in waiting.iter().zip(super::poll::ready(&watch, ms)) {
+            if !ready {
                 continue;
             }
             let next = match std::mem::replace(&mut state[*i], Pending::Done(Reply::NoAnswer)) {

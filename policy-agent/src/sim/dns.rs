@@ -321,27 +321,16 @@ fn serve(
     }
     let mut buf = [0u8; 1500];
     while !stop.load(Ordering::Relaxed) {
-        let mut fds: Vec<libc::pollfd> = listeners
+        let fds = listeners
             .iter()
             .map(|l| l.as_raw_fd())
-            .chain(udp.iter().map(|u| u.as_raw_fd()))
-            .map(|fd| libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            })
-            .collect();
-        // SAFETY: fds is a valid array of pollfd for the call's duration.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 100) };
-        if n <= 0 {
-            continue;
-        }
-        for pfd in fds.iter().filter(|p| p.revents != 0) {
-            if let Some(l) = listeners.iter().find(|l| l.as_raw_fd() == pfd.fd) {
+            .chain(udp.iter().map(|u| u.as_raw_fd()));
+        for fd in super::poll::readable(fds, 100) {
+            if let Some(l) = listeners.iter().find(|l| l.as_raw_fd() == fd) {
                 while let Ok((s, _)) = l.accept() {
                     let _ = serve_tcp(s, table);
                 }
-            } else if let Some(u) = udp.iter().find(|u| u.as_raw_fd() == pfd.fd) {
+            } else if let Some(u) = udp.iter().find(|u| u.as_raw_fd() == fd) {
                 while let Ok((len, from)) = u.recv_from(&mut buf) {
                     if let Some(resp) = respond(table, &buf[..len]) {
                         let _ = u.send_to(&resp, from);

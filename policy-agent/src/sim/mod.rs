@@ -23,6 +23,7 @@ mod matrix;
 mod netns;
 mod node;
 pub mod packet;
+mod poll;
 mod probe;
 mod serve;
 

@@ -7,7 +7,7 @@ use std::{
     collections::BTreeMap,
     io::{ErrorKind, Read, Write},
     net::{IpAddr, SocketAddr},
-    os::fd::AsRawFd,
+    os::fd::{AsRawFd, RawFd},
     time::{Duration, Instant},
 };
 
@@ -148,22 +148,10 @@ pub fn run_probes(probes: &[Probe], timeout: Duration) -> std::io::Result<Vec<Se
         if waiting.is_empty() || now >= deadline {
             break;
         }
-        let mut fds: Vec<libc::pollfd> = waiting
-            .iter()
-            .map(|(_, fd, ev)| libc::pollfd {
-                fd: *fd,
-                events: *ev,
-                revents: 0,
-            })
-            .collect();
+        let watch: Vec<(RawFd, i16)> = waiting.iter().map(|(_, fd, ev)| (*fd, *ev)).collect();
         let ms = (deadline - now).as_millis().clamp(1, 1000) as i32;
-        // SAFETY: fds is a valid pollfd array for the call's duration.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
-        if n <= 0 {
-            continue;
-        }
-        for ((i, _, _), pfd) in waiting.iter().zip(fds.iter()) {
-            if pfd.revents == 0 {
+        for ((i, _, _), ready) in waiting.iter().zip(super::poll::ready(&watch, ms)) {
+            if !ready {
                 continue;
             }
             let next = match std::mem::replace(&mut state[*i], Pending::Done(Outcome::Blocked)) {

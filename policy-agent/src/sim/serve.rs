@@ -404,21 +404,14 @@ fn serve_pod(
         // Read before draining: every packet queued before the request
         // was made is then drained before it is acknowledged.
         let request = shared.request.load(Ordering::SeqCst);
-        let mut fds: Vec<libc::pollfd> = std::iter::once(cap_fd)
+        let fds: Vec<RawFd> = std::iter::once(cap_fd)
             .chain(listeners.iter().map(|l| l.as_raw_fd()))
             .chain(udp.iter().map(|u| u.as_raw_fd()))
             .chain(conns.keys().copied())
-            .map(|fd| libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            })
             .collect();
-        // SAFETY: fds is a valid array of pollfd for the call's duration.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, TICK_MS) };
-        if n > 0 {
-            for pfd in fds.iter().filter(|p| p.revents != 0 && p.fd != cap_fd) {
-                serve_one(pfd.fd, &listeners, &udp, &mut conns, &mut buf);
+        for fd in super::poll::readable(fds, TICK_MS) {
+            if fd != cap_fd {
+                serve_one(fd, &listeners, &udp, &mut conns, &mut buf);
             }
         }
         drain_capture(cap_fd, &id, &shared.log);

@@ -7,7 +7,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     sync::{
         Arc,
-        mpsc::{Receiver, RecvTimeoutError},
+        mpsc::{Receiver, RecvTimeoutError, TryRecvError},
     },
     thread::JoinHandle,
     time::{Duration, Instant},
@@ -146,7 +146,9 @@ fn run(ctx: &Context, rx: &Receiver<Trigger>) {
 }
 
 /// Waits for a trigger (or the pending retry), then lets the burst settle:
-/// until `debounce` passes quietly, at most `max_delay`. None: stop.
+/// until `debounce` passes quietly, at most `max_delay`. A CNI hand-off
+/// does not wait for quiet: a pod's start waits on it, so what has
+/// arrived by then is taken and the sync runs at once. None: stop.
 fn collect(
     ctx: &Context,
     rx: &Receiver<Trigger>,
@@ -163,6 +165,7 @@ fn collect(
     };
     let started = Instant::now();
     let mut next = first;
+    let mut handoff = false;
     loop {
         match next.take() {
             Some(Trigger::Update(update)) => {
@@ -172,6 +175,7 @@ fn collect(
             }
             Some(Trigger::Handoff(req, reply)) => {
                 state.handoffs.receive(*req, reply, state.synced);
+                handoff = true;
             }
             Some(Trigger::Links) => state.links = true,
             Some(Trigger::Resync) => state.resync = true,
@@ -180,6 +184,14 @@ fn collect(
         }
         if started.elapsed() >= ctx.config.max_delay {
             return Some(started);
+        }
+        if handoff {
+            match rx.try_recv() {
+                Ok(t) => next = Some(t),
+                Err(TryRecvError::Empty) => return Some(started),
+                Err(TryRecvError::Disconnected) => return None,
+            }
+            continue;
         }
         match rx.recv_timeout(ctx.config.debounce) {
             Ok(t) => next = Some(t),
@@ -262,8 +274,17 @@ fn record(ctx: &Context, state: &mut State, result: &Result<SyncReport, Error>, 
                 );
             }
             if problems != state.reported {
-                for p in &problems {
+                // Each problem is logged once, when it appears (a node with
+                // many pending pods would otherwise repeat them all at every
+                // sync); Events and metrics carry the whole list.
+                let before: BTreeSet<&Problem> = state.reported.iter().collect();
+                let now: BTreeSet<&Problem> = problems.iter().collect();
+                for p in now.difference(&before) {
                     warn!(problem = %p, "not enforced as written");
+                }
+                let settled = before.difference(&now).count();
+                if settled > 0 {
+                    info!(settled, remaining = problems.len(), "problems settled");
                 }
                 if let Some(tx) = &ctx.events {
                     let _ = tx.send(problems.clone());

@@ -416,12 +416,22 @@ fn sync_ops(
         }
     }
     report_shortfall(&shortfall, &dp.capacities, report);
+    let t = std::time::Instant::now();
     let failed = apply_all(dp, &writes, report);
+    let writes_us = t.elapsed().as_micros() as u64;
     report.endpoints = state.endpoints.len();
     fresh.retain(|(_, iface)| !failed.contains(&iface.ifindex));
+    let t = std::time::Instant::now();
     for ifindex in attach_fresh(dp, &fresh, report) {
         enforcement.set_attached(ifindex, true);
     }
+    tracing::debug!(
+        writes = writes.len(),
+        writes_us,
+        attached = fresh.len(),
+        attach_us = t.elapsed().as_micros() as u64,
+        "bpf incremental writes"
+    );
     let iface_of = |pod: &PodRef| cache.get(pod).map(|i| i.ifindex);
     enforcement.grant(&mut dp.maps, local_pods, &iface_of, report);
     for (ifindex, name) in &gone {
