@@ -362,7 +362,7 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                 (ChainKind::Egress, "-i")
             };
             let ips = fam_ips(p.pod);
-            let outs = output_match(*dir, &p.ifname, &ips);
+            let outs = output_match(*dir, p.ifname, &ips);
             if colliding_pods.contains(p.pod) {
                 forward.rules.push(format!("{iface} {} -j DROP", p.ifname));
                 output
