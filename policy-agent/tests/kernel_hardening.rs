@@ -275,6 +275,57 @@ fn only_isolated_pods_track_flows() {
     assert_eq!(tracked(&h), 1);
 }
 
+/// A connection a policy change cut stays cut when the pod answers it:
+/// the pod's own mid-stream segment (its egress not isolated, so allowed)
+/// opens no flow, and the peer's next segments are judged, not taken as
+/// replies to a connection the pod "opened". (Seen for real: a connection
+/// through a ClusterIP kept echoing after the backend's ingress policy
+/// cut it, whenever the backend's ACK came between the cut and the
+/// client's next segment.)
+#[test]
+fn a_midstream_segment_opens_no_flow() {
+    let mut h = harness(ENDPOINT_INGRESS_ISOLATED);
+    h.allow(PolicyKey::new(POD, INGRESS, PEER, TCP, 0, 0));
+    h.sync();
+    let from_peer = |flags| Packet::tcp(ip("10.0.1.20"), 40000, ip("10.0.0.10"), 80, flags);
+    let from_pod = |flags| Packet::tcp(ip("10.0.0.10"), 80, ip("10.0.1.20"), 40000, flags);
+    assert_eq!(
+        h.run_reason(Hook::Egress, &from_peer(TCP_SYN).frame()),
+        (Verdict::Pass, Reason::AllowPolicy)
+    );
+    assert_eq!(
+        h.run_reason(Hook::Ingress, &from_pod(TCP_SYN | TCP_ACK).frame()),
+        (Verdict::Pass, Reason::AllowReply)
+    );
+    // The policy goes: the peer's next segment cuts the connection.
+    h.state.policy.clear();
+    h.endpoint(POD, ENDPOINT_INGRESS_ISOLATED, 2);
+    h.sync();
+    assert_eq!(
+        h.run_reason(Hook::Egress, &from_peer(TCP_ACK).frame()),
+        (Verdict::Drop, Reason::DropPolicyChanged)
+    );
+    assert_eq!(tracked(&h), 0);
+    // The pod still answers (a retransmission, an ACK): its egress is not
+    // isolated, so it passes, but it opens nothing.
+    assert_eq!(
+        h.run_reason(Hook::Ingress, &from_pod(TCP_ACK).frame()),
+        (Verdict::Pass, Reason::AllowNotIsolated)
+    );
+    assert_eq!(tracked(&h), 0, "a mid-stream segment opened a flow");
+    for _ in 0..3 {
+        assert_eq!(
+            h.run_reason(Hook::Egress, &from_peer(TCP_ACK).frame()),
+            (Verdict::Drop, Reason::DropPolicy),
+            "the peer's segment rode the pod's answer"
+        );
+    }
+    // A new connection from the pod (a SYN) is tracked as ever.
+    let out = Packet::tcp(ip("10.0.0.10"), 41000, ip("10.0.1.20"), 443, TCP_SYN);
+    assert_eq!(h.run(Hook::Ingress, &out.frame()), Verdict::Pass);
+    assert_eq!(tracked(&h), 1);
+}
+
 /// An LRU conntrack far too small for the flows: evicted flows are judged
 /// again (their replies dropped where the pod is isolated), never let
 /// through, and the misses are counted as pressure.

@@ -290,6 +290,32 @@ fn an_allowed_backend_passes_and_the_client_is_established() {
     assert_eq!(n.ct(40000).unwrap().flags & CT_FLAG_SYN_ONLY, 0);
 }
 
+/// A pod to its own Service (hairpin: kube-proxy chose the client itself
+/// as the backend): traffic a pod sends to itself is allowed, whatever
+/// its egress policy — as the iptables datapath passes it (its self rule
+/// in FORWARD) and as a packet to its own address never leaves the pod.
+#[test]
+fn a_pod_through_its_own_service_is_self_traffic() {
+    let mut n = node("self", ENDPOINT_EGRESS_ISOLATED);
+    let m = n.client_sends(&sent(40000, TCP_SYN), 0).mark;
+    assert_eq!(m, pending());
+    let back_to_itself = dnat(40000, CLIENT_IP);
+    let r = n.h.run_at(Hook::Egress, &back_to_itself, CLIENT_IF, m);
+    assert_eq!(r.verdict, Verdict::Pass, "{r:?}");
+    assert!(r.counted.contains(&(Reason::AllowSelf, EGRESS)), "{r:?}");
+    // Judged: the flow learnt its backend, itself.
+    let flow = n.flow(40000).unwrap();
+    assert_ne!(flow.flags & SERVICE_FLOW_RESOLVED, 0);
+    assert_eq!(flow.backend, bytes16(CLIENT_IP));
+    // Another backend the policy denies is still denied.
+    let m = n.client_sends(&sent(40001, TCP_SYN), 0).mark;
+    assert_eq!(
+        n.h.run_at(Hook::Egress, &dnat(40001, BAD_IP), BAD_IF, m)
+            .verdict,
+        Verdict::Drop
+    );
+}
+
 #[test]
 fn a_denied_backend_drops_and_the_client_entry_is_gone() {
     let mut n = node("deny", ENDPOINT_EGRESS_ISOLATED);

@@ -283,14 +283,16 @@ fn established_cut(prefix: &'static str, datapath: Backend, mode: ProxyMode) {
 
     // solo-c's ingress no longer admits the client: node-2's agent cuts.
     env.write_policies(&format!("{}{}", egress_to("pick: c"), backend_in("nobody")));
-    eventually(
-        "ingress at solo-c denied",
-        Duration::from_secs(10),
-        || match echo(&mut c4, b"ping", short) {
-            Outcome::Blocked => Ok(()),
-            other => Err(format!("{other:?}")),
-        },
-    );
+    env.dump_on_failure(|| {
+        eventually(
+            "ingress at solo-c denied",
+            Duration::from_secs(10),
+            || match echo(&mut c4, b"ping", short) {
+                Outcome::Blocked => Ok(()),
+                other => Err(format!("{other:?}")),
+            },
+        )
+    });
     assert_eq!(
         echo(&mut c6, b"ping", short),
         Outcome::Blocked,
@@ -303,7 +305,7 @@ fn established_cut(prefix: &'static str, datapath: Backend, mode: ProxyMode) {
 }
 
 macro_rules! suite {
-    ($module:ident, $datapath:expr, $mode:expr, $p:literal) => {
+    ($module:ident, $datapath:expr, $mode:expr, $p:literal $(, #[$cut:meta])*) => {
         mod $module {
             use super::*;
 
@@ -312,11 +314,15 @@ macro_rules! suite {
                 endpoints_change(concat!("svd", $p), $datapath, $mode);
             }
 
-            // Flaky under the parallel run (2 of 5 full runs: a connection
-            // through a ClusterIP still echoed 5-10 s after the policy that
-            // cuts it was written; always green alone); not understood yet.
+            // Was flaky on BPF (a connection through a ClusterIP kept
+            // echoing after the backend's ingress policy cut it): the
+            // backend's own mid-stream ACK, between the cut and the
+            // client's next segment, opened a flow in the backend's name
+            // and the client's segments passed as its replies. A TCP
+            // segment without SYN now opens nothing (kernel_hardening
+            // holds it).
             #[test]
-            #[ignore = "flaky under parallel load, see the comment"]
+            $(#[$cut])*
             fn established_connections_through_a_service_are_cut() {
                 established_cut(concat!("sve", $p), $datapath, $mode);
             }
@@ -325,11 +331,24 @@ macro_rules! suite {
 }
 
 suite!(bpf, Backend::Bpf, ProxyMode::Iptables, "bi");
-suite!(iptables, Backend::Iptables, ProxyMode::Iptables, "ii");
+// The iptables datapath has the same hole through the kernel's own
+// conntrack: after `conntrack -D` the backend's mid-stream ACK is picked up
+// as a new flow it opened (nf_conntrack_tcp_loose), confirmed because its
+// egress is open, and the client's segments then ride it as ESTABLISHED
+// (fails about 1 run in 5). Known, not fixed yet: see ARCHITECTURE, "The
+// iptables fallback", established connections.
+suite!(
+    iptables,
+    Backend::Iptables,
+    ProxyMode::Iptables,
+    "ii",
+    #[ignore = "known hole: conntrack pickup after conntrack -D (ARCHITECTURE, iptables fallback)"]
+);
 suite!(bpf_nftables_mode, Backend::Bpf, ProxyMode::Nftables, "bn");
 suite!(
     iptables_nftables_mode,
     Backend::Iptables,
     ProxyMode::Nftables,
-    "in"
+    "in",
+    #[ignore = "known hole: conntrack pickup after conntrack -D (ARCHITECTURE, iptables fallback)"]
 );

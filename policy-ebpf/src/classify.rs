@@ -287,14 +287,19 @@ fn rejudge_backend(
         return None;
     }
     let port = proto::policy_port(key.protocol, f.backend_port);
-    let (reason, peer) = judge(
-        ep,
-        direction::EGRESS,
-        key.family,
-        &f.backend,
-        key.protocol,
-        port,
-    );
+    // Its own Service's backend is the pod itself: allowed (as after DNAT).
+    let (reason, peer) = if ep.owns(key.family, &f.backend) {
+        (Reason::AllowSelf, IpcacheEntry::UNKNOWN)
+    } else {
+        judge(
+            ep,
+            direction::EGRESS,
+            key.family,
+            &f.backend,
+            key.protocol,
+            port,
+        )
+    };
     if reason.is_drop() {
         let _ = CONNTRACK.remove(key);
         let _ = SERVICE_FLOWS.remove(&*flow);
@@ -467,14 +472,21 @@ fn judge_service(s: &mut Scratch, client: u32, flags: u32) -> u32 {
             return 1;
         }
     }
-    let (reason, peer) = judge(
-        ep,
-        direction::EGRESS,
-        pkt.family,
-        &pkt.dst,
-        pkt.protocol,
-        proto::policy_port(pkt.protocol, pkt.dport),
-    );
+    // A pod to its own Service (hairpin): the backend is the client, and
+    // traffic a pod sends to itself is allowed (as a direct packet to
+    // its own address is, and as the iptables datapath passes it).
+    let (reason, peer) = if ep.owns(pkt.family, &pkt.dst) {
+        (Reason::AllowSelf, IpcacheEntry::UNKNOWN)
+    } else {
+        judge(
+            ep,
+            direction::EGRESS,
+            pkt.family,
+            &pkt.dst,
+            pkt.protocol,
+            proto::policy_port(pkt.protocol, pkt.dport),
+        )
+    };
     if let Some(f) = SERVICE_FLOWS.get_ptr_mut(&s.flow) {
         // SAFETY: a pointer to the map value, valid for this run.
         let f = unsafe { &mut *f };
@@ -751,7 +763,8 @@ fn decide(
             }
         }
     }
-    if pkt.protocol == proto::TCP && pkt.tcp_flags & TCP_SYN == 0 {
+    let midstream = pkt.protocol == proto::TCP && pkt.tcp_flags & TCP_SYN == 0;
+    if midstream {
         count(Reason::CtMidstreamMiss, dir);
     }
     // To a Service frontend: the backend is chosen after us (DNAT), so the
@@ -771,11 +784,16 @@ fn decide(
 
     let (reason, peer) = judge(ep, dir, pkt.family, peer_addr, pkt.protocol, port);
     // Only a packet the pod sent (its source checked above) or one it
-    // receives at its own address opens an entry.
+    // receives at its own address opens an entry; never a TCP packet
+    // without SYN: mid-stream, who opened the connection is unknown, and a
+    // pod answering a connection a policy change just cut would reopen it
+    // in its own name (the peer's packets then pass as replies). Such a
+    // flow is judged packet by packet both ways.
     let opens = dir == direction::EGRESS || ep.owns(pkt.family, &pkt.dst);
     if (reason == Reason::AllowPolicy || reason == Reason::AllowNotIsolated)
         && lookups != 0
         && opens
+        && !midstream
     {
         let mut flags = 0;
         if pkt.protocol == proto::TCP {

@@ -50,13 +50,12 @@ enum Task {
         #[arg(last = true)]
         args: Vec<String>,
     },
-    /// Set up, build, and enforce the example manifests on a simulated node,
-    /// printing the connectivity matrix before and after.
+    /// Set up, build, and enforce the example manifests on a simulated
+    /// two-node cluster (an agent per node, kube-proxy's rules for the
+    /// Services), printing the connectivity before and after.
     Demo {
         #[arg(long, default_value = "examples")]
         manifests: PathBuf,
-        #[arg(long, default_value = "node-1")]
-        node: String,
     },
     /// Run every benchmark (root) and write docs/BENCHMARKS.md and
     /// docs/benchmarks.json.
@@ -255,7 +254,7 @@ fn main() -> anyhow::Result<()> {
             }
             bench::run(&root(), &only, !no_run)
         }
-        Task::Demo { manifests, node } => {
+        Task::Demo { manifests } => {
             setup()?;
             require_root("the demo")?;
             run(cargo().args([
@@ -271,9 +270,7 @@ fn main() -> anyhow::Result<()> {
                 .current_dir(root())
                 .arg("demo")
                 .arg("--manifests")
-                .arg(manifests)
-                .arg("--node")
-                .arg(node))
+                .arg(manifests))
         }
     }
 }

@@ -44,9 +44,11 @@ enum Command {
     Events(events::Args),
     /// Switch kernel debug logging or drop events at run time.
     Config(config::Args),
-    /// Enforce manifests on a simulated node and show the connectivity
-    /// matrix before and after (needs root; creates and removes network
-    /// namespaces of its own).
+    /// Enforce manifests on a simulated two-node cluster (one agent per
+    /// node, kube-proxy's rules for the Services) and show the
+    /// connectivity, pod to pod and through the Services, before and
+    /// after (needs root; creates and removes network namespaces of its
+    /// own).
     Demo(demo::Args),
 }
 

@@ -5,9 +5,14 @@
 //! pod, and [`Matrix::mismatches`] judges a cell at both ends: open means
 //! the request arrived and its reply came back, blocked means nothing
 //! arrived.
-use std::{collections::BTreeMap, fmt, net::SocketAddr, time::Duration};
+use std::{
+    collections::BTreeMap,
+    fmt,
+    net::{IpAddr, SocketAddr},
+    time::Duration,
+};
 
-use super::{Error, NetNs, Outcome, Probe, Servers, SimNode, Transport, probe::matrix};
+use super::{Error, NetNs, Outcome, Probe, Servers, SimCluster, SimNode, Transport, probe::matrix};
 
 /// One column: a destination pod's port.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -43,19 +48,43 @@ pub struct Matrix {
 /// The name the node row has.
 pub const NODE_ROW: &str = "(node)";
 
-/// What to probe: sources (name, namespace), columns, and every probe
-/// (column, family, probe).
+/// Where a matrix sends its probes instead of the pods' own addresses:
+/// to a frontend (a Service's ClusterIP) that the node's netfilter DNATs
+/// to the pod on the same port. Each cell is still judged at the pod: its
+/// request must arrive at the pod's own address.
+pub struct Via<'a> {
+    /// (target pod id, one of its addresses) → the address to probe
+    /// instead; None leaves that column and family unprobed.
+    pub address: &'a dyn Fn(&str, IpAddr) -> Option<IpAddr>,
+    /// Cells left out (say a pod to its own Service: hairpin traffic,
+    /// masqueraded to a node address).
+    pub skip: &'a dyn Fn(&Cell) -> bool,
+}
+
+/// One probe of a plan: its cell's column and family, what is sent, and
+/// where the request must arrive (the pod's own address and port).
+struct Planned {
+    target: Target,
+    v6: bool,
+    probe: Probe,
+    arrive: SocketAddr,
+}
+
+/// What to probe: sources (name, namespace), columns, and every probe.
 struct Plan<'a> {
     sources: Vec<(String, &'a NetNs)>,
     targets: Vec<Target>,
-    probes: Vec<(Target, bool, Probe)>,
+    probes: Vec<Planned>,
 }
 
-impl SimNode {
-    fn plan(&self, ping: bool) -> Plan<'_> {
-        let mut targets = Vec::new();
-        let mut probes = Vec::new();
-        for p in &self.pods {
+/// The plan over the pods of `nodes` (each with the name of its node
+/// row): every pod and every node a source, every pod's port a column.
+fn plan_nodes<'a>(nodes: &[(&str, &'a SimNode)], ping: bool, via: Option<&Via<'_>>) -> Plan<'a> {
+    let mut targets = Vec::new();
+    let mut probes = Vec::new();
+    let mut sources: Vec<(String, &NetNs)> = Vec::new();
+    for (_, node) in nodes {
+        for p in &node.pods {
             let id = p.pod.id();
             let mut ports: Vec<(u16, Transport)> = p
                 .pod
@@ -74,32 +103,61 @@ impl SimNode {
                     transport,
                 };
                 for ip in &p.pod.ips {
-                    probes.push((
-                        target.clone(),
-                        ip.is_ipv6(),
-                        Probe {
-                            to: SocketAddr::new(*ip, port),
+                    let to = match via {
+                        None => Some(*ip),
+                        Some(v) => (v.address)(&id, *ip),
+                    };
+                    let Some(to) = to else { continue };
+                    probes.push(Planned {
+                        target: target.clone(),
+                        v6: ip.is_ipv6(),
+                        probe: Probe {
+                            to: SocketAddr::new(to, port),
                             transport,
                         },
-                    ));
+                        arrive: SocketAddr::new(*ip, port),
+                    });
                 }
                 targets.push(target);
             }
         }
-        let mut sources: Vec<(String, &NetNs)> =
-            self.pods.iter().map(|p| (p.pod.id(), &p.netns)).collect();
-        sources.push((NODE_ROW.to_owned(), &self.node));
-        Plan {
-            sources,
-            targets,
-            probes,
-        }
+        sources.extend(node.pods.iter().map(|p| (p.pod.id(), &p.netns)));
+    }
+    for (row, node) in nodes {
+        sources.push(((*row).to_owned(), &node.node));
+    }
+    Plan {
+        sources,
+        targets,
+        probes,
+    }
+}
+
+impl SimCluster {
+    /// Probes every pod of every node from every pod and every node
+    /// (rows "(node-1)", "(node-2)"), the senders' view only. `ping` adds
+    /// an ICMP echo column per pod.
+    pub fn probe_matrix(&self, timeout: Duration, ping: bool) -> Result<Matrix, Error> {
+        let rows: Vec<String> = self.nodes.iter().map(|n| format!("({})", n.name)).collect();
+        let nodes: Vec<(&str, &SimNode)> = self
+            .nodes
+            .iter()
+            .zip(&rows)
+            .map(|(n, row)| (row.as_str(), &n.sim))
+            .collect();
+        probe_plan(plan_nodes(&nodes, ping, None), None, timeout, &|_| true)
+    }
+}
+
+impl SimNode {
+    fn plan(&self, ping: bool, via: Option<&Via<'_>>) -> Plan<'_> {
+        plan_nodes(&[(NODE_ROW, self)], ping, via)
     }
 
     /// Probes everything. `ping` adds an ICMP echo column per pod. Only
     /// the senders' view: see [`Self::probe_matrix_at`].
     pub fn probe_matrix(&self, timeout: Duration, ping: bool) -> Result<Matrix, Error> {
-        self.probe(None, ping, timeout, &|_| true)
+        self.probe(None, ping, timeout, &|_| true, None)
     }
 
     /// Probes everything and records, from the pods' captures, whether
@@ -110,7 +168,7 @@ impl SimNode {
         timeout: Duration,
         ping: bool,
     ) -> Result<Matrix, Error> {
-        self.probe(Some(servers), ping, timeout, &|_| true)
+        self.probe(Some(servers), ping, timeout, &|_| true, None)
     }
 
     /// Probes only `cells` again (with the receivers' view).
@@ -120,9 +178,19 @@ impl SimNode {
         cells: &[Cell],
         timeout: Duration,
     ) -> Result<Matrix, Error> {
+        self.reprobe_via(servers, cells, timeout, None)
+    }
+
+    fn reprobe_via(
+        &self,
+        servers: &Servers,
+        cells: &[Cell],
+        timeout: Duration,
+        via: Option<&Via<'_>>,
+    ) -> Result<Matrix, Error> {
         let ping = cells.iter().any(|(_, t, _)| t.transport == Transport::Ping);
         let wanted: std::collections::BTreeSet<&Cell> = cells.iter().collect();
-        self.probe(Some(servers), ping, timeout, &|c| wanted.contains(c))
+        self.probe(Some(servers), ping, timeout, &|c| wanted.contains(c), via)
     }
 
     fn probe(
@@ -131,48 +199,11 @@ impl SimNode {
         ping: bool,
         timeout: Duration,
         wanted: &dyn Fn(&Cell) -> bool,
+        via: Option<&Via<'_>>,
     ) -> Result<Matrix, Error> {
-        let plan = self.plan(ping);
-        let namespaces: Vec<&NetNs> = plan.sources.iter().map(|(_, n)| *n).collect();
-        let lists: Vec<Vec<Probe>> = plan
-            .sources
-            .iter()
-            .map(|(name, _)| {
-                plan.probes
-                    .iter()
-                    .filter(|(t, v6, _)| wanted(&(name.clone(), t.clone(), *v6)))
-                    .map(|(_, _, p)| *p)
-                    .collect()
-            })
-            .collect();
-        // What arrived before this round is no part of it.
-        if let Some(s) = servers {
-            s.arrivals()?;
-        }
-        let raw = matrix(&namespaces, &lists, timeout)?;
-        let arrivals = servers.map(Servers::arrivals).transpose()?;
-        let mut cells = BTreeMap::new();
-        let mut arrived = BTreeMap::new();
-        for (i, (name, _)) in plan.sources.iter().enumerate() {
-            for (target, v6, probe) in &plan.probes {
-                if let Some(sent) = raw.get(&(i, *probe)) {
-                    let cell = (name.clone(), target.clone(), *v6);
-                    if let Some(a) = &arrivals {
-                        let reached = sent
-                            .from
-                            .is_some_and(|f| a.request_arrived(f, probe.to, probe.transport));
-                        arrived.insert(cell.clone(), reached);
-                    }
-                    cells.insert(cell, sent.outcome);
-                }
-            }
-        }
-        Ok(Matrix {
-            sources: plan.sources.into_iter().map(|(n, _)| n).collect(),
-            targets: plan.targets,
-            cells,
-            arrived,
-        })
+        let plan = self.plan(ping, via);
+        let wanted = |c: &Cell| wanted(c) && !via.is_some_and(|v| (v.skip)(c));
+        probe_plan(plan, servers, timeout, &wanted)
     }
 
     /// Probes everything and compares each cell with `expect(source,
@@ -191,7 +222,24 @@ impl SimNode {
         retries: usize,
         expect: &dyn Fn(&str, &Target, bool) -> bool,
     ) -> Result<(Matrix, Vec<String>), Error> {
-        let mut m = self.probe_matrix_at(servers, timeout, ping)?;
+        self.judge_matrix_via(servers, ping, timeout, retry_timeout, retries, expect, None)
+    }
+
+    /// [`Self::judge_matrix`] with every probe sent `via` another address
+    /// (a Service's ClusterIP), judged where it lands: the pod's own
+    /// address. Only the cells `via` does not skip are in the matrix.
+    #[allow(clippy::too_many_arguments)]
+    pub fn judge_matrix_via(
+        &self,
+        servers: &Servers,
+        ping: bool,
+        timeout: Duration,
+        retry_timeout: Duration,
+        retries: usize,
+        expect: &dyn Fn(&str, &Target, bool) -> bool,
+        via: Option<&Via<'_>>,
+    ) -> Result<(Matrix, Vec<String>), Error> {
+        let mut m = self.probe(Some(servers), ping, timeout, &|_| true, via)?;
         for _ in 0..retries {
             let again: Vec<Cell> = m
                 .cells
@@ -202,12 +250,62 @@ impl SimNode {
             if again.is_empty() {
                 break;
             }
-            let retried = self.reprobe(servers, &again, retry_timeout)?;
+            let retried = self.reprobe_via(servers, &again, retry_timeout, via)?;
             m.merge(retried);
         }
         let wrong = m.mismatches(expect);
         Ok((m, wrong))
     }
+}
+
+/// Runs `plan`'s probes of the cells `wanted` (with the receivers' view
+/// when `servers` are given).
+fn probe_plan(
+    plan: Plan<'_>,
+    servers: Option<&Servers>,
+    timeout: Duration,
+    wanted: &dyn Fn(&Cell) -> bool,
+) -> Result<Matrix, Error> {
+    let namespaces: Vec<&NetNs> = plan.sources.iter().map(|(_, n)| *n).collect();
+    let lists: Vec<Vec<Probe>> = plan
+        .sources
+        .iter()
+        .map(|(name, _)| {
+            plan.probes
+                .iter()
+                .filter(|p| wanted(&(name.clone(), p.target.clone(), p.v6)))
+                .map(|p| p.probe)
+                .collect()
+        })
+        .collect();
+    // What arrived before this round is no part of it.
+    if let Some(s) = servers {
+        s.arrivals()?;
+    }
+    let raw = matrix(&namespaces, &lists, timeout)?;
+    let arrivals = servers.map(Servers::arrivals).transpose()?;
+    let mut cells = BTreeMap::new();
+    let mut arrived = BTreeMap::new();
+    for (i, (name, _)) in plan.sources.iter().enumerate() {
+        for p in &plan.probes {
+            if let Some(sent) = raw.get(&(i, p.probe)) {
+                let cell = (name.clone(), p.target.clone(), p.v6);
+                if let Some(a) = &arrivals {
+                    let reached = sent
+                        .from
+                        .is_some_and(|f| a.request_arrived(f, p.arrive, p.probe.transport));
+                    arrived.insert(cell.clone(), reached);
+                }
+                cells.insert(cell, sent.outcome);
+            }
+        }
+    }
+    Ok(Matrix {
+        sources: plan.sources.into_iter().map(|(n, _)| n).collect(),
+        targets: plan.targets,
+        cells,
+        arrived,
+    })
 }
 
 /// A cell judged at both ends.

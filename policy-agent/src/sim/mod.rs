@@ -26,17 +26,19 @@ pub mod packet;
 mod poll;
 mod probe;
 mod serve;
+mod through;
 
 pub use self::{
     cluster::{
         CLUSTER_CIDR_V4, CLUSTER_CIDR_V6, ClusterNode, KubeProxies, SERVICE_CIDR_V4,
         SERVICE_CIDR_V6, SimCluster, UPLINK, node_ips, pod_cidrs, pod_ips,
     },
-    matrix::{Cell, Matrix, NODE_ROW, Target, Verdict},
+    matrix::{Cell, Matrix, NODE_ROW, Target, Verdict, Via},
     netns::{NetNs, run},
     node::{NODE_V4, NODE_V6, PodNet, SimNode, SimPod, cleanup_prefix, pods_from_manifests},
-    probe::{Outcome, Probe, Sent, Transport, connect, echo, matrix},
+    probe::{Outcome, Probe, Sent, Transport, connect, echo, matrix, run_probes},
     serve::{Arrival, Arrivals, Servers},
+    through::{Landed, through},
 };
 
 /// Errors of the simulated node.

@@ -10,10 +10,16 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::deadline::scaled;
+use super::{
+    conformance_svc::{self, SERVICE_CIDR_ARGS, ServiceRun},
+    deadline::scaled,
+};
 use policy_agent::{
     datapath::bpf::PinLayout,
-    sim::{Matrix, NODE_ROW, Servers, SimNode, SimPod, Target, Transport, cleanup_prefix},
+    sim::{
+        Matrix, NODE_ROW, Servers, SimNode, SimPod, Target, Transport, Via, cleanup_prefix,
+        kube_proxy::ProxyMode,
+    },
 };
 
 pub const AGENT: &str = env!("CARGO_BIN_EXE_policy-agent");
@@ -162,6 +168,10 @@ pub struct Conformance {
     pub pods: Vec<PodSpec>,
     pub servers: Option<Servers>,
     pub daemon: Option<Child>,
+    /// Each pod's ClusterIP Service and kube-proxy's rules for them, once
+    /// [`Self::with_services`] is called: every check then runs a second
+    /// pass through the ClusterIPs.
+    pub services: std::cell::RefCell<Option<ServiceRun>>,
     /// Declared last: dropped after the servers.
     pub node: Option<SimNode>,
 }
@@ -199,6 +209,7 @@ impl Conformance {
             pods,
             servers: None,
             daemon: None,
+            services: std::cell::RefCell::new(None),
             node: None,
         };
         let sim_pods: Vec<SimPod> = this
@@ -224,12 +235,34 @@ impl Conformance {
         self.node.as_ref().unwrap()
     }
 
+    /// Writes Namespaces and Pods (and, with Services, each pod's
+    /// Service and EndpointSlices, kube-proxy following them).
     pub fn write_cluster(&self) {
-        std::fs::write(
-            self.dir.join("cluster.yaml"),
-            cluster_yaml(&self.namespaces, &self.pods),
-        )
-        .unwrap();
+        let mut text = cluster_yaml(&self.namespaces, &self.pods);
+        let mut services = self.services.borrow_mut();
+        if let Some(run) = services.as_mut() {
+            text += &conformance_svc::yaml(&conformance_svc::manifests(&self.pods));
+            run.update(&self.pods);
+        }
+        std::fs::write(self.dir.join("cluster.yaml"), text).unwrap();
+    }
+
+    /// Gives every pod a ClusterIP Service (written into the manifests)
+    /// and starts kube-proxy (`mode`) in the node namespace on the same
+    /// manifests; from now on every check also probes through the
+    /// ClusterIPs. Call before applying.
+    pub fn with_services(&self, mode: ProxyMode) {
+        let run = ServiceRun::install(&self.node().node, mode, &self.pods);
+        *self.services.borrow_mut() = Some(run);
+        self.write_cluster();
+    }
+
+    fn service_args(&self) -> Vec<&'static str> {
+        if self.services.borrow().is_some() {
+            SERVICE_CIDR_ARGS.to_vec()
+        } else {
+            Vec::new()
+        }
     }
 
     pub fn write_policies(&self, yaml: &str) {
@@ -269,6 +302,7 @@ impl Conformance {
                 "--datapath",
                 self.backend.flag(),
             ])
+            .args(self.service_args())
             .args(extra)
             .output()
             .unwrap();
@@ -309,6 +343,7 @@ impl Conformance {
                 "--datapath",
                 self.backend.flag(),
             ])
+            .args(self.service_args())
             .args(args)
             .env(
                 "RUST_LOG",
@@ -388,7 +423,11 @@ impl Conformance {
     /// is_ipv6)` (true: open); `from` is a pod id or "(node)". Every cell
     /// is judged at both ends: open means the request reached the
     /// destination pod and the reply came back, blocked that nothing
-    /// reached it. Cells expected open that failed are retried.
+    /// reached it. Cells expected open that failed are retried. With
+    /// Services ([`Self::with_services`]) the matrix is probed a second
+    /// time through each pod's ClusterIPs, against the same expectation
+    /// (the cells [`conformance_svc::skipped`] says cannot go through a
+    /// Service left out).
     pub fn check_by_family(
         &self,
         what: &str,
@@ -401,7 +440,45 @@ impl Conformance {
             wrong.len(),
             wrong.join("\n")
         );
+        let mode = self.services.borrow().as_ref().map(|s| s.mode);
+        if let Some(mode) = mode {
+            let (s, wrong) = self.judged_via_services(&expect);
+            assert!(
+                !s.cells.is_empty(),
+                "{what}: nothing was probed through the ClusterIPs"
+            );
+            assert!(
+                wrong.is_empty(),
+                "{what}, through the pods' ClusterIPs (kube-proxy {mode} mode): {} cell(s) differ from the pod-IP expectation:\n{}\nmatrix:\n{s}",
+                wrong.len(),
+                wrong.join("\n")
+            );
+        }
         m
+    }
+
+    /// The ClusterIP pass: every probe to the target pod's Service
+    /// ClusterIP (same family, same port), judged at the pod.
+    fn judged_via_services(
+        &self,
+        expect: &impl Fn(&str, &str, u16, Transport, bool) -> bool,
+    ) -> (Matrix, Vec<String>) {
+        let by_target = |f: &str, t: &Target, v6: bool| expect(f, &t.pod, t.port, t.transport, v6);
+        let via = Via {
+            address: &conformance_svc::via_address,
+            skip: &conformance_svc::skipped,
+        };
+        self.node()
+            .judge_matrix_via(
+                self.servers.as_ref().unwrap(),
+                false,
+                scaled(PROBE_TIMEOUT),
+                scaled(RETRY_TIMEOUT),
+                RETRIES,
+                &by_target,
+                Some(&via),
+            )
+            .unwrap()
     }
 
     /// Probes and judges; `retry` retries cells expected open that failed.
@@ -478,6 +555,8 @@ impl Drop for Conformance {
             let _ = self.agent(&["reset"]).output();
         }
         self.servers = None;
+        // kube-proxy's rules go before the node namespace.
+        *self.services.borrow_mut() = None;
         self.node = None;
         cleanup_prefix(self.prefix);
         let _ = std::fs::remove_dir_all(self.layout.root());

@@ -3,6 +3,7 @@
 
 pub mod ci;
 pub mod conformance;
+pub mod conformance_svc;
 pub mod deadline;
 pub mod fake_apiserver;
 pub mod harness;

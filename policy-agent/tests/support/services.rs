@@ -243,6 +243,38 @@ impl Env {
         self.proxies.as_mut().unwrap().update(&state).unwrap();
     }
 
+    /// Runs `check`; if it fails, prints what every node's maps hold
+    /// (`policy-agent dump`: endpoints with their revisions, policy
+    /// entries, conntrack) before failing: the kernel's side of a wrong
+    /// verdict.
+    pub fn dump_on_failure<T>(&self, check: impl FnOnce() -> T) -> T {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(check)) {
+            Ok(v) => v,
+            Err(panic) => {
+                for node in &self.cluster().nodes {
+                    let out = node
+                        .sim
+                        .node
+                        .command(AGENT)
+                        .arg("dump")
+                        .arg("--pin-dir")
+                        .arg(self.pin_root(&node.name))
+                        .output();
+                    match out {
+                        Ok(o) => eprintln!(
+                            "--- maps of {} ---\n{}{}",
+                            node.name,
+                            String::from_utf8_lossy(&o.stdout),
+                            String::from_utf8_lossy(&o.stderr)
+                        ),
+                        Err(e) => eprintln!("--- maps of {}: dump failed: {e}", node.name),
+                    }
+                }
+                std::panic::resume_unwind(panic)
+            }
+        }
+    }
+
     fn pin_root(&self, node: &str) -> PathBuf {
         PathBuf::from(format!(
             "/sys/fs/bpf/policy-agent-test-{}-{node}",

@@ -260,9 +260,14 @@ impl Datapath {
             judged.reason,
             Reason::AllowPolicy | Reason::AllowNotIsolated
         );
-        // Only what the pod sent, or received at its own address, opens a flow.
+        // Only what the pod sent, or received at its own address, opens a
+        // flow; and never a TCP packet without SYN (a mid-stream packet
+        // cannot say who opened the connection: the pod answering a
+        // connection a policy change just cut would otherwise reopen it
+        // in its own name, and the peer's packets would pass as replies).
         let opens = pkt.direction == direction::EGRESS || pod_holds(&ep, pkt.dst);
-        if allowed && trackable && opens {
+        let midstream = pkt.protocol == proto::TCP && pkt.tcp_flags & TCP_SYN == 0;
+        if allowed && trackable && opens && !midstream {
             self.flows
                 .insert(Flow::of(pkt), FlowState::judged(ep.revision, closing));
         }
