@@ -5,9 +5,9 @@ set -euo pipefail
 
 need_apt=()
 # qemu-system-x86, busybox-static, kmod and xz-utils: the test VM (`cargo xtask vm`);
-# nftables: the kube-proxy stand-in's nftables mode; containernetworking-plugins:
+# nftables, ipvsadm: the kube-proxy stand-in's nftables and IPVS modes; containernetworking-plugins:
 # ptp, host-local and loopback in /usr/lib/cni, which the CNI plugin tests chain ours after.
-for pkg in llvm-22-dev bpftool iptables ipset conntrack nftables iproute2 iputils-ping iperf3 \
+for pkg in llvm-22-dev bpftool iptables ipset ipvsadm conntrack nftables iproute2 iputils-ping iperf3 \
   qemu-system-x86 busybox-static kmod xz-utils containernetworking-plugins; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need_apt+=("$pkg")
 done

@@ -17,6 +17,11 @@
 //! median of per-round ratios against the one-lookup floor measured in the
 //! same round, so drift of the machine cancels. Printed figures, not
 //! pass/fail.
+//!
+//! `POLICY_AGENT_BENCH_REPEAT` and `POLICY_AGENT_BENCH_ROUNDS` override
+//! `REPEAT` and `ROUNDS`, and `POLICY_AGENT_BENCH_OUT` the JSON's path:
+//! `cargo xtask bench --only datapath-guest` runs this binary inside the
+//! emulated 6.1 guest (far slower, its target directory read-only there).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::{IpAddr, Ipv4Addr};
@@ -146,11 +151,19 @@ fn probes(s: &MapState<u32>, peer: IpAddr, port: u16) -> (usize, policy_common::
     )
 }
 
-fn run_once(prog: &mut aya::programs::SchedClassifier, frame: &[u8]) -> f64 {
+/// `name` from the environment, else `default`.
+fn setting<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn run_once(prog: &mut aya::programs::SchedClassifier, frame: &[u8], repeat: u32) -> f64 {
     let r = prog
         .test_run(TestRunOptions {
             data_in: Some(frame),
-            repeat: REPEAT,
+            repeat,
             ..TestRunOptions::default()
         })
         .unwrap();
@@ -163,6 +176,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() {
+    let repeat: u32 = setting("POLICY_AGENT_BENCH_REPEAT", REPEAT);
+    let rounds: usize = setting("POLICY_AGENT_BENCH_ROUNDS", ROUNDS).max(1);
     let peer = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 3));
     let pod = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 200));
     let allowed_peer = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1));
@@ -220,15 +235,20 @@ fn main() {
         let (mut new, mut est, mut floor, mut wst) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut new_r, mut est_r, mut wst_r) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..ROUNDS {
-            let e = run_once(floors.extra_program("floor_empty").unwrap(), &established);
+        for _ in 0..rounds {
+            let e = run_once(
+                floors.extra_program("floor_empty").unwrap(),
+                &established,
+                repeat,
+            );
             let f = run_once(
                 floors.extra_program("floor_one_lookup").unwrap(),
                 &established,
+                repeat,
             );
-            let n = run_once(dp.program(Hook::Egress).unwrap(), &new_denied);
-            let x = run_once(dp.program(Hook::Egress).unwrap(), &established);
-            let wc = run_once(worst.program(Hook::Egress).unwrap(), &new_worst);
+            let n = run_once(dp.program(Hook::Egress).unwrap(), &new_denied, repeat);
+            let x = run_once(dp.program(Hook::Egress).unwrap(), &established, repeat);
+            let wc = run_once(worst.program(Hook::Egress).unwrap(), &new_worst, repeat);
             wst.push(wc);
             wst_r.push(wc / f);
             all_empty.push(e);
@@ -255,6 +275,7 @@ fn main() {
             "new_flow_ratio_to_10": new_r / b_new, "established_ratio_to_10": est_r / b_est,
             "new_flow_worst_ratio_to_10": wst_r / b_wst,
             "established_over_floor": est_r, "new_flow_worst_over_floor": wst_r,
+            "new_flow_over_floor": new_r,
         }));
     }
     let (empty, one_lookup) = (median(all_empty), median(all_floor));
@@ -262,15 +283,19 @@ fn main() {
         "floor: empty program {empty:.1} ns/pkt; parse + one hash lookup {one_lookup:.1} ns/pkt"
     );
     let json = serde_json::json!({
-        "ipcache_entries": IPCACHE_ENTRIES, "repeat": REPEAT, "rounds": ROUNDS,
+        "ipcache_entries": IPCACHE_ENTRIES, "repeat": repeat, "rounds": rounds,
         "typical_probes": typical_probes, "worst_probes": worst_probes,
         "floor_empty_ns": empty, "floor_one_lookup_ns": one_lookup, "rows": rows,
     });
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-results");
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(
-        dir.join("datapath.json"),
-        serde_json::to_string_pretty(&json).unwrap(),
-    )
-    .unwrap();
+    let out = std::env::var_os("POLICY_AGENT_BENCH_OUT").map_or_else(
+        || {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../target/bench-results/datapath.json")
+        },
+        std::path::PathBuf::from,
+    );
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir).unwrap();
+    }
+    std::fs::write(&out, serde_json::to_string_pretty(&json).unwrap()).unwrap();
 }

@@ -259,6 +259,9 @@ fn run(prefix: &'static str, mode: ProxyMode) {
         ProxyMode::Nftables => {
             nft_endpoint_base("default", "solo", "tcp", "", ip("10.244.1.20"), 9090)
         }
+        // Not run here (a Service without endpoints is not refused in the
+        // stand-in's IPVS mode): tests/ipvs.rs, in the 6.1 guest.
+        ProxyMode::Ipvs => unreachable!("IPVS mode is tested by tests/ipvs.rs"),
     };
     let rules = |node: &SimCluster| -> String {
         node.nodes
@@ -270,6 +273,7 @@ fn run(prefix: &'static str, mode: ProxyMode) {
                     .node
                     .exec("nft", &["list", "table", "ip", "kube-proxy"])
                     .unwrap(),
+                ProxyMode::Ipvs => unreachable!("IPVS mode is tested by tests/ipvs.rs"),
             })
             .collect()
     };

@@ -62,6 +62,8 @@ enum Task {
     Bench {
         /// Run only these benchmarks (the others' last results in
         /// target/bench-results are rendered as they are).
+        /// `datapath-guest` (only when named: minutes in the emulated
+        /// guest) runs the datapath bench on the host and in the 6.1 guest.
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
         /// Render the blocks from the results already in

@@ -68,6 +68,9 @@ enum Match {
     },
     /// `--ctdir`: a new packet is in the original direction.
     CtDir(String),
+    /// `-m addrtype ! --src-type LOCAL`: the evaluator's packets come from
+    /// pods and the world, never from one of the node's own addresses.
+    SrcNotLocal,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -220,6 +223,15 @@ fn parse_rule(w: &[String]) -> Rule {
                     matches.push(Match::Mark { value, mask });
                     i += 4;
                 }
+                "addrtype" => {
+                    assert_eq!(
+                        (arg(i + 2), arg(i + 3), arg(i + 4)),
+                        ("!", "--src-type", "LOCAL"),
+                        "{w:?}"
+                    );
+                    matches.push(Match::SrcNotLocal);
+                    i += 5;
+                }
                 other => panic!("unknown match module {other} in {w:?}"),
             },
             "-i" => {
@@ -339,12 +351,12 @@ impl Netfilter {
                                 .push(rule);
                         }
                         Some("-I") => {
-                            assert_eq!(w[1], "FORWARD", "{line}");
+                            assert!(matches!(w[1].as_str(), "FORWARD" | "OUTPUT"), "{line}");
                             let at: usize = w[2].parse().expect("insert position");
                             let rule = parse_rule(&w[3..]);
                             table
                                 .chains
-                                .entry("FORWARD".into())
+                                .entry(w[1].clone())
                                 .or_default()
                                 .insert(at - 1, rule);
                         }
@@ -446,6 +458,7 @@ impl Netfilter {
                 negated,
             } => (*value == 0) != *negated,
             Match::CtDir(d) => d == "ORIGINAL",
+            Match::SrcNotLocal => true,
         }
     }
 

@@ -1,4 +1,4 @@
-//! The test binaries cargo built, found by target name.
+//! The test (or bench) binaries cargo built, found by target name.
 use std::{collections::BTreeMap, io::BufRead as _, path::PathBuf, process::Stdio};
 
 use anyhow::{Context as _, bail};
@@ -8,21 +8,24 @@ use serde_json::Value;
 /// --no-run`) and returns each test target's executable by name (the
 /// file under `tests/`, e.g. `kernel_netns`).
 pub fn build() -> anyhow::Result<BTreeMap<String, PathBuf>> {
+    built(&["test", "--workspace", "--no-run"], "test")
+}
+
+/// Runs `cargo <args> --message-format=json-render-diagnostics` (a build
+/// with `--no-run`) and returns each target of `kind` ("test", "bench")
+/// it built, by name.
+pub fn built(args: &[&str], kind: &str) -> anyhow::Result<BTreeMap<String, PathBuf>> {
     let mut cmd = crate::cargo();
-    cmd.args([
-        "test",
-        "--workspace",
-        "--no-run",
-        "--message-format=json-render-diagnostics",
-    ])
-    .stdout(Stdio::piped());
+    cmd.args(args)
+        .arg("--message-format=json-render-diagnostics")
+        .stdout(Stdio::piped());
     eprintln!("+ {cmd:?}");
     let mut child = cmd.spawn().with_context(|| format!("spawning {cmd:?}"))?;
     let stdout = child.stdout.take().context("cargo's stdout")?;
     let mut found = BTreeMap::new();
     for line in std::io::BufReader::new(stdout).lines() {
         let line = line.context("reading cargo's output")?;
-        if let Some((name, exe)) = test_executable(&line)
+        if let Some((name, exe)) = executable(&line, kind)
             && let Some(other) = found.insert(name.clone(), exe.clone())
             && other != exe
         {
@@ -40,9 +43,9 @@ pub fn build() -> anyhow::Result<BTreeMap<String, PathBuf>> {
     Ok(found)
 }
 
-/// The name and executable of a test target (`kind` "test") from one
-/// line of cargo's JSON messages.
-fn test_executable(line: &str) -> Option<(String, PathBuf)> {
+/// The name and executable of a target of `kind` from one line of
+/// cargo's JSON messages.
+fn executable(line: &str, kind: &str) -> Option<(String, PathBuf)> {
     let v: Value = serde_json::from_str(line).ok()?;
     if v["reason"] != "compiler-artifact" {
         return None;
@@ -51,7 +54,7 @@ fn test_executable(line: &str) -> Option<(String, PathBuf)> {
     if !target["kind"]
         .as_array()?
         .iter()
-        .any(|k| k.as_str() == Some("test"))
+        .any(|k| k.as_str() == Some(kind))
     {
         return None;
     }
@@ -71,8 +74,17 @@ mod tests {
         let lib = r#"{"reason":"compiler-artifact","target":{"kind":["lib"],"name":"policy_agent"},"executable":"/t/x"}"#;
         let unit = r#"{"reason":"compiler-artifact","target":{"kind":["bin"],"name":"policy-agent"},"executable":"/t/u"}"#;
         let fresh = r#"{"reason":"compiler-artifact","target":{"kind":["test"],"name":"x"},"executable":null}"#;
+        let bench = r#"{"reason":"compiler-artifact","target":{"kind":["bench"],"name":"datapath"},"executable":"/t/release/deps/datapath-1a"}"#;
         assert_eq!(
-            test_executable(test),
+            executable(bench, "bench"),
+            Some((
+                "datapath".to_owned(),
+                PathBuf::from("/t/release/deps/datapath-1a")
+            ))
+        );
+        assert_eq!(executable(bench, "test"), None);
+        assert_eq!(
+            executable(test, "test"),
             Some((
                 "kernel_netns".to_owned(),
                 PathBuf::from("/t/debug/deps/kernel_netns-0f")
@@ -85,7 +97,7 @@ mod tests {
             "not json",
             r#"{"reason":"build-finished"}"#,
         ] {
-            assert_eq!(test_executable(other), None, "{other}");
+            assert_eq!(executable(other, "test"), None, "{other}");
         }
     }
 }

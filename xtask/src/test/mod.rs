@@ -3,8 +3,8 @@
 //! one guest per suite, after the host run (never beside it: the guest
 //! would take the CPUs the host's kernel tests time against). A summary
 //! names the kernel each suite ran on.
-mod binaries;
-mod guest;
+pub mod binaries;
+pub mod guest;
 
 use std::{path::Path, time::Instant};
 

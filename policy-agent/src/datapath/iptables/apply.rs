@@ -16,7 +16,7 @@ use tracing::{debug, warn};
 use super::{
     Error,
     ruleset::{
-        Chain, FORWARD_CHAIN, Family, LEGACY_FORWARD_CHAIN, Ruleset, is_legacy_chain,
+        Chain, FORWARD_CHAIN, Family, LEGACY_FORWARD_CHAIN, OUTPUT_CHAIN, Ruleset, is_legacy_chain,
         is_legacy_set, is_own_chain, is_own_set,
     },
 };
@@ -44,6 +44,8 @@ struct Installed {
     chains: BTreeMap<Family, BTreeMap<String, String>>,
     /// Per family: whether FORWARD jumps to the agent's chain.
     hooked: BTreeMap<Family, bool>,
+    /// Per family: whether OUTPUT jumps to the agent's (IPVS) chain.
+    hooked_output: BTreeMap<Family, bool>,
     /// Objects of the earlier naming, to remove (see [`Legacy`]).
     legacy: Legacy,
 }
@@ -215,6 +217,7 @@ impl Executor {
             let text = run(&self.tables(fam, "-save"), &["-t", "filter"], None)?;
             let chains = inst.chains.entry(fam).or_default();
             let mut hooked = false;
+            let mut hooked_output = false;
             let mut legacy_chains = BTreeSet::new();
             let mut legacy_hooked = false;
             for line in text.lines() {
@@ -234,6 +237,9 @@ impl Executor {
                         hooked |= jumps_to(rule, FORWARD_CHAIN);
                         legacy_hooked |= jumps_to(rule, LEGACY_FORWARD_CHAIN);
                     }
+                    if chain == "OUTPUT" {
+                        hooked_output |= jumps_to(rule, OUTPUT_CHAIN);
+                    }
                     if is_own_chain(chain)
                         && let Some(pos) = rule.find(MARKER)
                     {
@@ -246,6 +252,7 @@ impl Executor {
                 }
             }
             inst.hooked.insert(fam, hooked);
+            inst.hooked_output.insert(fam, hooked_output);
             if legacy_chains.contains(LEGACY_FORWARD_CHAIN) {
                 inst.legacy
                     .chains
@@ -300,8 +307,13 @@ impl Executor {
                 .filter(|(c, hash)| have.get(&c.name) != Some(hash))
                 .collect();
             let hooked = inst.hooked.get(&fam).copied().unwrap_or(false);
+            // A ruleset without the OUTPUT chain (none rendered) needs no hook.
+            let wants_output = names.contains(OUTPUT_CHAIN);
+            let hooked_output =
+                !wants_output || inst.hooked_output.get(&fam).copied().unwrap_or(false);
             let legacy = inst.legacy.removal(fam);
-            if dirty.is_empty() && stale.is_empty() && hooked && legacy.is_empty() {
+            if dirty.is_empty() && stale.is_empty() && hooked && hooked_output && legacy.is_empty()
+            {
                 continue;
             }
             // The earlier naming's chains go in the same transaction.
@@ -325,6 +337,9 @@ impl Executor {
             }
             if !hooked {
                 text += &format!("-I FORWARD 1 -j {FORWARD_CHAIN}\n");
+            }
+            if !hooked_output {
+                text += &format!("-I OUTPUT 1 -j {OUTPUT_CHAIN}\n");
             }
             text += "COMMIT\n";
             debug!(family = ?fam, "iptables-restore:\n{text}");
@@ -400,13 +415,17 @@ impl Executor {
         for fam in Family::BOTH {
             let chains = inst.chains.get(&fam).cloned().unwrap_or_default();
             let hooked = inst.hooked.get(&fam).copied().unwrap_or(false);
+            let hooked_output = inst.hooked_output.get(&fam).copied().unwrap_or(false);
             let legacy = inst.legacy.removal(fam);
-            if chains.is_empty() && !hooked && legacy.is_empty() {
+            if chains.is_empty() && !hooked && !hooked_output && legacy.is_empty() {
                 continue;
             }
             let mut text = String::from("*filter\n");
             if hooked {
                 text += &format!("-D FORWARD -j {FORWARD_CHAIN}\n");
+            }
+            if hooked_output {
+                text += &format!("-D OUTPUT -j {OUTPUT_CHAIN}\n");
             }
             text += &legacy;
             for name in chains.keys() {

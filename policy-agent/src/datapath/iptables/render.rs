@@ -16,7 +16,16 @@
 //! I-<pod>:  clear mark; from and to itself on its own interface -> RETURN;
 //!           -> P-<policy rule chain>...; mark set -> RETURN; DROP
 //! P-<...>:  <peer set> <proto> <ports> -> set mark   (one per policy key)
+//! OUTPUT   -> pa-agent:OUTPUT
+//! pa-agent:OUTPUT:   RELATED,ESTABLISHED -> RETURN
+//!                    -s <pod address> -> E-<pod>     (egress-isolated pods)
+//!                    -o <pod if>, source not local -> I-<pod>
 //! ```
+//! OUTPUT is for what IPVS forwards (kube-proxy's IPVS mode): a pod's
+//! packet to a Service address on `kube-ipvs0` is delivered to the node,
+//! and IPVS sends it to the backend through OUTPUT, never FORWARD; there
+//! the pod is known by its source address (no input interface), and a
+//! packet the node itself sends has a local source and is left alone.
 //! The source check comes before the RELATED,ESTABLISHED shortcut, so a
 //! packet with another pod's address never rides a flow that address
 //! opened, and it covers pods no policy isolates too: a pod that may send
@@ -49,7 +58,9 @@ use policy_common::{
     proto,
 };
 
-use super::ruleset::{Chain, ChainKind, FORWARD_CHAIN, Family, IpSet, Ruleset, SetKind, SetName};
+use super::ruleset::{
+    Chain, ChainKind, FORWARD_CHAIN, Family, IpSet, OUTPUT_CHAIN, Ruleset, SetKind, SetName,
+};
 use crate::{
     cluster::{ObjectKind, PodRef, Problem},
     mapstate::{AddressSet, MapState, RuleOrigin, fnv1a64, identity_addresses},
@@ -273,13 +284,35 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
         // would pick it up again in the name of whichever side sent first.
         // Revoked, its reply-direction packets wait and its
         // original-direction ones are judged again (below); the rest ride
-        // the shortcut.
+        // the shortcut. The same in FORWARD and in OUTPUT.
+        let shortcut = format!(
+            "-m connmark ! --mark {mark}/{mark} -m conntrack --ctstate RELATED,ESTABLISHED -j RETURN"
+        );
         forward.rules.push(format!(
             "-m connmark --mark {mark}/{mark} -m conntrack --ctdir REPLY -j DROP"
         ));
-        forward.rules.push(format!(
-            "-m connmark ! --mark {mark}/{mark} -m conntrack --ctstate RELATED,ESTABLISHED -j RETURN"
-        ));
+        forward.rules.push(shortcut.clone());
+        // In OUTPUT the node's own packets are never held: a pod's flow to
+        // the node (INPUT, never judged here) is answered through OUTPUT,
+        // and node traffic is always allowed.
+        let mut output = Chain {
+            name: OUTPUT_CHAIN.into(),
+            rules: vec![
+                format!(
+                    "-m addrtype ! --src-type LOCAL -m connmark --mark {mark}/{mark} -m conntrack --ctdir REPLY -j DROP"
+                ),
+                shortcut,
+            ],
+        };
+        // What IPVS forwards: the pod by its source address, a backend by
+        // its interface when the source is not the node's own.
+        let output_match = |dir: u8, ifname: &str, ips: &[IpAddr]| -> Vec<String> {
+            if dir == direction::INGRESS {
+                vec![format!("-o {ifname} -m addrtype ! --src-type LOCAL")]
+            } else {
+                ips.iter().map(|ip| format!("-s {ip}")).collect()
+            }
+        };
         // The policy chains each (pod, direction) would jump to, by policy.
         let mut wanted: Vec<(&PodEntry<'_>, u8, ByPolicy)> = Vec::new();
         for p in &pods {
@@ -351,15 +384,22 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
             } else {
                 (ChainKind::Egress, "-i")
             };
+            let ips = fam_ips(p.pod);
+            let outs = output_match(*dir, p.ifname, &ips);
             if colliding_pods.contains(p.pod) {
                 forward.rules.push(format!("{iface} {} -j DROP", p.ifname));
+                output
+                    .rules
+                    .extend(outs.iter().map(|m| format!("{m} -j DROP")));
                 continue;
             }
             let pod_chain = kind.name(p.chain_hash);
             forward
                 .rules
                 .push(format!("{iface} {} -j {pod_chain}", p.ifname));
-            let ips = fam_ips(p.pod);
+            output
+                .rules
+                .extend(outs.iter().map(|m| format!("{m} -j {pod_chain}")));
             let mut rules = vec![format!("-j MARK --set-xmark 0x0/{mark}")];
             // A pod talking to itself through the node (a hairpin) enters
             // and leaves by its own interface; the same addresses arriving
@@ -439,10 +479,10 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
             );
         }
         // Judged and allowed: a revoked flow resumes (its replies pass).
-        forward.rules.push(format!(
-            "-m connmark --mark {mark}/{mark} -j CONNMARK --set-xmark 0x0/{mark}"
-        ));
-        let mut list = vec![forward];
+        let resume = format!("-m connmark --mark {mark}/{mark} -j CONNMARK --set-xmark 0x0/{mark}");
+        forward.rules.push(resume.clone());
+        output.rules.push(resume);
+        let mut list = vec![forward, output];
         list.extend(chains.into_values());
         out.chains.insert(fam, list);
     }

@@ -178,6 +178,11 @@ pub struct Ruleset {
 pub const OWN_PREFIX: &str = "pa-agent:";
 /// The name of the chain the agent hooks into FORWARD.
 pub const FORWARD_CHAIN: &str = "pa-agent:FORWARD";
+/// The name of the chain the agent hooks into OUTPUT: what IPVS
+/// (kube-proxy's IPVS mode) forwards to a backend was delivered to the
+/// node (the Service address is local, on `kube-ipvs0`) and leaves
+/// through OUTPUT, never through FORWARD.
+pub const OUTPUT_CHAIN: &str = "pa-agent:OUTPUT";
 /// The suffix of the temporary set a changed set is built in.
 pub const TEMP_SUFFIX: &str = "-t";
 
@@ -190,7 +195,7 @@ fn is_hex(s: &str, len: usize) -> bool {
 /// Whether `name` is a chain this agent makes: its exact shape, not
 /// just the prefix.
 pub fn is_own_chain(name: &str) -> bool {
-    if name == FORWARD_CHAIN {
+    if name == FORWARD_CHAIN || name == OUTPUT_CHAIN {
         return true;
     }
     name.strip_prefix(OWN_PREFIX)
@@ -292,7 +297,7 @@ impl Ruleset {
             }
             let _ = writeln!(
                 out,
-                "-I FORWARD 1 -j {FORWARD_CHAIN}   # added once, if missing\nCOMMIT"
+                "-I FORWARD 1 -j {FORWARD_CHAIN}   # added once, if missing\n-I OUTPUT 1 -j {OUTPUT_CHAIN}   # added once, if missing\nCOMMIT"
             );
         }
         for p in &self.problems {

@@ -2,8 +2,10 @@
 //! (Services, EndpointSlices, the node's name and addresses, the cluster
 //! CIDR) it writes exactly the rules kube-proxy writes, in iptables mode
 //! (`iptables-restore --noflush` per family plus the jump rules) or
-//! nftables mode (`ip`/`ip6 kube-proxy` tables by `nft -f`), into one
-//! node's network namespace. Backends are chosen by
+//! nftables mode (`ip`/`ip6 kube-proxy` tables by `nft -f`), or IPVS
+//! mode (Service addresses on the `kube-ipvs0` dummy device, virtual
+//! servers by `ipvsadm -R`; needs the `ip_vs` module, see
+//! [`ipvs_missing`]), into one node's network namespace. Backends are chosen by
 //! [`crate::cluster::backends`], the same choice the agent models.
 //!
 //! Every sync is a full sync, atomic as kube-proxy's: one restore per
@@ -13,6 +15,7 @@
 //! does. [`KubeProxy::remove`] (also on drop) deletes exactly what it
 //! installed.
 mod iptables;
+mod ipvs;
 mod model;
 mod names;
 mod nft;
@@ -42,6 +45,7 @@ use crate::cluster::ClusterState;
 pub enum ProxyMode {
     Iptables,
     Nftables,
+    Ipvs,
 }
 
 impl fmt::Display for ProxyMode {
@@ -49,6 +53,7 @@ impl fmt::Display for ProxyMode {
         f.write_str(match self {
             Self::Iptables => "iptables",
             Self::Nftables => "nftables",
+            Self::Ipvs => "ipvs",
         })
     }
 }
@@ -108,7 +113,27 @@ pub fn render(
             )
             .transaction
         }
+        ProxyMode::Ipvs => ipvs::restore(&ipvs::Wanted::default(), &ipvs::wanted(&ports, family)),
     }
+}
+
+/// Why this kernel cannot run IPVS mode (no `ip_vs`, after trying to load
+/// it), or None.
+pub fn ipvs_missing() -> Option<String> {
+    let _ = std::process::Command::new("modprobe")
+        .args(["-q", "ip_vs"])
+        .status();
+    let _ = std::process::Command::new("modprobe")
+        .args(["-q", "ip_vs_rr"])
+        .status();
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    if !std::path::Path::new("/proc/net/ip_vs").exists() {
+        return Some(format!(
+            "kernel {} has no ip_vs (IPVS) module",
+            release.trim()
+        ));
+    }
+    None
 }
 
 #[derive(Debug, Default)]
@@ -119,6 +144,8 @@ struct Installed {
     stale: BTreeSet<String>,
     /// UDP service ports' frontends and endpoints (conntrack clean-up).
     udp: BTreeMap<String, UdpPort>,
+    /// IPVS: the addresses and virtual servers the last sync left.
+    ipvs: ipvs::Wanted,
     /// The text last applied.
     text: String,
 }
@@ -291,6 +318,28 @@ impl KubeProxy {
                     installed.stale.clear();
                 }
             }
+            ProxyMode::Ipvs => {
+                if first {
+                    ipvs_node_setup(&ns)?;
+                }
+                let want = ipvs::wanted(&ports, family);
+                // Addresses first: a virtual server's traffic reaches IPVS
+                // only once its address is local.
+                for ip in want.addresses.difference(&installed.ipvs.addresses) {
+                    let a = format!("{ip}/{}", ipvs::host_prefix(ip));
+                    ns.ip(&["addr", "add", &a, "dev", ipvs::DUMMY])?;
+                }
+                let text = ipvs::restore(&installed.ipvs, &want);
+                if !text.is_empty() {
+                    feed(&ns, "ipvsadm", &["-R"], &text)?;
+                }
+                for ip in installed.ipvs.addresses.difference(&want.addresses) {
+                    let a = format!("{ip}/{}", ipvs::host_prefix(ip));
+                    ns.ip(&["addr", "del", &a, "dev", ipvs::DUMMY])?;
+                }
+                installed.text = text;
+                installed.ipvs = want;
+            }
         }
         // conntrack: UDP flows to endpoints that are gone, and flows to a
         // port that had no endpoints, are deleted (CleanStaleEntries).
@@ -364,10 +413,24 @@ impl KubeProxy {
                         nft::TABLE
                     ),
                 ),
+                ProxyMode::Ipvs => {
+                    let text = ipvs::restore(&installed.ipvs, &ipvs::Wanted::default());
+                    if text.is_empty() {
+                        Ok(())
+                    } else {
+                        feed(&ns, "ipvsadm", &["-R"], &text)
+                    }
+                }
             };
             if let Err(e) = result {
                 first_error.get_or_insert(e);
             }
+        }
+        // The device, and every address on it, goes with the last family.
+        if self.mode == ProxyMode::Ipvs
+            && let Err(e) = ns.ip(&["link", "del", ipvs::DUMMY])
+        {
+            first_error.get_or_insert(e);
         }
         first_error.map_or(Ok(()), Err)
     }
@@ -377,6 +440,22 @@ impl Drop for KubeProxy {
     fn drop(&mut self) {
         let _ = self.remove_all();
     }
+}
+
+/// The node as kube-proxy's IPVS mode leaves it before its first sync:
+/// the dummy device (down) and the sysctls it sets.
+fn ipvs_node_setup(ns: &NetNs) -> Result<(), Error> {
+    if ns.ip(&["link", "show", ipvs::DUMMY]).is_err() {
+        ns.ip(&["link", "add", ipvs::DUMMY, "type", "dummy"])?;
+    }
+    for s in [
+        "net.ipv4.vs.conntrack=1",
+        "net.ipv4.vs.expire_nodest_conn=1",
+        "net.ipv4.vs.expire_quiescent_template=1",
+    ] {
+        ns.exec("sysctl", &["-q", "-w", s])?;
+    }
+    Ok(())
 }
 
 fn iptables_program(family: Family) -> &'static str {
@@ -426,6 +505,17 @@ pub fn leftovers(netns: &NetNs) -> Result<Vec<String>, Error> {
             .filter(|l| l.contains(nft::TABLE))
             .map(|l| format!("nft: {l}")),
     );
+    if netns.ip(&["link", "show", ipvs::DUMMY]).is_ok() {
+        out.push(format!("link {}", ipvs::DUMMY));
+    }
+    // Without ip_vs in the kernel there are no virtual servers to list.
+    if let Ok(text) = netns.exec("ipvsadm", &["-Ln"]) {
+        out.extend(
+            text.lines()
+                .filter(|l| l.starts_with("TCP") || l.starts_with("UDP") || l.starts_with("SCTP"))
+                .map(|l| format!("ipvsadm: {l}")),
+        );
+    }
     Ok(out)
 }
 

@@ -3,6 +3,10 @@
 //! the compiler's tables, and the datapath, system and control-plane
 //! figures) and docs/benchmarks.json, from the JSON each benchmark leaves
 //! in target/bench-results/. Figures are printed, not judged.
+//! `--only datapath-guest` (never part of a plain run) runs the datapath
+//! bench on the host and in the 6.1 guest ([`guest`]).
+mod guest;
+
 use std::{fmt::Write as _, path::Path, process::Command};
 
 use anyhow::Context as _;
@@ -34,8 +38,15 @@ fn f(v: &Value, key: &str) -> f64 {
     v[key].as_f64().unwrap_or(f64::NAN)
 }
 
+fn host_kernel() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
+}
+
 fn machine() -> String {
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let kernel = host_kernel();
     let cpus = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(0);
@@ -47,7 +58,7 @@ fn machine() -> String {
                 .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
         })
         .unwrap_or_default();
-    format!("{cpus} CPUs ({model}), Linux {}", kernel.trim())
+    format!("{cpus} CPUs ({model}), Linux {kernel}")
 }
 
 /// Renders the generated block from the results.
@@ -454,9 +465,29 @@ const BENCHES: [&str; 6] = [
 /// the blocks are then rendered from the results already there) and
 /// rewrites their blocks.
 pub fn run(root: &Path, only: &[String], execute: bool) -> anyhow::Result<()> {
-    if let Some(unknown) = only.iter().find(|o| !BENCHES.contains(&o.as_str())) {
-        anyhow::bail!("--only {unknown}: no such benchmark (known: {BENCHES:?})");
+    if let Some(unknown) = only
+        .iter()
+        .find(|o| !BENCHES.contains(&o.as_str()) && o.as_str() != guest::NAME)
+    {
+        anyhow::bail!(
+            "--only {unknown}: no such benchmark (known: {BENCHES:?} and {})",
+            guest::NAME
+        );
     }
+    // Only when named: minutes in an emulated guest.
+    let guest_ran = only.iter().any(|o| o == guest::NAME);
+    let only: Vec<String> = only
+        .iter()
+        .filter(|o| o.as_str() != guest::NAME)
+        .cloned()
+        .collect();
+    // `--only datapath-guest` alone runs none of the others.
+    let none = [String::new()];
+    let only: &[String] = if guest_ran && only.is_empty() {
+        &none
+    } else {
+        &only
+    };
     let load_before = loadavg();
     for bench in BENCHES
         .into_iter()
@@ -467,6 +498,9 @@ pub fn run(root: &Path, only: &[String], execute: bool) -> anyhow::Result<()> {
                 .current_dir(root)
                 .args(["bench", "-p", "policy-agent", "--bench", bench]),
         )?;
+    }
+    if execute && guest_ran {
+        guest::run(root)?;
     }
     // Only the blocks of the benchmarks that ran are rewritten: a block
     // from results of another day would mix machines and loads.
@@ -527,6 +561,15 @@ pub fn run(root: &Path, only: &[String], execute: bool) -> anyhow::Result<()> {
         updated = replace_block(&updated, CNI_BEGIN, CNI_END, &block)
             .unwrap_or_else(|| format!("{}\n\n## CNI hand-off\n\n{block}", updated.trim_end()));
     }
+    if let Some(g) = read(root, guest::NAME).filter(|_| guest_ran) {
+        let block = stamped(guest::render(&g, &machine()));
+        updated = replace_block(&updated, guest::BEGIN, guest::END, &block).unwrap_or_else(|| {
+            format!(
+                "{}\n\n## Datapath on the 6.1 guest beside the host\n\n{block}",
+                updated.trim_end()
+            )
+        });
+    }
     std::fs::write(&path, updated).context("writing docs/BENCHMARKS.md")?;
     let json_path = root.join("docs/benchmarks.json");
     let mut all = std::fs::read_to_string(&json_path)
@@ -546,6 +589,14 @@ pub fn run(root: &Path, only: &[String], execute: bool) -> anyhow::Result<()> {
             }
             all.insert(name.into(), v);
         }
+    }
+    if let Some(mut v) = read(root, guest::NAME).filter(|_| guest_ran) {
+        if let Value::Object(o) = &mut v
+            && execute
+        {
+            o.insert("load".into(), Value::String(load.clone()));
+        }
+        all.insert(guest::NAME.into(), v);
     }
     std::fs::write(
         &json_path,
