@@ -9,13 +9,14 @@
 mod support;
 
 use std::{
+    io::{Read as _, Write as _},
     net::{IpAddr, SocketAddr},
     os::fd::AsRawFd,
     time::{Duration, Instant},
 };
 
 use policy_agent::sim::{
-    NetNs,
+    NetNs, Outcome, connect, echo,
     packet::{Fragment, L4, Packet, TCP_ACK, TCP_SYN},
 };
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
@@ -284,4 +285,83 @@ fn an_attacker_pod_reaches_nothing_its_victims_policy_forbids_bpf() {
 #[test]
 fn an_attacker_pod_reaches_nothing_its_victims_policy_forbids_iptables() {
     suite("atki", Backend::Iptables);
+}
+
+/// A connection a policy change cut stays cut when the victim speaks
+/// first after the change (a delayed ACK, a retransmission; here data its
+/// server writes): that segment must not reopen the flow in the victim's
+/// name (its egress is open), or the trusted pod's next segments would
+/// pass as its replies.
+/// Both datapaths had this hole: the BPF conntrack opened an entry for
+/// the victim's segment, the kernel's conntrack picked the deleted flow up
+/// again in the victim's name.
+fn a_cut_connection_stays_cut(prefix: &'static str, backend: Backend) {
+    let c = setup(prefix, backend);
+    let node = c.node();
+    let ns = |id: &str| &node.pod(id).unwrap().netns;
+    let (victim_ns, trusted_ns) = (ns(VICTIM), ns(TRUSTED));
+    let mut open = Vec::new();
+    for v6 in [false, true] {
+        let (v, t) = (addr(&c, VICTIM, v6), addr(&c, TRUSTED, v6));
+        // The victim's server: a listener made in its namespace (the
+        // socket stays there), answered from here.
+        let listener = victim_ns
+            .spawn(move || std::net::TcpListener::bind(SocketAddr::new(v, 9001)))
+            .unwrap()
+            .join()
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        // It greets (as the simulated servers do), then echoes once.
+        let answer = std::thread::spawn(move || {
+            let (mut served, _) = listener.accept().unwrap();
+            served.write_all(b"hi\n").unwrap();
+            let mut buf = [0u8; 3];
+            served.read_exact(&mut buf).unwrap();
+            served.write_all(&buf).unwrap();
+            (served, listener)
+        });
+        let mut s = connect(
+            trusted_ns,
+            SocketAddr::new(v, 9001),
+            scaled(Duration::from_secs(2)),
+        )
+        .unwrap();
+        assert_eq!(
+            echo(&mut s, b"one", scaled(Duration::from_secs(1))),
+            Outcome::Open
+        );
+        let (served, listener) = answer.join().unwrap();
+        open.push((v, t, s, served, listener));
+    }
+    // The victim now takes nothing.
+    c.write_policies(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: victim, namespace: t}\nspec: {podSelector: {matchLabels: {app: victim}}, policyTypes: [Ingress]}\n",
+    );
+    c.apply_ok();
+    for (v, t, mut s, mut served, _listener) in open {
+        let fam = if v.is_ipv6() { "IPv6" } else { "IPv4" };
+        // The victim speaks first: a real segment, in the connection's
+        // window, retransmitted while it goes unanswered.
+        served.write_all(b"srv").unwrap();
+        std::thread::sleep(scaled(Duration::from_millis(1500)));
+        let n = arrived(victim_ns, t, v, || {
+            let _ = s.write_all(b"two");
+            std::thread::sleep(scaled(Duration::from_millis(300)));
+        });
+        assert_eq!(
+            n, 0,
+            "{fam}: the cut connection's segments reached the victim after it spoke first"
+        );
+    }
+}
+
+#[test]
+fn a_cut_connection_stays_cut_when_the_victim_speaks_first_bpf() {
+    a_cut_connection_stays_cut("atcb", Backend::Bpf);
+}
+
+#[test]
+fn a_cut_connection_stays_cut_when_the_victim_speaks_first_iptables() {
+    a_cut_connection_stays_cut("atci", Backend::Iptables);
 }

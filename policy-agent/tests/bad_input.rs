@@ -1072,6 +1072,15 @@ spec:
                             i += 4;
                             false
                         }
+                        // A new packet's flow has no connmark yet.
+                        "connmark" if arg(2) == "!" => {
+                            i += 5;
+                            true
+                        }
+                        "connmark" => {
+                            i += 4;
+                            false
+                        }
                         "comment" => {
                             i += 4;
                             true
@@ -1142,6 +1151,7 @@ spec:
                                 let (v, _) = arg(3).split_once('/').unwrap();
                                 *mark = v != "0x0";
                             }
+                            "CONNMARK" => {}
                             target => {
                                 if let Flow::Drop = run_chain(rs, fam, target, p, mark) {
                                     return Flow::Drop;

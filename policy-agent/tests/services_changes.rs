@@ -331,24 +331,16 @@ macro_rules! suite {
 }
 
 suite!(bpf, Backend::Bpf, ProxyMode::Iptables, "bi");
-// The iptables datapath has the same hole through the kernel's own
-// conntrack: after `conntrack -D` the backend's mid-stream ACK is picked up
-// as a new flow it opened (nf_conntrack_tcp_loose), confirmed because its
-// egress is open, and the client's segments then ride it as ESTABLISHED
-// (fails about 1 run in 5). Known, not fixed yet: see ARCHITECTURE, "The
-// iptables fallback", established connections.
-suite!(
-    iptables,
-    Backend::Iptables,
-    ProxyMode::Iptables,
-    "ii",
-    #[ignore = "known hole: conntrack pickup after conntrack -D (ARCHITECTURE, iptables fallback)"]
-);
+// The iptables datapath had the same hole through the kernel's conntrack:
+// after `conntrack -D` the backend's mid-stream ACK was picked up as a new
+// flow it opened (nf_conntrack_tcp_loose), confirmed because its egress
+// is open, and the client's segments rode it as ESTABLISHED (about 1 run
+// in 5). Flows are now revoked (a connmark bit), not deleted.
+suite!(iptables, Backend::Iptables, ProxyMode::Iptables, "ii");
 suite!(bpf_nftables_mode, Backend::Bpf, ProxyMode::Nftables, "bn");
 suite!(
     iptables_nftables_mode,
     Backend::Iptables,
     ProxyMode::Nftables,
-    "in",
-    #[ignore = "known hole: conntrack pickup after conntrack -D (ARCHITECTURE, iptables fallback)"]
+    "in"
 );

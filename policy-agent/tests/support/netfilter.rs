@@ -63,6 +63,14 @@ enum Match {
     /// `-m addrtype ! --src-type LOCAL`: the evaluator's packets come from
     /// pods and the world, never from one of the node's own addresses.
     SrcNotLocal,
+    /// The flow's connmark (a new packet's flow has none yet).
+    ConnMark {
+        value: u32,
+        mask: u32,
+        negated: bool,
+    },
+    /// `--ctdir`: a new packet is in the original direction.
+    CtDir(String),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -71,7 +79,12 @@ enum Target {
     Drop,
     Accept,
     Jump(String),
-    SetXmark { value: u32, mask: u32 },
+    SetXmark {
+        value: u32,
+        mask: u32,
+    },
+    /// CONNMARK: the flow's mark (nothing a verdict depends on here).
+    ConnMarkSet,
 }
 
 #[derive(Clone, Debug)]
@@ -166,11 +179,26 @@ fn parse_rule(w: &[String]) -> Rule {
         match w[i].as_str() {
             "-m" => match arg(i + 1) {
                 "conntrack" => {
-                    assert_eq!(arg(i + 2), "--ctstate", "{w:?}");
-                    matches.push(Match::CtState(
-                        arg(i + 3).split(',').map(str::to_owned).collect(),
-                    ));
+                    match arg(i + 2) {
+                        "--ctstate" => matches.push(Match::CtState(
+                            arg(i + 3).split(',').map(str::to_owned).collect(),
+                        )),
+                        "--ctdir" => matches.push(Match::CtDir(arg(i + 3).to_owned())),
+                        other => panic!("conntrack {other} in {w:?}"),
+                    }
                     i += 4;
+                }
+                "connmark" => {
+                    let negated = arg(i + 2) == "!";
+                    let at = i + 2 + usize::from(negated);
+                    assert_eq!(arg(at), "--mark", "{w:?}");
+                    let (value, mask) = mark_pair(arg(at + 1));
+                    matches.push(Match::ConnMark {
+                        value,
+                        mask,
+                        negated,
+                    });
+                    i = at + 2;
                 }
                 "comment" => {
                     assert_eq!(arg(i + 2), "--comment", "{w:?}");
@@ -249,6 +277,11 @@ fn parse_rule(w: &[String]) -> Rule {
                         let (value, mask) = mark_pair(arg(i + 3));
                         i += 2;
                         Target::SetXmark { value, mask }
+                    }
+                    "CONNMARK" => {
+                        assert_eq!(arg(i + 2), "--set-xmark", "{w:?}");
+                        i += 2;
+                        Target::ConnMarkSet
                     }
                     chain if chain.starts_with("pa-agent:") => Target::Jump(chain.to_owned()),
                     other => panic!("unknown target {other} in {w:?}"),
@@ -419,6 +452,13 @@ impl Netfilter {
             Match::Dport(a, b) => (*a..=*b).contains(&p.dport),
             Match::Mark { value, mask } => mark & mask == *value,
             Match::SrcNotLocal => true,
+            // A new packet's flow has connmark 0.
+            Match::ConnMark {
+                value,
+                mask: _,
+                negated,
+            } => (*value == 0) != *negated,
+            Match::CtDir(d) => d == "ORIGINAL",
         }
     }
 
@@ -446,6 +486,7 @@ impl Netfilter {
                 Target::Drop => return Some(false),
                 Target::Accept => return Some(true),
                 Target::SetXmark { value, mask } => *mark = (*mark & !mask) ^ value,
+                Target::ConnMarkSet => {}
                 Target::Jump(c) => {
                     if let Some(v) = self.run(table, c, p, mark, depth + 1) {
                         return Some(v);

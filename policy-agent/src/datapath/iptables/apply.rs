@@ -125,20 +125,27 @@ impl ApplyReport {
     }
 }
 
-/// A conntrack deletion: which side of a flow the address is on.
+/// A conntrack revocation: which side of a flow the address is on.
 type Flush = (&'static str, IpAddr);
 
-/// Deletes the conntrack entries with `ip` as `side` (`-s`/`-d`).
-/// conntrack exits 1 with "0 flow entries have been deleted" when nothing
-/// matched: that is success. Anything else is a failure.
-fn flush_conntrack(side: &str, ip: IpAddr) -> Result<(), Error> {
-    match exec::run("conntrack", &["-D", side, &ip.to_string()]) {
+/// Revokes the conntrack entries with `ip` as `side` (`-s`, `-d`, or
+/// `--reply-src` for a backend behind DNAT): sets the agent's connmark
+/// bit (`mark`) on them, the other bits kept. A revoked flow's replies
+/// wait and its next original-direction packet is judged again (see the
+/// FORWARD rules). Deleting the entries instead let the kernel pick the
+/// flow up again in the name of whichever side spoke first — the pod
+/// whose ingress had just closed, answering, made it its own flow and the
+/// peer rode it back in. conntrack exits 1 with "0 flow entries have been
+/// updated" when nothing matched: that is success.
+fn revoke_conntrack(side: &str, ip: IpAddr, mark: u32) -> Result<(), Error> {
+    let bit = format!("0x{mark:x}/0x{mark:x}");
+    match exec::run("conntrack", &["-U", side, &ip.to_string(), "--mark", &bit]) {
         Ok(_) => Ok(()),
         Err(exec::CommandError::Failed {
             code: Some(1),
             stderr,
             ..
-        }) if stderr.contains("0 flow entries have been deleted") => Ok(()),
+        }) if stderr.contains("0 flow entries have been updated") => Ok(()),
         Err(e) => Err(e.into()),
     }
 }
@@ -367,17 +374,26 @@ impl Executor {
             if !(changed_chains.contains(chain) || uses_changed || policy_changed) {
                 continue;
             }
-            let side = if *dir == policy_common::direction::INGRESS {
-                "-d"
+            // Ingress: flows to the pod, directly (`-d`) or through a
+            // Service's DNAT, where the pod answers (`--reply-src`).
+            let sides: &[&'static str] = if *dir == policy_common::direction::INGRESS {
+                &["-d", "--reply-src"]
             } else {
-                "-s"
+                &["-s"]
             };
             for ip in ips {
-                flushes.insert((side, *ip), pod.clone());
+                for side in sides {
+                    flushes.insert((side, *ip), pod.clone());
+                }
             }
         }
+        let mark = if desired.mark == 0 {
+            super::DEFAULT_MARK
+        } else {
+            desired.mark
+        };
         for ((side, ip), pod) in flushes {
-            match flush_conntrack(side, ip) {
+            match revoke_conntrack(side, ip, mark) {
                 Ok(()) => report.conntrack_flushed.push(ip),
                 Err(e) => {
                     warn!(pod = %pod, %ip, error = %e, "cannot delete conntrack entries; established flows keep their verdict until the retry");

@@ -6,9 +6,11 @@
 //! ```text
 //! FORWARD  -> pa-agent:FORWARD
 //! pa-agent:FORWARD:  -i <pod if> -> S-<pod>          (every local pod, first)
-//!                    RELATED,ESTABLISHED -> RETURN   (replies and tracked flows)
+//!                    revoked (connmark) and REPLY -> DROP
+//!                    not revoked, RELATED,ESTABLISHED -> RETURN
 //!                    -i <pod if> -> E-<pod>          (egress-isolated pods)
 //!                    -o <pod if> -> I-<pod>          (ingress-isolated pods)
+//!                    revoked -> clear the connmark bit (judged, allowed)
 //! S-<pod>:  from one of the pod's addresses -> RETURN; DROP (a forged
 //!           source; link-local and :: sources are never forwarded)
 //! I-<pod>:  clear mark; from and to itself on its own interface -> RETURN;
@@ -190,7 +192,10 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
     let maps = input.maps;
     let addresses = identity_addresses(maps);
     let mark = format!("0x{:x}", input.mark);
-    let mut out = Ruleset::default();
+    let mut out = Ruleset {
+        mark: input.mark,
+        ..Ruleset::default()
+    };
 
     let pods: Vec<PodEntry<'_>> = input
         .interfaces
@@ -274,15 +279,28 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                 },
             );
         }
-        forward
-            .rules
-            .push("-m conntrack --ctstate RELATED,ESTABLISHED -j RETURN".into());
+        // A flow whose verdict a change may have moved is revoked (its
+        // connmark bit set, `apply`), not deleted: deleted, the kernel
+        // would pick it up again in the name of whichever side sent first.
+        // Revoked, its reply-direction packets wait and its
+        // original-direction ones are judged again (below); the rest ride
+        // the shortcut.
+        forward.rules.push(format!(
+            "-m connmark --mark {mark}/{mark} -m conntrack --ctdir REPLY -j DROP"
+        ));
+        forward.rules.push(format!(
+            "-m connmark ! --mark {mark}/{mark} -m conntrack --ctstate RELATED,ESTABLISHED -j RETURN"
+        ));
+        // What IPVS forwards: the pod by its source address, a backend by
+        // its interface when the source is not the node's own (only the
+        // original direction comes this way; a revoked flow is judged
+        // again here too).
         let mut output = Chain {
             name: OUTPUT_CHAIN.into(),
-            rules: vec!["-m conntrack --ctstate RELATED,ESTABLISHED -j RETURN".into()],
+            rules: vec![format!(
+                "-m connmark ! --mark {mark}/{mark} -m conntrack --ctstate RELATED,ESTABLISHED -j RETURN"
+            )],
         };
-        // What IPVS forwards: the pod by its source address, a backend by
-        // its interface when the source is not the node's own.
         let output_match = |dir: u8, ifname: &str, ips: &[IpAddr]| -> Vec<String> {
             if dir == direction::INGRESS {
                 vec![format!("-o {ifname} -m addrtype ! --src-type LOCAL")]
@@ -455,6 +473,10 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                 },
             );
         }
+        // Judged and allowed: a revoked flow resumes (its replies pass).
+        let resume = format!("-m connmark --mark {mark}/{mark} -j CONNMARK --set-xmark 0x0/{mark}");
+        forward.rules.push(resume.clone());
+        output.rules.push(resume);
         let mut list = vec![forward, output];
         list.extend(chains.into_values());
         out.chains.insert(fam, list);

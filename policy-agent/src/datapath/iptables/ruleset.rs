@@ -166,6 +166,9 @@ pub struct Ruleset {
     pub chain_refs: BTreeMap<String, BTreeSet<String>>,
     /// What could not be rendered (name collisions), each failing closed.
     pub problems: Vec<Problem>,
+    /// The agent's mark bit (packet mark while judging, connmark for
+    /// revoked flows); 0: [`super::DEFAULT_MARK`].
+    pub mark: u32,
 }
 
 /// Prefix of every chain and set the agent owns. A separator no other
