@@ -183,7 +183,9 @@ fn main() {
     let allowed_peer = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1));
     // Denied: every probe misses, the longest path a new flow takes.
     let new_denied = Packet::tcp(peer, 40000, pod, 80, TCP_SYN).frame();
-    // Established: after the first run, a conntrack hit.
+    // Established: an ACK of a flow whose SYN opened a conntrack entry (a
+    // segment without SYN opens none), so every run is a conntrack hit.
+    let opening = Packet::tcp(allowed_peer, 40001, pod, 80, TCP_SYN).frame();
     let established = Packet::tcp(allowed_peer, 40001, pod, 80, TCP_ACK).frame();
     // Denied with the worst lookup shape: 54 probes, all missing.
     let new_worst = Packet::tcp(worst_peer(), 40002, pod, 80, TCP_SYN).frame();
@@ -229,6 +231,15 @@ fn main() {
             })
             .unwrap();
         assert_eq!(r.return_value, 2, "the worst-shape packet is dropped");
+        let r = dp
+            .program(Hook::Egress)
+            .unwrap()
+            .test_run(TestRunOptions {
+                data_in: Some(&opening),
+                ..TestRunOptions::default()
+            })
+            .unwrap();
+        assert_ne!(r.return_value, 2, "the established flow's SYN is allowed");
         // Each round measures the floors and both paths back to back, and
         // ratios are taken within a round: a shared VM drifts by 20% and
         // more between minutes, far less between neighbouring calls.
