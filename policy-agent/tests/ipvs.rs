@@ -27,7 +27,6 @@ use policy_agent::sim::{
 };
 use support::{conformance::Backend, services::*};
 
-const CLIENT: &str = "default/client";
 const TIMEOUT: Duration = Duration::from_secs(2);
 /// Connections (datagrams) per address and protocol.
 /// 3 per backend: IPVS's round robin spreads them evenly.
@@ -42,25 +41,6 @@ fn ipvs_or_skip(test: &str) -> bool {
         }
         None => true,
     }
-}
-
-fn client_policy(egress: &str) -> String {
-    policy(
-        "default",
-        "client",
-        &format!(
-            "  podSelector: {{matchLabels: {{app: client}}}}\n  policyTypes: [Ingress, Egress]\n  egress:\n{egress}"
-        ),
-    )
-}
-
-fn web_frontends() -> Vec<(SocketAddr, L4)> {
-    vec![
-        (sock(ip(WEB_V4), 80), L4::Tcp),
-        (sock(ip(WEB_V6), 80), L4::Tcp),
-        (sock(ip(WEB_V4), 81), L4::Udp),
-        (sock(ip(WEB_V6), 81), L4::Udp),
-    ]
 }
 
 /// The node's IPVS table and its dummy device's addresses (failure
@@ -144,32 +124,7 @@ fn per_backend(prefix: &'static str, datapath: Backend) {
         &["default/web-b", "default/web-d"],
     );
 
-    let web_c_in = policy(
-        "default",
-        "web-c-in",
-        "  podSelector: {matchLabels: {pod: web-c}}\n  ingress: [{from: [{podSelector: {matchLabels: {app: web}}}]}]\n",
-    );
-    env.write_policies(&format!(
-        "{}{web_c_in}",
-        client_policy(
-            "    - to: [{podSelector: {matchLabels: {app: web}}}]\n      ports: [{protocol: TCP, port: http}, {protocol: UDP, port: 8082}]\n"
-        )
-    ));
-    eventually("the new policies", Duration::from_secs(5), || {
-        let direct = env.ask_all(
-            CLIENT,
-            &[
-                (sock(env.ips("default/web-b")[0], 8080), L4::Tcp),
-                (sock(env.ips("default/web-c")[0], 8081), L4::Tcp),
-            ],
-            1,
-            Duration::from_millis(400),
-        );
-        match (&direct[0][0], &direct[1][0]) {
-            (Reply::Answered { .. }, Reply::NoAnswer) => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    });
+    deny_the_client_at_web_c(&env);
     spread(
         &env,
         "ingress at web-c denies the client",

@@ -19,32 +19,9 @@ use policy_agent::sim::{
 };
 use support::{conformance::Backend, services::*};
 
-const CLIENT: &str = "default/client";
 const TIMEOUT: Duration = Duration::from_secs(2);
 /// Connections (datagrams) per address and protocol.
 const N: usize = 40;
-
-/// The client's policy: isolated both ways (replies must come back
-/// through conntrack), egress as given.
-fn client_policy(egress: &str) -> String {
-    policy(
-        "default",
-        "client",
-        &format!(
-            "  podSelector: {{matchLabels: {{app: client}}}}\n  policyTypes: [Ingress, Egress]\n  egress:\n{egress}"
-        ),
-    )
-}
-
-/// web's ClusterIPs: TCP 80 and UDP 81, both families.
-fn web_frontends() -> Vec<(SocketAddr, L4)> {
-    vec![
-        (sock(ip(WEB_V4), 80), L4::Tcp),
-        (sock(ip(WEB_V6), 80), L4::Tcp),
-        (sock(ip(WEB_V4), 81), L4::Udp),
-        (sock(ip(WEB_V6), 81), L4::Udp),
-    ]
-}
 
 /// Many connections to web's frontends: each answered only by an
 /// `allowed` backend, and about as many unanswered as `denied` backends'
@@ -137,36 +114,7 @@ fn some_backends(prefix: &'static str, datapath: Backend, mode: ProxyMode) {
         &["default/web-b", "default/web-d"],
     );
 
-    // Every backend allowed by the client's egress; web-c (node-2) takes
-    // ingress only from web pods.
-    let web_c_in = policy(
-        "default",
-        "web-c-in",
-        "  podSelector: {matchLabels: {pod: web-c}}\n  ingress: [{from: [{podSelector: {matchLabels: {app: web}}}]}]\n",
-    );
-    env.write_policies(&format!(
-        "{}{web_c_in}",
-        client_policy(
-            "    - to: [{podSelector: {matchLabels: {app: web}}}]\n      ports: [{protocol: TCP, port: http}, {protocol: UDP, port: 8082}]\n"
-        )
-    ));
-    // Both agents have it: web-b (node-1's egress) answers directly,
-    // web-c (node-2's ingress) no longer does.
-    eventually("the new policies", Duration::from_secs(5), || {
-        let direct = env.ask_all(
-            CLIENT,
-            &[
-                (sock(env.ips("default/web-b")[0], 8080), L4::Tcp),
-                (sock(env.ips("default/web-c")[0], 8081), L4::Tcp),
-            ],
-            1,
-            Duration::from_millis(400),
-        );
-        match (&direct[0][0], &direct[1][0]) {
-            (Reply::Answered { .. }, Reply::NoAnswer) => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    });
+    deny_the_client_at_web_c(&env);
     spread(
         &env,
         "ingress at web-c denies the client",

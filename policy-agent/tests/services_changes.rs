@@ -27,18 +27,6 @@ use policy_agent::sim::{
 };
 use support::{conformance::Backend, services::*};
 
-const CLIENT: &str = "default/client";
-
-fn client_policy(egress: &str) -> String {
-    policy(
-        "default",
-        "client",
-        &format!(
-            "  podSelector: {{matchLabels: {{app: client}}}}\n  policyTypes: [Ingress, Egress]\n  egress:\n{egress}"
-        ),
-    )
-}
-
 fn solo_frontends() -> Vec<(SocketAddr, L4)> {
     vec![
         (sock(ip(SOLO_V4), 80), L4::Tcp),

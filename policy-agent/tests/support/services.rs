@@ -582,6 +582,64 @@ pub fn policy(namespace: &str, name: &str, spec: &str) -> String {
     )
 }
 
+/// The client pod (`default/client`).
+pub const CLIENT: &str = "default/client";
+
+/// The client's policy: isolated both ways (replies must come back
+/// through conntrack), egress as given.
+pub fn client_policy(egress: &str) -> String {
+    policy(
+        "default",
+        "client",
+        &format!(
+            "  podSelector: {{matchLabels: {{app: client}}}}\n  policyTypes: [Ingress, Egress]\n  egress:\n{egress}"
+        ),
+    )
+}
+
+/// web's ClusterIPs: TCP 80 and UDP 81, both families.
+pub fn web_frontends() -> Vec<(SocketAddr, L4)> {
+    vec![
+        (sock(ip(WEB_V4), 80), L4::Tcp),
+        (sock(ip(WEB_V6), 80), L4::Tcp),
+        (sock(ip(WEB_V4), 81), L4::Udp),
+        (sock(ip(WEB_V6), 81), L4::Udp),
+    ]
+}
+
+/// The client's egress now allows every web backend, and web-c (node-2)
+/// takes ingress only from web pods; returns once both agents have it
+/// (web-b, node-1's egress, answers directly; web-c, node-2's ingress, no
+/// longer does).
+pub fn deny_the_client_at_web_c(env: &Env) {
+    let web_c_in = policy(
+        "default",
+        "web-c-in",
+        "  podSelector: {matchLabels: {pod: web-c}}\n  ingress: [{from: [{podSelector: {matchLabels: {app: web}}}]}]\n",
+    );
+    env.write_policies(&format!(
+        "{}{web_c_in}",
+        client_policy(
+            "    - to: [{podSelector: {matchLabels: {app: web}}}]\n      ports: [{protocol: TCP, port: http}, {protocol: UDP, port: 8082}]\n"
+        )
+    ));
+    eventually("the new policies", Duration::from_secs(5), || {
+        let direct = env.ask_all(
+            CLIENT,
+            &[
+                (sock(env.ips("default/web-b")[0], 8080), L4::Tcp),
+                (sock(env.ips("default/web-c")[0], 8081), L4::Tcp),
+            ],
+            1,
+            Duration::from_millis(400),
+        );
+        match (&direct[0][0], &direct[1][0]) {
+            (Reply::Answered { .. }, Reply::NoAnswer) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+}
+
 /// Replies answered by a pod, by pod.
 pub fn answered(replies: &[Reply]) -> BTreeMap<String, usize> {
     let mut out = BTreeMap::new();
