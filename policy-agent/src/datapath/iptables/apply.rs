@@ -137,16 +137,33 @@ type Flush = (&'static str, IpAddr);
 /// whose ingress had just closed, answering, made it its own flow and the
 /// peer rode it back in. conntrack exits 1 with "0 flow entries have been
 /// updated" when nothing matched: that is success.
+///
+/// conntrack-tools dumps the matching entries and updates them one by
+/// one while traffic goes on; an entry that changes or vanishes between
+/// the two steps makes it stop with an error ("Protocol error" seen in
+/// CI) before the rest are marked. Setting the bit is idempotent, so the
+/// whole command is tried again a few times before the failure is
+/// reported (and kept for the next apply to retry).
 fn revoke_conntrack(side: &str, ip: IpAddr, mark: u32) -> Result<(), Error> {
+    const ATTEMPTS: u32 = 4;
     let bit = format!("0x{mark:x}/0x{mark:x}");
-    match exec::run("conntrack", &["-U", side, &ip.to_string(), "--mark", &bit]) {
-        Ok(_) => Ok(()),
-        Err(exec::CommandError::Failed {
-            code: Some(1),
-            stderr,
-            ..
-        }) if stderr.contains("0 flow entries have been updated") => Ok(()),
-        Err(e) => Err(e.into()),
+    let address = ip.to_string();
+    let mut attempt = 1;
+    loop {
+        match exec::run("conntrack", &["-U", side, &address, "--mark", &bit]) {
+            Ok(_) => return Ok(()),
+            Err(exec::CommandError::Failed {
+                code: Some(1),
+                stderr,
+                ..
+            }) if stderr.contains("0 flow entries have been updated") => return Ok(()),
+            Err(e) if attempt >= ATTEMPTS => return Err(e.into()),
+            Err(e) => {
+                debug!(%ip, side, attempt, error = %e, "conntrack revocation failed; trying again");
+                std::thread::sleep(std::time::Duration::from_millis(10 * u64::from(attempt)));
+                attempt += 1;
+            }
+        }
     }
 }
 
@@ -396,7 +413,7 @@ impl Executor {
             match revoke_conntrack(side, ip, mark) {
                 Ok(()) => report.conntrack_flushed.push(ip),
                 Err(e) => {
-                    warn!(pod = %pod, %ip, error = %e, "cannot delete conntrack entries; established flows keep their verdict until the retry");
+                    warn!(pod = %pod, %ip, error = %e, "cannot revoke conntrack entries; established flows keep their verdict until the retry");
                     report
                         .conntrack_failed
                         .push((pod.clone(), ip, e.to_string()));

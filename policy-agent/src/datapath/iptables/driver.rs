@@ -157,7 +157,7 @@ impl Datapath for IptablesDriver {
                 ObjectKind::Pod,
                 pod.clone(),
                 format!(
-                    "iptables: cannot delete the conntrack entries of {ip} ({error}); its established flows keep their old verdict until a retry succeeds"
+                    "iptables: cannot revoke the conntrack entries of {ip} ({error}); its established flows keep their old verdict until a retry succeeds"
                 ),
             ));
         }
