@@ -5,7 +5,11 @@
 //!
 //! * With the plugin, 200 pod creations: the latency our plugin adds to
 //!   CNI ADD (its own invocation, process start to exit, which is the
-//!   agent compiling and enforcing the pod), p50/p99/max, next to ptp's.
+//!   agent compiling and enforcing the pod), p50/p99/max, next to ptp's,
+//!   and the whole chain's (ptp + policy-cni) against ptp alone.
+//! * First, before the agent starts, 50 creations with ptp alone: what
+//!   the node's own plugin takes when nothing contends with it (the
+//!   agent's attaches share RTNL with ptp's work).
 //! * Without it, 50 pod creations: the window during which a new pod's
 //!   traffic is unjudged — from ptp's ADD returning (the veth is up and
 //!   routed) until the pod's endpoint is in the map with our programs
@@ -45,6 +49,8 @@ const WITH: usize = 200;
 // (BENCH_CNI_WITH=<n> for a quick look; the report's p99 needs 200.)
 /// Pod creations without it.
 const WITHOUT: usize = 50;
+/// Pod creations with ptp alone, before the agent starts.
+const BASELINE: usize = 50;
 
 /// The cluster: 100 namespaces of 100 remote pods and 10 policies each.
 fn cluster_file(ns: usize) -> String {
@@ -147,12 +153,40 @@ fn main() {
     let node = SimNode::create(PREFIX, &[]).unwrap();
     let layout = PinLayout::new("/sys/fs/bpf/policy-agent-bench-cni");
     let socket = dir.join("cni.sock");
+    let cni_path = test_cni_path().unwrap();
+    let ipam = dir.join("ipam");
+
+    // Baseline, before any agent runs: ptp alone on a quiet node.
+    let rt = CniRuntime::new(&node.node, list(&ipam, &socket, false), cni_path.clone()).unwrap();
+    let mut alone = Vec::new();
+    for i in 0..BASELINE {
+        let mut sb = rt
+            .sandbox(PREFIX, "new", &format!("b{i:03}"), &format!("uid-b{i:03}"))
+            .unwrap();
+        rt.add(&mut sb).unwrap();
+        alone.extend(
+            rt.take_log()
+                .into_iter()
+                .filter(|inv| inv.plugin == "ptp")
+                .map(|inv| inv.elapsed),
+        );
+        rt.del(&mut sb).unwrap();
+        let _ = rt.take_log();
+    }
+    alone.sort();
+    drop(rt);
     // BENCH_CNI_LOG=<file>: the agent's debug log there (where the time goes).
     let log = std::env::var_os("BENCH_CNI_LOG").map(|p| std::fs::File::create(p).unwrap());
     let daemon = Daemon(
         node.node
             .command(AGENT)
             .args(["run", "--node", "node-1", "--datapath", "bpf"])
+            .args(
+                std::env::var("BENCH_CNI_ARGS")
+                    .ok()
+                    .iter()
+                    .flat_map(|a| a.split_whitespace()),
+            )
             .args(["--listen", "127.0.0.1:19495", "--manifests"])
             .arg(&manifests)
             .arg("--pin-dir")
@@ -180,12 +214,10 @@ fn main() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let cni_path = test_cni_path().unwrap();
-    let ipam = dir.join("ipam");
 
     // With the plugin. The first ADD also waits for the agent's first sync.
     let rt = CniRuntime::new(&node.node, list(&ipam, &socket, true), cni_path.clone()).unwrap();
-    let (mut ours, mut ptp) = (Vec::new(), Vec::new());
+    let (mut ours, mut ptp, mut chain) = (Vec::new(), Vec::new(), Vec::new());
     let with: usize = std::env::var("BENCH_CNI_WITH")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -196,20 +228,25 @@ fn main() {
             .unwrap();
         rt.add(&mut sb)
             .unwrap_or_else(|e| panic!("ADD w{i:03}: {e}"));
+        let mut total = Duration::ZERO;
         for inv in rt.take_log() {
             match inv.plugin.as_str() {
                 "policy-cni" => ours.push(inv.elapsed),
                 "ptp" => ptp.push(inv.elapsed),
-                _ => {}
+                _ => continue,
             }
+            total += inv.elapsed;
         }
+        chain.push(total);
         rt.del(&mut sb).unwrap();
         let _ = rt.take_log();
     }
     ours.remove(0);
     ptp.remove(0);
+    chain.remove(0);
     ours.sort();
     ptp.sort();
+    chain.sort();
 
     // Without it: ptp alone, the address published as ADD returns.
     let rt = CniRuntime::new(&node.node, list(&ipam, &socket, false), cni_path).unwrap();
@@ -280,6 +317,11 @@ fn main() {
         "plugin_add_max_ms": ms(*ours.last().unwrap()),
         "ptp_add_p50_ms": ms(percentile(&ptp, 0.5)),
         "ptp_add_p99_ms": ms(percentile(&ptp, 0.99)),
+        "chain_add_p50_ms": ms(percentile(&chain, 0.5)),
+        "chain_add_p99_ms": ms(percentile(&chain, 0.99)),
+        "baseline_samples": alone.len(),
+        "ptp_alone_p50_ms": ms(percentile(&alone, 0.5)),
+        "ptp_alone_p99_ms": ms(percentile(&alone, 0.99)),
         "window_p50_ms": ms(percentile(&window, 0.5)),
         "window_max_ms": ms(*window.last().unwrap()),
     });

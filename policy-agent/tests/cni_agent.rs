@@ -18,10 +18,14 @@ use cni_common::{
     agent::{AgentNode, POD_CIDR, ipv4, namespace, pod, policy, status},
     traffic::{Flood, Receiver, connect, send_udp},
 };
-use policy_agent::sim::cni::{CniError, CniRuntime, Sandbox};
+use policy_agent::{
+    datapath::bpf::{BpfMaps, Hook, NETLINK_PRIORITY, PinLayout, endpoint_meta_name},
+    sim::cni::{CniError, CniRuntime, Sandbox},
+};
 use policy_cni::protocol::code;
+use policy_common::endpoint::{ATTACH_NETLINK, ATTACH_POD, ATTACH_STANDBY};
 use serde_json::{Value, json};
-use support::fake_apiserver::FakeApi;
+use support::{fake_apiserver::FakeApi, services::eventually};
 
 /// The victim's listeners.
 const PORT: u16 = 19600;
@@ -437,4 +441,105 @@ fn first_packet_cluster() {
 #[test]
 fn first_packet_cluster_pod_object_after_add_started() {
     first_packet("cnifpl", Mode::Cluster, true);
+}
+
+/// The ifindex of `name` in the node.
+fn ifindex(w: &World, name: &str) -> u32 {
+    let out = w
+        .node
+        .fx
+        .node
+        .node
+        .ip(&["-o", "link", "show", name])
+        .unwrap();
+    out.split(':').next().unwrap().trim().parse().unwrap()
+}
+
+/// Whether both pod classifiers of `ifindex` (`name`) are attached — TCX
+/// links pinned, or (no TCX, the 6.1 guest) our netlink filters in place
+/// — and its record.
+fn pod_hooks(w: &World, ifindex: u32, name: &str) -> (bool, Option<(u32, String)>) {
+    let layout = PinLayout::new(&w.node.pin);
+    let meta = BpfMaps::from_pins(&layout)
+        .unwrap()
+        .meta(ifindex)
+        .map(|m| (m.attach, endpoint_meta_name(&m)));
+    let bits = meta.as_ref().map_or(0, |m| m.0);
+    let attached = if bits & ATTACH_NETLINK != 0 {
+        ["ingress", "egress"].iter().all(|side| {
+            w.node
+                .fx
+                .node
+                .node
+                .exec("tc", &["filter", "show", "dev", name, side])
+                .is_ok_and(|out| out.contains(&format!("pref {NETLINK_PRIORITY} ")))
+        })
+    } else {
+        Hook::BOTH.iter().all(|h| layout.link(ifindex, *h).exists())
+    };
+    (attached, meta)
+}
+
+/// A veth that appears while the agent runs carries the pod classifiers
+/// at once (standby: no pod holds it yet, so they pass everything on to
+/// the uplink classifiers), a veth that goes before any pod claims it
+/// leaves nothing behind, and a pod's ADD finds its veth prepared and
+/// makes it the pod's.
+#[test]
+fn a_new_veth_is_prepared_before_its_add_and_cleaned_up_when_it_goes() {
+    standby("cnisb", &[]);
+}
+
+/// The same through netlink filters (the path below Linux 6.6).
+#[test]
+fn a_new_veth_is_prepared_before_its_add_and_cleaned_up_when_it_goes_netlink() {
+    standby("cnisn", &["--force-netlink"]);
+}
+
+fn standby(prefix: &'static str, extra: &[&str]) {
+    let mut w = World::new(prefix, Mode::Manifests, friend_foe_victim(), extra);
+    let node = |args: &[&str]| w.node.fx.node.node.ip(args).unwrap();
+    node(&[
+        "link", "add", "sbx0", "type", "veth", "peer", "name", "sbx1",
+    ]);
+    let bare = ifindex(&w, "sbx0");
+    eventually(
+        "standby on a bare veth",
+        Duration::from_secs(10),
+        || match pod_hooks(&w, bare, "sbx0") {
+            (true, Some((bits, name)))
+                if bits & (ATTACH_POD | ATTACH_STANDBY) == ATTACH_POD | ATTACH_STANDBY =>
+            {
+                assert_eq!(name, "standby sbx0");
+                Ok(())
+            }
+            other => Err(format!("{other:?}")),
+        },
+    );
+    node(&["link", "del", "sbx0"]);
+    eventually(
+        "the bare veth's pins gone",
+        Duration::from_secs(10),
+        || match pod_hooks(&w, bare, "sbx0") {
+            (false, None) => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    );
+
+    let rt = w.node.runtime(10.0);
+    let (mut victim, _) = w.pod(&rt, "victim");
+    let host = victim.result.as_ref().unwrap()["interfaces"][0]["name"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let (attached, meta) = pod_hooks(&w, ifindex(&w, &host), &host);
+    let (bits, name) = meta.expect("the victim's veth has a record");
+    assert!(attached, "both pod classifiers attached");
+    assert_eq!(
+        bits & (ATTACH_POD | ATTACH_STANDBY),
+        ATTACH_POD,
+        "the pod's now ({bits:#x})"
+    );
+    assert!(name.ends_with("/victim"), "recorded as the pod: {name}");
+    rt.del(&mut victim).unwrap();
 }

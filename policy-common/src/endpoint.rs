@@ -124,6 +124,13 @@ pub const ATTACH_UPLINK: u32 = 1 << 4;
 /// (`from_uplink`, with `--pod-cidr`: traffic to local addresses not
 /// enforced yet).
 pub const ATTACH_UPLINK_INGRESS: u32 = 1 << 5;
+/// [`EndpointMeta::attach`]: the pod classifiers were attached to a new
+/// veth before any pod was known to hold it (standby). Until the pod's
+/// endpoint entry is written they pass everything on (`TC_ACT_UNSPEC`) to
+/// the programs after them — the uplink classifiers while no pod holds
+/// the veth — so the CNI hand-off finds them in place and only writes the
+/// entry.
+pub const ATTACH_STANDBY: u32 = 1 << 6;
 
 /// Value of `ENDPOINT_META` (userspace only): who the endpoint is and how
 /// the agent attached to it, so `dump` can name it and `reset` can undo

@@ -102,6 +102,10 @@ pub trait Datapath: Send {
     /// Interfaces appeared or vanished: look them up again.
     fn links_changed(&mut self);
 
+    /// A veth appeared (`ifindex`, `name`): prepare what a pod on it will
+    /// need, before its hand-off asks (nothing by default).
+    fn new_veth(&mut self, _ifindex: u32, _name: &str) {}
+
     /// Starts what observes this datapath at run time (drop events, the
     /// kernel debug log); called after successful syncs until it returns
     /// true.

@@ -21,7 +21,10 @@ const RTMGRP_IPV6_ROUTE: u32 = 0x400;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LinkEvent {
-    /// A link appeared or changed (state, name, ...).
+    /// A link was created in (or moved into) this namespace: the kernel
+    /// announces it with every flag in the change mask.
+    Created(Link),
+    /// A link changed (state, name, ...).
     Changed(Link),
     Removed(Link),
     /// A route that can lead to a pod (main table, unicast, a single
@@ -65,6 +68,11 @@ pub fn watch_links(tx: Sender<LinkEvent>) -> Result<std::thread::JoinHandle<()>,
             for msg in messages(&rx[..size]) {
                 let Ok(msg) = msg else { break };
                 let event = match msg.payload {
+                    NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l))
+                        if l.header.change_mask.bits() == u32::MAX =>
+                    {
+                        Some(LinkEvent::Created(link_from(&l)))
+                    }
                     NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l)) => {
                         Some(LinkEvent::Changed(link_from(&l)))
                     }

@@ -161,8 +161,14 @@ pub async fn run(
     std::thread::Builder::new()
         .name("link-events".into())
         .spawn(move || {
-            while link_rx.recv().is_ok() {
-                if links_to_worker.send(Trigger::Links).is_err() {
+            while let Ok(event) = link_rx.recv() {
+                let trigger = match event {
+                    netlink::LinkEvent::Created(link) if link.kind.as_deref() == Some("veth") => {
+                        Trigger::NewVeth(link.index, link.name)
+                    }
+                    _ => Trigger::Links,
+                };
+                if links_to_worker.send(trigger).is_err() {
                     return;
                 }
             }

@@ -37,6 +37,9 @@ pub enum Trigger {
     ),
     /// A pod interface appeared or changed.
     Links,
+    /// A veth appeared (ifindex, name): prepared at once (see
+    /// `Datapath::new_veth`), then looked up as any link change.
+    NewVeth(u32, String),
     /// Periodic: read the installed state back and sync.
     Resync,
     Stop,
@@ -178,6 +181,12 @@ fn collect(
                 handoff = true;
             }
             Some(Trigger::Links) => state.links = true,
+            Some(Trigger::NewVeth(ifindex, name)) => {
+                state.links = true;
+                if let Some(enforcer) = state.enforcer.as_mut() {
+                    enforcer.datapath().new_veth(ifindex, &name);
+                }
+            }
             Some(Trigger::Resync) => state.resync = true,
             Some(Trigger::Stop) => return None,
             None => {}

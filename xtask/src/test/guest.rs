@@ -92,6 +92,15 @@ pub const SUITES: &[Suite] = &[
         timeout: Duration::from_secs(600),
     },
     Suite {
+        name: "cni_agent",
+        // The hand-off with Debian's real plugins through netlink filters
+        // (no TCX): the standby attachment, and one first-packet run.
+        args: &["a_new_veth_is_prepared", "first_packet_manifests"],
+        env: &[],
+        subset: Some("the standby attachment and the first-packet test in manifests mode"),
+        timeout: Duration::from_secs(600),
+    },
+    Suite {
         name: "full_maps",
         args: &[],
         env: &[],
@@ -274,6 +283,11 @@ fn run_suite(
     spec.env = vec![
         (TIME_SCALE_VAR.to_owned(), scale.to_owned()),
         ("RUST_BACKTRACE".to_owned(), "1".to_owned()),
+        // Built beside the test binaries by `test::run` (debug profile).
+        (
+            "POLICY_CNI_BIN".to_owned(),
+            build_dir.join("policy-cni").to_string_lossy().into_owned(),
+        ),
     ];
     spec.env.extend(
         suite

@@ -40,6 +40,12 @@ pub fn run(root: &Path, opts: &Options) -> anyhow::Result<()> {
         guest::prepare()?;
     }
     let binaries = binaries::build()?;
+    if !opts.no_vm {
+        // The CNI suites run the plugin binary, which the guest (no
+        // toolchain) cannot build: built here, handed over by
+        // POLICY_CNI_BIN (see `guest::run_suite`).
+        crate::run(crate::cargo().args(["build", "-p", "policy-cni"]))?;
+    }
     let mut rows = Vec::new();
     if !opts.vm_only {
         rows.push(host(&opts.args)?);

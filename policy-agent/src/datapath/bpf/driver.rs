@@ -15,7 +15,7 @@ use std::{
 use tracing::{debug, error, info, warn};
 
 use policy_common::{
-    endpoint::ATTACH_POD,
+    endpoint::{ATTACH_POD, ATTACH_STANDBY},
     service::{SERVICE_RANGE, ServiceEntry},
 };
 
@@ -154,6 +154,21 @@ impl Datapath for BpfDriver {
         self.interfaces.links_changed();
     }
 
+    /// The pod classifiers go on a new veth at once (standby, see
+    /// `ATTACH_STANDBY`), outside any sync: the CNI hand-off that follows
+    /// within milliseconds then finds them attached. Only where the agent
+    /// attached nothing yet and no endpoint is written.
+    fn new_veth(&mut self, ifindex: u32, name: &str) {
+        let untouched = self.dp.maps.meta(ifindex).is_none()
+            && self
+                .last
+                .as_ref()
+                .is_some_and(|s| !s.endpoints.contains_key(&ifindex));
+        if untouched {
+            super::uplinks::standby(&mut self.dp, ifindex, name);
+        }
+    }
+
     /// The drop log is retried until it runs; the kernel log follower is
     /// started once (it would run twice).
     fn start_observers(&mut self) -> bool {
@@ -276,9 +291,11 @@ fn sync_full(
     let mut fresh = Vec::new();
     let mut attached = BTreeSet::new();
     for (pod, iface) in &interfaces {
+        // Standby classifiers are in place but not yet the pod's: the
+        // attach below finds them and records the pod.
         let known = meta
             .get(&iface.ifindex)
-            .is_some_and(|m| m.attach & ATTACH_POD != 0);
+            .is_some_and(|m| m.attach & (ATTACH_POD | ATTACH_STANDBY) == ATTACH_POD);
         if unwritten.contains(&iface.ifindex) {
             continue; // No endpoint entry: attaching would pass it unjudged.
         }
@@ -293,10 +310,9 @@ fn sync_full(
     enforcement.reset_attached(attached);
     enforcement.grant(&mut dp.maps, local_pods, &iface_of, report);
     let wanted: BTreeSet<u32> = interfaces.values().map(|i| i.ifindex).collect();
-    for (ifindex, m) in meta
-        .iter()
-        .filter(|(i, m)| !wanted.contains(i) && m.attach & ATTACH_POD != 0)
-    {
+    for (ifindex, m) in meta.iter().filter(|(i, m)| {
+        !wanted.contains(i) && m.attach & (ATTACH_POD | ATTACH_STANDBY) == ATTACH_POD
+    }) {
         detach(dp, *ifindex, &endpoint_meta_name(m), report);
     }
     // Interfaces without the pod classifiers (an endpoint left unwritten
@@ -368,7 +384,11 @@ fn sync_ops(
                     }
                     None => {
                         info.revision = next_revision;
-                        fresh.push((pod.clone(), iface.clone()));
+                        // Once: an endpoint written twice in one batch is
+                        // still one interface to attach.
+                        if !fresh.iter().any(|(_, i)| i.ifindex == iface.ifindex) {
+                            fresh.push((pod.clone(), iface.clone()));
+                        }
                     }
                 }
                 writes.push(MapOp::UpsertEndpoint(iface.ifindex, info));

@@ -2,7 +2,7 @@
 //! left, and keeping programs pinned so enforcement outlives the agent.
 use aya::{EbpfLoader, programs::SchedClassifier};
 use policy_common::{
-    endpoint::{ATTACH_POD, ATTACH_TCX, ENDPOINT_NAME_LEN, EndpointMeta},
+    endpoint::{ATTACH_POD, ATTACH_STANDBY, ATTACH_TCX, ENDPOINT_NAME_LEN, EndpointMeta},
     maps as names,
 };
 use tracing::{debug, info};
@@ -178,16 +178,34 @@ impl BpfDatapath {
     /// Write the endpoint's map entry first, so its first packet is
     /// already judged.
     pub fn attach(&mut self, ifindex: u32, name: &str) -> Result<(), Error> {
-        self.attach_hooks(ifindex, name, &Hook::BOTH)
+        self.attach_hooks(ifindex, name, &Hook::BOTH, false)
+    }
+
+    /// Attaches both pod classifiers to a new veth no pod is known to hold
+    /// yet (ATTACH_STANDBY): without an endpoint entry they judge as the
+    /// uplink classifiers, and the pod's hand-off later finds them in
+    /// place (no attach, with its RCU grace periods, on the way of a CNI
+    /// ADD).
+    pub fn attach_standby(&mut self, ifindex: u32) -> Result<(), Error> {
+        self.attach_hooks(ifindex, &standby_label(ifindex), &Hook::BOTH, true)
     }
 
     /// Attaches the uplink classifiers `hooks` (egress, and ingress with
     /// `--pod-cidr`) to `ifindex`.
     pub fn attach_uplink(&mut self, ifindex: u32, name: &str, hooks: &[Hook]) -> Result<(), Error> {
-        self.attach_hooks(ifindex, name, hooks)
+        self.attach_hooks(ifindex, name, hooks, false)
     }
 
-    fn attach_hooks(&mut self, ifindex: u32, name: &str, hooks: &[Hook]) -> Result<(), Error> {
+    /// `standby`: the pod hooks go on ahead of a pod (see
+    /// [`Self::attach_standby`]); otherwise attaching the pod hooks makes
+    /// the interface a pod's.
+    fn attach_hooks(
+        &mut self,
+        ifindex: u32,
+        name: &str,
+        hooks: &[Hook],
+        standby: bool,
+    ) -> Result<(), Error> {
         let known = self.maps.meta(ifindex).map(|m| m.attach).unwrap_or(0);
         let mut attachment = Attachment::new(&self.layout, ifindex, known);
         let mut result = Ok(());
@@ -195,6 +213,13 @@ impl BpfDatapath {
             result = attachment.ensure(self.programs.get_mut(*hook), *hook, self.mode);
             if result.is_err() {
                 break;
+            }
+        }
+        if hooks == Hook::BOTH.as_slice() {
+            if standby {
+                attachment.bits |= ATTACH_STANDBY;
+            } else if result.is_ok() {
+                attachment.bits &= !ATTACH_STANDBY;
             }
         }
         // Record what was done even on failure, so `reset` can undo it.
@@ -266,7 +291,7 @@ impl BpfDatapath {
             // Record even partial attachments, so `reset` can undo them.
             let before = self.maps.meta(ifindex).map(|m| m.attach).unwrap_or(0);
             let bits = if Hook::BOTH.iter().any(|h| layout.link(ifindex, *h).exists()) {
-                before | ATTACH_TCX | ATTACH_POD
+                (before | ATTACH_TCX | ATTACH_POD) & !ATTACH_STANDBY
             } else {
                 before
             };
@@ -291,6 +316,12 @@ impl BpfDatapath {
     /// the uplink classifier stays).
     pub fn detach(&mut self, ifindex: u32) -> Result<(), Vec<Error>> {
         self.detach_hooks(ifindex, &Hook::BOTH)
+    }
+
+    /// Removes every classifier of `ifindex` and its record (an interface
+    /// that went before any pod claimed it).
+    pub fn detach_all(&mut self, ifindex: u32) -> Result<(), Vec<Error>> {
+        self.detach_hooks(ifindex, &Hook::ALL)
     }
 
     /// Removes the uplink classifiers `hooks` of `ifindex` (and its
@@ -352,6 +383,13 @@ fn warn_resized(asked: &[(&'static str, u32)], have: &super::fit::Capacities) {
 }
 
 /// The name an uplink's ENDPOINT_META record carries.
+/// The ENDPOINT_META name of an interface carrying the pod classifiers
+/// ahead of its pod.
+pub fn standby_label(ifindex: u32) -> String {
+    let name = super::if_name(ifindex).unwrap_or_else(|_| format!("ifindex {ifindex}"));
+    format!("standby {name}")
+}
+
 pub fn uplink_label(ifindex: u32) -> String {
     let name = super::if_name(ifindex).unwrap_or_else(|_| format!("ifindex {ifindex}"));
     format!("uplink {name}")

@@ -8,12 +8,19 @@
 //! With `--pod-cidr` the same interfaces also carry `from_uplink` at
 //! ingress, and `to_uplink` also drops what leaves from a local address
 //! that is not enforced yet (see `policy_common::catchall`).
+//!
+//! A veth that appears while the agent runs also gets the pod classifiers,
+//! at once (standby, [`standby`]): without an endpoint entry they pass
+//! everything on to these, and the pod's CNI hand-off finds them in place.
 use std::collections::{BTreeMap, BTreeSet};
 
-use policy_common::endpoint::{ATTACH_UPLINK, ATTACH_UPLINK_INGRESS};
+use policy_common::endpoint::{ATTACH_STANDBY, ATTACH_UPLINK, ATTACH_UPLINK_INGRESS};
 use tracing::{info, warn};
 
-use super::{BpfDatapath, Hook, loader::uplink_label};
+use super::{
+    BpfDatapath, Hook,
+    loader::{standby_label, uplink_label},
+};
 use crate::{
     cluster::Problem,
     datapath::SyncReport,
@@ -62,6 +69,7 @@ pub fn sync_uplinks(
             return;
         }
     };
+    let present: BTreeSet<u32> = links.iter().map(|l| l.index).collect();
     let wanted = uplink_candidates(links, pods);
     let meta = match dp.maps.read_meta() {
         Ok(meta) => meta,
@@ -74,11 +82,25 @@ pub fn sync_uplinks(
         }
     };
     for (ifindex, name) in &wanted {
-        let has = meta.get(ifindex).is_some_and(|m| m.attach & bits == bits);
+        let known = meta.get(ifindex).map_or(0, |m| m.attach);
+        let standby = known & ATTACH_STANDBY != 0;
+        if standby
+            && verify
+            && let Err(e) = dp.attach_standby(*ifindex)
+        {
+            // Only the hand-off's attach is slower then: no report.
+            warn!(interface = %name, error = %e, "standby classifiers not attached");
+        }
+        let has = known & bits == bits;
         if has && !verify {
             continue;
         }
-        match dp.attach_uplink(*ifindex, &uplink_label(*ifindex), hooks) {
+        let label = if standby {
+            standby_label(*ifindex)
+        } else {
+            uplink_label(*ifindex)
+        };
+        match dp.attach_uplink(*ifindex, &label, hooks) {
             Ok(()) if !has => info!(interface = %name, "uplink classifier attached"),
             Ok(()) => {}
             Err(e) => {
@@ -91,6 +113,15 @@ pub fn sync_uplinks(
         }
     }
     for (ifindex, m) in &meta {
+        if m.attach & ATTACH_STANDBY != 0 && !present.contains(ifindex) {
+            // The veth went before any pod claimed it: its pins go too.
+            if let Err(errors) = dp.detach_all(*ifindex) {
+                for e in errors {
+                    warn!(ifindex, error = %e, "standby classifiers detach");
+                }
+            }
+            continue;
+        }
         let gone: &[Hook] = if wanted.contains_key(ifindex) {
             if ingress || m.attach & ATTACH_UPLINK_INGRESS == 0 {
                 continue;
@@ -108,6 +139,35 @@ pub fn sync_uplinks(
                     "detaching the uplink classifier from ifindex {ifindex}: {e}"
                 )));
             }
+        }
+    }
+}
+
+/// A veth that appears while the agent runs is most likely a pod's whose
+/// hand-off is on its way: the pod classifiers go on now (they pass what
+/// has no endpoint entry on to the programs after them: the uplink
+/// classifiers, which the next sync adds while no pod holds the veth), so
+/// the hand-off only writes the entry. False: not attached (nothing left
+/// behind).
+pub(super) fn standby(dp: &mut BpfDatapath, ifindex: u32, name: &str) -> bool {
+    match dp.attach_standby(ifindex) {
+        Ok(()) => {
+            info!(interface = %name, "pod classifiers attached ahead of the pod (standby)");
+            true
+        }
+        Err(super::Error::NoInterface(_)) => {
+            // Gone already (created and deleted in one burst).
+            let _ = dp.detach(ifindex);
+            false
+        }
+        Err(e) => {
+            warn!(interface = %name, error = %e, "standby classifiers not attached; the pod's hand-off attaches them");
+            if let Err(errors) = dp.detach(ifindex) {
+                for e in errors {
+                    warn!(interface = %name, error = %e, "standby classifiers detach");
+                }
+            }
+            false
         }
     }
 }
