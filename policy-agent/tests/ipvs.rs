@@ -4,7 +4,8 @@
 //! and IPVS virtual servers forwarding by NAT to the backends. The client's
 //! packets to a ClusterIP are delivered to the node (INPUT), where IPVS
 //! picks the backend and sends them out (OUTPUT): they never cross
-//! FORWARD. Judged where they land: who answered, what each backend saw.
+//! FORWARD. Judged where they land: who answered, what each backend saw
+//! (forged sources included).
 //!
 //! Needs the `ip_vs` module: on a kernel without it (the 6.18 host) every
 //! test prints a SKIPPED line and passes; `cargo xtask test` runs them in
@@ -24,6 +25,7 @@ use policy_agent::sim::{
     NetNs,
     backend::{L4, Reply},
     kube_proxy::{ProxyMode, ipvs_missing},
+    packet::Packet,
 };
 use support::{conformance::Backend, services::*};
 
@@ -132,6 +134,74 @@ fn per_backend(prefix: &'static str, datapath: Backend) {
         &["default/web-c"],
     );
     not_node_addresses(&env, datapath);
+    forged_sources(&env, datapath);
+}
+
+/// Raw IP packets (headers as given) sent from inside `netns`.
+fn send_raw(netns: &NetNs, packets: Vec<Packet>) {
+    netns
+        .spawn(move || {
+            for p in packets {
+                let domain = socket2::Domain::for_address(SocketAddr::new(p.dst, 0));
+                // IPPROTO_RAW: the packet carries its own IP header.
+                let s = socket2::Socket::new(
+                    domain,
+                    socket2::Type::RAW,
+                    Some(socket2::Protocol::from(255)),
+                )
+                .unwrap();
+                let to = socket2::SockAddr::from(SocketAddr::new(p.dst, 0));
+                // The sender's errors mean nothing: the backends judge.
+                let _ = s.send_to(&p.ip_bytes(), &to);
+            }
+        })
+        .unwrap()
+        .join()
+        .unwrap()
+        .unwrap();
+}
+
+/// The client (egress allowed nowhere) forges the address of solo-a, a
+/// pod on its node that no policy isolates, on UDP datagrams to web's
+/// ClusterIPs: none may reach a backend. IPVS delivers them to the node
+/// (INPUT) and forwards them through OUTPUT, where the iptables datapath
+/// judges a pod by its source address — without a source check before
+/// (`pa-agent:INPUT`) they went out as solo-a's. The node's own reverse
+/// path filter is off, so the agent's check is what is tested.
+fn forged_sources(env: &Env, datapath: Backend) {
+    let what = format!("{} ipvs", datapath.flag());
+    let (node, client) = env.cluster().pod(CLIENT).unwrap();
+    for key in [
+        "net.ipv4.conf.all.rp_filter".to_owned(),
+        "net.ipv4.conf.default.rp_filter".to_owned(),
+        format!("net.ipv4.conf.{}.rp_filter", client.host_if),
+    ] {
+        node.sim.node.sysctl(&key, "0").unwrap();
+    }
+    let solo_a = env.ips("default/solo-a");
+    env.backends.clear();
+    for vip in [ip(WEB_V4), ip(WEB_V6)] {
+        let forged = *solo_a
+            .iter()
+            .find(|a| a.is_ipv4() == vip.is_ipv4())
+            .unwrap();
+        let packets = (0..N as u16)
+            .map(|i| Packet::udp(forged, 41000 + i, vip, 81))
+            .collect();
+        send_raw(&client.netns, packets);
+    }
+    std::thread::sleep(scaled(Duration::from_secs(1)));
+    let reached: Vec<_> = env
+        .backends
+        .served()
+        .into_iter()
+        .filter(|s| solo_a.contains(&s.peer.ip()))
+        .collect();
+    assert!(
+        reached.is_empty(),
+        "{what}: datagrams forged with solo-a's address reached backends through the ClusterIP: {reached:?}\n{}",
+        env.dump("node-1")
+    );
 }
 
 /// One TCP connection from the node's own namespace to `to`, with the

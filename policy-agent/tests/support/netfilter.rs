@@ -351,7 +351,10 @@ impl Netfilter {
                                 .push(rule);
                         }
                         Some("-I") => {
-                            assert!(matches!(w[1].as_str(), "FORWARD" | "OUTPUT"), "{line}");
+                            assert!(
+                                matches!(w[1].as_str(), "FORWARD" | "INPUT" | "OUTPUT"),
+                                "{line}"
+                            );
                             let at: usize = w[2].parse().expect("insert position");
                             let rule = parse_rule(&w[3..]);
                             table

@@ -16,8 +16,8 @@ use tracing::{debug, warn};
 use super::{
     Error,
     ruleset::{
-        Chain, FORWARD_CHAIN, Family, LEGACY_FORWARD_CHAIN, OUTPUT_CHAIN, Ruleset, is_legacy_chain,
-        is_legacy_set, is_own_chain, is_own_set,
+        Chain, Family, HOOKS, LEGACY_FORWARD_CHAIN, Ruleset, is_legacy_chain, is_legacy_set,
+        is_own_chain, is_own_set,
     },
 };
 use crate::{cluster::PodRef, exec, mapstate::fnv1a64};
@@ -42,10 +42,9 @@ struct Installed {
     sets: BTreeMap<String, BTreeSet<(IpNet, bool)>>,
     /// Per family: chain → its content hash (from the marker rule).
     chains: BTreeMap<Family, BTreeMap<String, String>>,
-    /// Per family: whether FORWARD jumps to the agent's chain.
-    hooked: BTreeMap<Family, bool>,
-    /// Per family: whether OUTPUT jumps to the agent's (IPVS) chain.
-    hooked_output: BTreeMap<Family, bool>,
+    /// Per family: the agent's chains their built-in chain jumps to
+    /// (see [`HOOKS`]).
+    hooked: BTreeMap<Family, BTreeSet<&'static str>>,
     /// Objects of the earlier naming, to remove (see [`Legacy`]).
     legacy: Legacy,
 }
@@ -59,6 +58,13 @@ struct Legacy {
     /// Per family: the chains, and whether FORWARD jumps to PA-FORWARD.
     chains: BTreeMap<Family, (BTreeSet<String>, bool)>,
     sets: BTreeSet<String>,
+}
+
+impl Installed {
+    /// Whether `fam`'s built-in chain jumps to the agent's chain `own`.
+    fn is_hooked(&self, fam: Family, own: &str) -> bool {
+        self.hooked.get(&fam).is_some_and(|h| h.contains(own))
+    }
 }
 
 impl Legacy {
@@ -233,8 +239,7 @@ impl Executor {
         for fam in Family::BOTH {
             let text = run(&self.tables(fam, "-save"), &["-t", "filter"], None)?;
             let chains = inst.chains.entry(fam).or_default();
-            let mut hooked = false;
-            let mut hooked_output = false;
+            let mut hooked = BTreeSet::new();
             let mut legacy_chains = BTreeSet::new();
             let mut legacy_hooked = false;
             for line in text.lines() {
@@ -250,12 +255,13 @@ impl Executor {
                 } else if let Some(rest) = line.strip_prefix("-A ") {
                     let mut it = rest.splitn(2, ' ');
                     let (chain, rule) = (it.next().unwrap_or(""), it.next().unwrap_or(""));
-                    if chain == "FORWARD" {
-                        hooked |= jumps_to(rule, FORWARD_CHAIN);
-                        legacy_hooked |= jumps_to(rule, LEGACY_FORWARD_CHAIN);
+                    for (builtin, own) in HOOKS {
+                        if chain == builtin && jumps_to(rule, own) {
+                            hooked.insert(own);
+                        }
                     }
-                    if chain == "OUTPUT" {
-                        hooked_output |= jumps_to(rule, OUTPUT_CHAIN);
+                    if chain == "FORWARD" {
+                        legacy_hooked |= jumps_to(rule, LEGACY_FORWARD_CHAIN);
                     }
                     if is_own_chain(chain)
                         && let Some(pos) = rule.find(MARKER)
@@ -269,7 +275,6 @@ impl Executor {
                 }
             }
             inst.hooked.insert(fam, hooked);
-            inst.hooked_output.insert(fam, hooked_output);
             if legacy_chains.contains(LEGACY_FORWARD_CHAIN) {
                 inst.legacy
                     .chains
@@ -323,14 +328,13 @@ impl Executor {
                 .map(|c| (*c, chain_hash(c)))
                 .filter(|(c, hash)| have.get(&c.name) != Some(hash))
                 .collect();
-            let hooked = inst.hooked.get(&fam).copied().unwrap_or(false);
-            // A ruleset without the OUTPUT chain (none rendered) needs no hook.
-            let wants_output = names.contains(OUTPUT_CHAIN);
-            let hooked_output =
-                !wants_output || inst.hooked_output.get(&fam).copied().unwrap_or(false);
+            // A chain that is not rendered needs no hook.
+            let unhooked: Vec<(&str, &str)> = HOOKS
+                .into_iter()
+                .filter(|(_, own)| names.contains(own) && !inst.is_hooked(fam, own))
+                .collect();
             let legacy = inst.legacy.removal(fam);
-            if dirty.is_empty() && stale.is_empty() && hooked && hooked_output && legacy.is_empty()
-            {
+            if dirty.is_empty() && stale.is_empty() && unhooked.is_empty() && legacy.is_empty() {
                 continue;
             }
             // The earlier naming's chains go in the same transaction.
@@ -352,11 +356,8 @@ impl Executor {
             for name in &stale {
                 text += &format!("-X {name}\n");
             }
-            if !hooked {
-                text += &format!("-I FORWARD 1 -j {FORWARD_CHAIN}\n");
-            }
-            if !hooked_output {
-                text += &format!("-I OUTPUT 1 -j {OUTPUT_CHAIN}\n");
+            for (builtin, own) in unhooked {
+                text += &format!("-I {builtin} 1 -j {own}\n");
             }
             text += "COMMIT\n";
             debug!(family = ?fam, "iptables-restore:\n{text}");
@@ -431,18 +432,17 @@ impl Executor {
         let mut report = ResetReport::default();
         for fam in Family::BOTH {
             let chains = inst.chains.get(&fam).cloned().unwrap_or_default();
-            let hooked = inst.hooked.get(&fam).copied().unwrap_or(false);
-            let hooked_output = inst.hooked_output.get(&fam).copied().unwrap_or(false);
+            let hooked: Vec<(&str, &str)> = HOOKS
+                .into_iter()
+                .filter(|(_, own)| inst.is_hooked(fam, own))
+                .collect();
             let legacy = inst.legacy.removal(fam);
-            if chains.is_empty() && !hooked && !hooked_output && legacy.is_empty() {
+            if chains.is_empty() && hooked.is_empty() && legacy.is_empty() {
                 continue;
             }
             let mut text = String::from("*filter\n");
-            if hooked {
-                text += &format!("-D FORWARD -j {FORWARD_CHAIN}\n");
-            }
-            if hooked_output {
-                text += &format!("-D OUTPUT -j {OUTPUT_CHAIN}\n");
+            for (builtin, own) in hooked {
+                text += &format!("-D {builtin} -j {own}\n");
             }
             text += &legacy;
             for name in chains.keys() {
@@ -471,6 +471,7 @@ impl Executor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::datapath::iptables::FORWARD_CHAIN;
 
     #[test]
     fn a_jump_is_matched_by_its_whole_target() {

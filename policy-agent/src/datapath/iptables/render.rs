@@ -59,7 +59,8 @@ use policy_common::{
 };
 
 use super::ruleset::{
-    Chain, ChainKind, FORWARD_CHAIN, Family, IpSet, OUTPUT_CHAIN, Ruleset, SetKind, SetName,
+    Chain, ChainKind, FORWARD_CHAIN, Family, INPUT_CHAIN, IpSet, OUTPUT_CHAIN, Ruleset, SetKind,
+    SetName,
 };
 use crate::{
     cluster::{ObjectKind, PodRef, Problem},
@@ -263,14 +264,34 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                 .filter(|ip| (fam == Family::V4) == ip.is_ipv4())
                 .collect()
         };
+        // What pods send to the node's own addresses: only the source
+        // check (node traffic is always allowed). With kube-proxy's IPVS
+        // mode a ClusterIP is one of them, and what IPVS forwards is judged
+        // in OUTPUT by its source address: a forged one would borrow
+        // another pod's egress. Link-local and unspecified IPv6 sources
+        // (neighbour discovery, MLD, to the node) pass: no pod is known by
+        // them.
+        let mut input_chain = Chain {
+            name: INPUT_CHAIN.into(),
+            rules: Vec::new(),
+        };
         // Source validation, for every local pod, before anything accepts.
         for p in &pods {
             if colliding_pods.contains(p.pod) {
                 forward.rules.push(format!("-i {} -j DROP", p.ifname));
+                input_chain.rules.push(format!("-i {} -j DROP", p.ifname));
                 continue;
             }
             let name = ChainKind::Source.name(p.chain_hash);
             forward.rules.push(format!("-i {} -j {name}", p.ifname));
+            if fam == Family::V6 {
+                for unbound in ["fe80::/10", "::/128"] {
+                    input_chain
+                        .rules
+                        .push(format!("-i {} -s {unbound} -j RETURN", p.ifname));
+                }
+            }
+            input_chain.rules.push(format!("-i {} -j {name}", p.ifname));
             chains.insert(
                 name.clone(),
                 Chain {
@@ -482,7 +503,7 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
         let resume = format!("-m connmark --mark {mark}/{mark} -j CONNMARK --set-xmark 0x0/{mark}");
         forward.rules.push(resume.clone());
         output.rules.push(resume);
-        let mut list = vec![forward, output];
+        let mut list = vec![forward, input_chain, output];
         list.extend(chains.into_values());
         out.chains.insert(fam, list);
     }

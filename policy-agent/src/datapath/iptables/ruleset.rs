@@ -183,6 +183,18 @@ pub const FORWARD_CHAIN: &str = "pa-agent:FORWARD";
 /// node (the Service address is local, on `kube-ipvs0`) and leaves
 /// through OUTPUT, never through FORWARD.
 pub const OUTPUT_CHAIN: &str = "pa-agent:OUTPUT";
+/// The name of the chain the agent hooks into INPUT: the pods' source
+/// checks for what they send to the node's own addresses — with
+/// kube-proxy's IPVS mode that includes every ClusterIP, whose traffic
+/// then leaves through OUTPUT judged as its source address's pod.
+pub const INPUT_CHAIN: &str = "pa-agent:INPUT";
+/// The built-in chains the agent hooks (first rule: a jump to its own
+/// chain), each with that chain; hooked when the chain is rendered.
+pub const HOOKS: [(&str, &str); 3] = [
+    ("FORWARD", FORWARD_CHAIN),
+    ("INPUT", INPUT_CHAIN),
+    ("OUTPUT", OUTPUT_CHAIN),
+];
 /// The suffix of the temporary set a changed set is built in.
 pub const TEMP_SUFFIX: &str = "-t";
 
@@ -195,7 +207,7 @@ fn is_hex(s: &str, len: usize) -> bool {
 /// Whether `name` is a chain this agent makes: its exact shape, not
 /// just the prefix.
 pub fn is_own_chain(name: &str) -> bool {
-    if name == FORWARD_CHAIN || name == OUTPUT_CHAIN {
+    if HOOKS.iter().any(|(_, own)| *own == name) {
         return true;
     }
     name.strip_prefix(OWN_PREFIX)
@@ -295,10 +307,10 @@ impl Ruleset {
                     let _ = writeln!(out, "-A {} {rule}", chain.name);
                 }
             }
-            let _ = writeln!(
-                out,
-                "-I FORWARD 1 -j {FORWARD_CHAIN}   # added once, if missing\n-I OUTPUT 1 -j {OUTPUT_CHAIN}   # added once, if missing\nCOMMIT"
-            );
+            for (builtin, own) in HOOKS {
+                let _ = writeln!(out, "-I {builtin} 1 -j {own}   # added once, if missing");
+            }
+            let _ = writeln!(out, "COMMIT");
         }
         for p in &self.problems {
             let _ = writeln!(out, "# not rendered as written: {p}");
