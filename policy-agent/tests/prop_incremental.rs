@@ -433,6 +433,26 @@ fn transients_are_safe(
         })
         .collect();
     let is_own = |ep: u32, peer: usize| own_pairs.contains(&(ep, peer));
+    // Peers whose entry is held back past the policy removals (diff
+    // order, step 6): one covering them is written after a DeletePolicy.
+    let first_removal = ops
+        .iter()
+        .position(|op| matches!(op, MapOp::DeletePolicy(_)))
+        .unwrap_or(ops.len());
+    let held_back: BTreeSet<usize> = ops[first_removal..]
+        .iter()
+        .filter_map(|op| match op {
+            MapOp::UpsertIpcache(net, _) => Some(*net),
+            _ => None,
+        })
+        .flat_map(|net| {
+            peers
+                .iter()
+                .enumerate()
+                .filter(move |(_, ip)| net.contains(*ip))
+                .map(|(i, _)| i)
+        })
+        .collect();
     let mut live = Live::new(old, &index, peers);
     for (n, op) in ops.iter().enumerate() {
         let touched = live.apply(op);
@@ -481,6 +501,12 @@ fn transients_are_safe(
             let ep_moved = shape(&before_live) != shape(&after_live);
             let peer_moved = before_live.resolved[peer] != after_live.resolved[peer];
             if ep_moved && peer_moved && !now {
+                continue;
+            }
+            // Known, by design: a peer held back past the policy removals
+            // (its new class was losing allows) keeps its old class while
+            // that class's allows go: denied in between, never allowed.
+            if held_back.contains(&peer) && !now {
                 continue;
             }
             // An address moves straight from its old class to its new

@@ -272,8 +272,14 @@ impl Output {
             split(&self.maps.policy, self.journal_policy.take());
         let (endpoint_upserts, endpoint_removals) =
             split(&self.maps.endpoints, self.journal_endpoints.take());
-        let (ipcache_upserts, ipcache_removals) =
-            split(&self.maps.ipcache, self.journal_ipcache.take());
+        let ipcache_journal = self.journal_ipcache.take();
+        let ipcache_moved = ipcache_journal
+            .iter()
+            .flatten()
+            .filter(|(k, old)| old.is_some() && self.maps.ipcache.contains_key(*k))
+            .map(|(k, _)| *k)
+            .collect();
+        let (ipcache_upserts, ipcache_removals) = split(&self.maps.ipcache, ipcache_journal);
         let (service_upserts, service_removals) =
             split(&self.maps.services, self.journal_services.take());
         Writes {
@@ -284,6 +290,7 @@ impl Output {
             endpoint_upserts,
             endpoint_removals,
             ipcache_upserts,
+            ipcache_moved,
             ipcache_removals,
             service_upserts,
             service_removals,
