@@ -19,10 +19,11 @@ use policy_agent::sim::{
     NetNs, Outcome, connect, echo,
     packet::{Fragment, L4, Packet, TCP_ACK, TCP_SYN},
 };
-use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+use socket2::{Domain, Protocol, Socket, Type};
 use support::{
     conformance::{Backend, Conformance, NsSpec, PodSpec, labels},
     deadline::scaled,
+    raw::send_raw,
 };
 
 const ATTACKER: &str = "t/attacker";
@@ -70,26 +71,6 @@ fn setup(prefix: &'static str, backend: Backend) -> Conformance {
     );
     c.apply_ok();
     c
-}
-
-/// Sends raw IP packets (headers as given) from inside `netns`.
-fn send_raw(netns: &NetNs, packets: Vec<Packet>) {
-    netns
-        .spawn(move || {
-            for p in packets {
-                let v6 = p.dst.is_ipv6();
-                let domain = if v6 { Domain::IPV6 } else { Domain::IPV4 };
-                // IPPROTO_RAW: the packet carries its own IP header.
-                let s = Socket::new(domain, Type::RAW, Some(Protocol::from(255))).unwrap();
-                let to = SockAddr::from(SocketAddr::new(p.dst, 0));
-                // The sender's errors mean nothing here: the victim judges.
-                let _ = s.send_to(&p.ip_bytes(), &to);
-            }
-        })
-        .unwrap()
-        .join()
-        .unwrap()
-        .unwrap();
 }
 
 /// What a packet captured at the victim is: source, destination.

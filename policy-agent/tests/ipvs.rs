@@ -27,7 +27,7 @@ use policy_agent::sim::{
     kube_proxy::{ProxyMode, ipvs_missing},
     packet::Packet,
 };
-use support::{conformance::Backend, services::*};
+use support::{conformance::Backend, raw::send_raw, services::*};
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 /// Connections (datagrams) per address and protocol.
@@ -135,30 +135,6 @@ fn per_backend(prefix: &'static str, datapath: Backend) {
     );
     not_node_addresses(&env, datapath);
     forged_sources(&env, datapath);
-}
-
-/// Raw IP packets (headers as given) sent from inside `netns`.
-fn send_raw(netns: &NetNs, packets: Vec<Packet>) {
-    netns
-        .spawn(move || {
-            for p in packets {
-                let domain = socket2::Domain::for_address(SocketAddr::new(p.dst, 0));
-                // IPPROTO_RAW: the packet carries its own IP header.
-                let s = socket2::Socket::new(
-                    domain,
-                    socket2::Type::RAW,
-                    Some(socket2::Protocol::from(255)),
-                )
-                .unwrap();
-                let to = socket2::SockAddr::from(SocketAddr::new(p.dst, 0));
-                // The sender's errors mean nothing: the backends judge.
-                let _ = s.send_to(&p.ip_bytes(), &to);
-            }
-        })
-        .unwrap()
-        .join()
-        .unwrap()
-        .unwrap();
 }
 
 /// The client (egress allowed nowhere) forges the address of solo-a, a

@@ -9,5 +9,6 @@ pub mod fake_apiserver;
 pub mod harness;
 pub mod map_reset;
 pub mod netfilter;
+pub mod raw;
 pub mod services;
 pub mod testns;
