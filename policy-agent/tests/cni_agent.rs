@@ -484,16 +484,16 @@ fn pod_hooks(w: &World, ifindex: u32, name: &str) -> (bool, Option<(u32, String)
 /// at once (standby: no pod holds it yet, so they pass everything on to
 /// the uplink classifiers), a veth that goes before any pod claims it
 /// leaves nothing behind, and a pod's ADD finds its veth prepared and
-/// makes it the pod's.
+/// makes it the pod's. Netlink filters, the default.
 #[test]
 fn a_new_veth_is_prepared_before_its_add_and_cleaned_up_when_it_goes() {
     standby("cnisb", &[]);
 }
 
-/// The same through netlink filters (the path below Linux 6.6).
+/// The same through TCX links (`--attach tcx`; netlink below Linux 6.6).
 #[test]
-fn a_new_veth_is_prepared_before_its_add_and_cleaned_up_when_it_goes_netlink() {
-    standby("cnisn", &["--force-netlink"]);
+fn a_new_veth_is_prepared_before_its_add_and_cleaned_up_when_it_goes_tcx() {
+    standby("cnisn", &["--attach", "tcx"]);
 }
 
 fn standby(prefix: &'static str, extra: &[&str]) {

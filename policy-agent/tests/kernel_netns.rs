@@ -144,7 +144,7 @@ fn kernel_has_tcx() -> bool {
 /// Loads, fills and attaches from a thread inside the node namespace, then
 /// drops every handle: what is left is what the pins hold. Returns how it
 /// attached.
-fn enforce(node: &SimNode, layout: &PinLayout, force_netlink: bool) -> AttachMode {
+fn enforce(node: &SimNode, layout: &PinLayout, tcx: bool) -> AttachMode {
     let (state, ifaces) = desired(node);
     let layout = layout.clone();
     node.node
@@ -152,7 +152,7 @@ fn enforce(node: &SimNode, layout: &PinLayout, force_netlink: bool) -> AttachMod
             let mut dp = BpfDatapath::open(
                 &layout,
                 &LoadOptions {
-                    force_netlink,
+                    tcx,
                     ..Default::default()
                 },
             )
@@ -231,7 +231,7 @@ fn assert_matrix(
     }
 }
 
-fn scenario(prefix: &'static str, force_netlink: bool) {
+fn scenario(prefix: &'static str, tcx: bool) {
     let layout = PinLayout::new(format!("/sys/fs/bpf/policy-agent-test-{prefix}"));
     let _cleanup = Cleanup {
         prefix,
@@ -243,9 +243,10 @@ fn scenario(prefix: &'static str, force_netlink: bool) {
 
     let open = |_: &str, _: &str, _: u16, _: Transport| true;
     assert_matrix(&node, &servers, "before", open);
-    let mode = enforce(&node, &layout, force_netlink);
-    // TCX where the kernel has it (6.6), netlink filters below or when forced.
-    let expected = if kernel_has_tcx() && !force_netlink {
+    let mode = enforce(&node, &layout, tcx);
+    // TCX when asked for and the kernel has it (6.6); netlink filters
+    // otherwise.
+    let expected = if kernel_has_tcx() && tcx {
         AttachMode::Tcx
     } else {
         AttachMode::Netlink
@@ -267,7 +268,7 @@ fn scenario(prefix: &'static str, force_netlink: bool) {
     assert_matrix(&node, &servers, "enforced", enforced);
 
     // Opening again adopts the pinned state and changes nothing.
-    enforce(&node, &layout, force_netlink);
+    enforce(&node, &layout, tcx);
     assert_matrix(&node, &servers, "enforced again", enforced);
 
     // Reset removes everything: traffic is open again, no pins remain.
@@ -345,6 +346,39 @@ fn the_kernel_offers_what_the_classifier_needs() {
     );
 }
 
+/// Runs the agent's order check ([`BpfDatapath::check_order`]) on every
+/// pod interface, from inside the node: how many moved to TCX, and how
+/// many hooks still have something foreign ahead of the classifier.
+fn order_check(node: &SimNode, layout: &PinLayout) -> (usize, usize) {
+    let layout = layout.clone();
+    let ifindexes: Vec<u32> = node
+        .pods
+        .iter()
+        .map(|p| {
+            let out = node.node.ip(&["-o", "link", "show", &p.host_if]).unwrap();
+            out.split(':').next().unwrap().trim().parse().unwrap()
+        })
+        .collect();
+    node.node
+        .spawn(move || {
+            let mut dp = BpfDatapath::open(&layout, &LoadOptions::default()).unwrap();
+            let mut counts = (0, 0);
+            for i in ifindexes {
+                let check = dp.check_order(i);
+                if let Some(moved) = check.moved {
+                    assert!(moved.unwrap().is_empty(), "no filter left behind");
+                    counts.0 += 1;
+                }
+                counts.1 += check.ahead.len();
+            }
+            counts
+        })
+        .unwrap()
+        .join()
+        .unwrap()
+        .unwrap()
+}
+
 /// Under TCX a program earlier in the chain that returns `TC_ACT_OK` ends
 /// it: ours attaches first, so a foreign program that accepts everything
 /// cannot pass a packet unjudged; one that jumps ahead later is reported.
@@ -355,7 +389,7 @@ fn the_kernel_offers_what_the_classifier_needs() {
 fn the_classifier_runs_before_foreign_tcx_programs() {
     if !kernel_has_tcx() {
         eprintln!("no TCX on this kernel: checking the netlink fallback's order");
-        foreign_filters_after_ours("e2efrn", false);
+        foreign_filters_after_ours("e2efrn", true);
         return;
     }
     let prefix = "e2efrn";
@@ -401,32 +435,9 @@ fn the_classifier_runs_before_foreign_tcx_programs() {
         })
         .unwrap();
     ready_rx.recv().unwrap();
-    assert_eq!(enforce(&node, &layout, false), AttachMode::Tcx);
+    assert_eq!(enforce(&node, &layout, true), AttachMode::Tcx);
     assert_matrix(&node, &servers, "enforced", enforced);
-    let reported = |node: &SimNode| -> usize {
-        let layout = layout.clone();
-        let ifindexes: Vec<u32> = node
-            .pods
-            .iter()
-            .map(|p| p.host_if.clone())
-            .map(|name| {
-                let out = node.node.ip(&["-o", "link", "show", &name]).unwrap();
-                out.split(':').next().unwrap().trim().parse().unwrap()
-            })
-            .collect();
-        node.node
-            .spawn(move || {
-                let mut dp = BpfDatapath::open(&layout, &LoadOptions::default()).unwrap();
-                ifindexes
-                    .iter()
-                    .map(|i| dp.foreign_ahead(*i).len())
-                    .sum::<usize>()
-            })
-            .unwrap()
-            .join()
-            .unwrap()
-            .unwrap()
-    };
+    let reported = |node: &SimNode| order_check(node, &layout).1;
     assert_eq!(reported(&node), 0, "ours runs first");
     step_tx.send(true).unwrap();
     ready_rx.recv().unwrap();
@@ -439,15 +450,82 @@ fn the_classifier_runs_before_foreign_tcx_programs() {
     foreign.join().unwrap().unwrap();
 }
 
-/// Netlink clsact filters (forced here; below 6.6 on their own): ours on
+/// The default netlink filters on a kernel with TCX: a foreign TCX
+/// program runs before every clsact filter, so one that accepts
+/// everything passes what the policy denies. The agent's order check
+/// moves such an interface to TCX links, first in the chain, and the
+/// policy holds again with the foreign program still attached.
+#[test]
+fn foreign_tcx_programs_make_netlink_filters_move_to_tcx() {
+    if !kernel_has_tcx() {
+        eprintln!("no TCX on this kernel: no TCX program can run ahead");
+        return;
+    }
+    let prefix = "e2efmv";
+    let layout = PinLayout::new(format!("/sys/fs/bpf/policy-agent-test-{prefix}"));
+    let _cleanup = Cleanup {
+        prefix,
+        layout: layout.clone(),
+    };
+    cleanup_prefix(prefix);
+    let node = SimNode::create(prefix, &pods()).unwrap();
+    let servers = Servers::start(&node).unwrap();
+    let ifaces: Vec<String> = node.pods.iter().map(|p| p.host_if.clone()).collect();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    // The foreign programs stay attached as long as this thread waits.
+    let foreign = node
+        .node
+        .spawn(move || {
+            use aya::programs::{LinkOrder, TcAttachType, tc::TcAttachOptions};
+            let mut dp = policy_agent::datapath::bpf::Unpinned::load().unwrap();
+            let prog = dp.extra_program("foreign_pass").unwrap();
+            for i in &ifaces {
+                for t in [TcAttachType::Ingress, TcAttachType::Egress] {
+                    prog.attach_with_options(i, t, TcAttachOptions::TcxOrder(LinkOrder::default()))
+                        .unwrap();
+                }
+            }
+            ready_tx.send(()).unwrap();
+            let _ = done_rx.recv();
+        })
+        .unwrap();
+    ready_rx.recv().unwrap();
+    assert_eq!(enforce(&node, &layout, false), AttachMode::Netlink);
+    assert_our_filters(&node);
+    let open = |_: &str, _: &str, _: u16, _: Transport| true;
+    assert_matrix(&node, &servers, "foreign TCX ahead of our filters", open);
+    assert_eq!(
+        order_check(&node, &layout),
+        (node.pods.len(), 0),
+        "every interface moves, and then nothing runs ahead"
+    );
+    for p in &node.pods {
+        for hook in Hook::BOTH {
+            let listing = tc_filters(&node, &p.host_if, hook.name());
+            assert!(
+                filter_prefs(&listing).is_empty(),
+                "our filters are gone: {listing}"
+            );
+        }
+    }
+    assert_matrix(&node, &servers, "moved to TCX, first", enforced);
+    // A later check finds nothing to do.
+    assert_eq!(order_check(&node, &layout), (0, 0));
+    drop(done_tx);
+    foreign.join().unwrap().unwrap();
+}
+
+/// Netlink clsact filters (the default; below 6.6 also with `--attach tcx`): ours on
 /// every host-side interface in both directions at priority 20, handle
 /// 0x4e50, direct-action, ahead of a foreign filter at priority 30 that
 /// accepts everything. Ours drops what the policy denies before the
 /// foreign one could pass it; what ours passes (`TC_ACT_UNSPEC`) goes on
-/// to it.
+/// to it. A foreign filter added later at a lower priority number runs
+/// first: the agent cannot undo it, and reports it.
 #[test]
 fn netlink_filters_run_before_foreign_filters_of_a_later_priority() {
-    foreign_filters_after_ours("e2efnl", true);
+    foreign_filters_after_ours("e2efnl", false);
 }
 
 /// `tc filter show dev <interface> <hook>` in the node namespace.
@@ -481,7 +559,7 @@ fn filter_prefs(listing: &str) -> Vec<(u32, &str)> {
         .collect()
 }
 
-fn foreign_filters_after_ours(prefix: &'static str, force_netlink: bool) {
+fn foreign_filters_after_ours(prefix: &'static str, tcx: bool) {
     use aya::programs::{
         TcAttachType,
         tc::{self, NlOptions, TcAttachOptions, TcHandle},
@@ -496,7 +574,7 @@ fn foreign_filters_after_ours(prefix: &'static str, force_netlink: bool) {
     let servers = Servers::start(&node).unwrap();
     let ifaces: Vec<String> = node.pods.iter().map(|p| p.host_if.clone()).collect();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
-    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let (step_tx, step_rx) = std::sync::mpsc::channel::<bool>();
     // The foreign filters live as long as this thread waits (they go
     // when its handles drop, or with the namespace on a failure).
     let foreign = node
@@ -517,12 +595,30 @@ fn foreign_filters_after_ours(prefix: &'static str, force_netlink: bool) {
                 }
             }
             ready_tx.send(()).unwrap();
-            let _ = done_rx.recv();
+            // Told to go ahead of ours: a filter at a lower priority
+            // number, on ingress.
+            if step_rx.recv() == Ok(true) {
+                for i in &ifaces {
+                    let options = NlOptions {
+                        priority: 10,
+                        handle: TcHandle::new(0, 0x78),
+                        classid: None,
+                    };
+                    prog.attach_with_options(
+                        i,
+                        TcAttachType::Ingress,
+                        TcAttachOptions::Netlink(options),
+                    )
+                    .unwrap();
+                }
+                ready_tx.send(()).unwrap();
+                let _ = step_rx.recv();
+            }
         })
         .unwrap();
     ready_rx.recv().unwrap();
     assert_eq!(
-        enforce(&node, &layout, force_netlink),
+        enforce(&node, &layout, tcx),
         AttachMode::Netlink,
         "attach path on this kernel"
     );
@@ -546,7 +642,15 @@ fn foreign_filters_after_ours(prefix: &'static str, force_netlink: bool) {
         "enforced, foreign filters after ours",
         enforced,
     );
-    drop(done_tx);
+    assert_eq!(order_check(&node, &layout), (0, 0), "nothing ahead");
+    step_tx.send(true).unwrap();
+    ready_rx.recv().unwrap();
+    assert_eq!(
+        order_check(&node, &layout),
+        (0, node.pods.len()),
+        "a filter at a lower priority number is reported on every interface, and nothing moves"
+    );
+    step_tx.send(false).unwrap();
     foreign.join().unwrap().unwrap();
 }
 
@@ -555,12 +659,13 @@ fn foreign_filters_after_ours(prefix: &'static str, force_netlink: bool) {
 /// netlink filters, enforcing and outliving the loader.
 #[test]
 fn tcx_attachments_enforce_and_outlive_the_loader() {
-    scenario("e2etcx", false);
+    scenario("e2etcx", true);
 }
 
+/// The default.
 #[test]
 fn netlink_attachments_enforce_and_outlive_the_loader() {
-    scenario("e2enl", true);
+    scenario("e2enl", false);
 }
 
 /// Pins written with a one-slot endpoint array keep ifindex 7 in the

@@ -64,6 +64,17 @@ pub enum IptablesChoice {
     Legacy,
 }
 
+/// How the BPF classifiers are attached (see `--attach`).
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttachChoice {
+    /// clsact qdisc and cls_bpf filters at priority 20: no RCU grace
+    /// period per attach, so a CNI ADD is not held up.
+    Netlink,
+    /// TCX links, first in the chain (one RCU grace period per attach,
+    /// with RTNL held).
+    Tcx,
+}
+
 impl From<IptablesChoice> for Backend {
     fn from(c: IptablesChoice) -> Self {
         match c {
@@ -82,9 +93,11 @@ pub struct DatapathArgs {
     /// The iptables flavour the fallback drives.
     #[arg(long, value_enum, default_value = "auto")]
     pub iptables_backend: IptablesChoice,
-    /// Attach with netlink clsact filters even where TCX is available.
-    #[arg(long)]
-    pub force_netlink: bool,
+    /// How the classifiers go on an interface: netlink clsact filters, or
+    /// TCX links (Linux >= 6.6; below it, netlink). An interface keeps the
+    /// kind it was attached with.
+    #[arg(long, value_enum, default_value = "netlink")]
+    pub attach: AttachChoice,
     /// The cluster's Service range(s) (kube-apiserver's
     /// --service-cluster-ip-range; repeatable, one per family). Every
     /// address in them is a frontend from the start, before its Service
@@ -169,7 +182,7 @@ impl EnforceArgs {
             choice: self.datapath.datapath.into(),
             layout: self.pins.layout(),
             load: LoadOptions {
-                force_netlink: self.datapath.force_netlink,
+                tcx: self.datapath.attach == AttachChoice::Tcx,
                 service_ranges: self
                     .datapath
                     .service_cidrs

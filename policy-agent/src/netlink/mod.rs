@@ -1,5 +1,7 @@
 //! rtnetlink queries the agent needs: the interface a pod IP routes to, an
-//! interface's name and kind, the node's own addresses, and link events.
+//! interface's name and kind, the node's own addresses, an interface's tc
+//! filters, and link events.
+mod filters;
 mod request;
 mod watch;
 
@@ -13,6 +15,7 @@ use netlink_packet_route::{
     route::{RouteAddress, RouteAttribute, RouteFlags, RouteMessage},
 };
 
+pub use self::filters::{Filter, clsact_filters};
 use self::request::request;
 pub use self::watch::{LinkEvent, watch_addresses, watch_links};
 

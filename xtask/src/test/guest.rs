@@ -76,8 +76,8 @@ pub const SUITES: &[Suite] = &[
     },
     Suite {
         name: "kernel_netns",
-        // Below 6.6 the forced-netlink twins take the path their TCX-named
-        // tests already take on their own (the fallback).
+        // Below 6.6 the TCX-named tests ask for TCX and fall back to
+        // netlink filters, the default path their netlink twins take.
         args: &[
             "--skip",
             "netlink_attachments_enforce_and_outlive_the_loader",
@@ -86,8 +86,8 @@ pub const SUITES: &[Suite] = &[
         ],
         env: &[],
         subset: Some(
-            "all but the forced-netlink twins: without TCX their TCX-named tests \
-             take that path already",
+            "all but the netlink twins: without TCX their TCX-named tests \
+             take that path already, through the fallback",
         ),
         timeout: Duration::from_secs(600),
     },

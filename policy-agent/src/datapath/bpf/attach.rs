@@ -1,14 +1,17 @@
 //! Attaching the classifiers to a host-side interface, and undoing it.
 //!
-//! TCX (Linux >= 6.6): one link per hook, pinned under `links/` so it
-//! outlives the agent. Older kernels (or `--force-netlink`): a clsact qdisc
-//! and direct-action cls_bpf filters at a fixed priority and handle, which
-//! the kernel keeps after the agent exits; the agent records whether it
-//! created the qdisc so `reset` removes only what it added.
+//! Netlink (the default): a clsact qdisc and direct-action cls_bpf filters
+//! at a fixed priority and handle, which the kernel keeps after the agent
+//! exits; the agent records whether it created the qdisc so `reset`
+//! removes only what it added. Adding a filter waits for no RCU grace
+//! period, so it stays off the way of a CNI ADD (see ARCHITECTURE,
+//! "Attachment"). TCX (`--attach tcx`, Linux >= 6.6): one link per hook,
+//! first in the chain, pinned under `links/` so it outlives the agent.
+//! An interface keeps the kind it was attached with.
 use std::{error::Error as StdError, ffi::CStr};
 
 use aya::programs::{
-    LinkOrder, SchedClassifier,
+    LinkOrder, SchedClassifier, TcAttachType,
     links::{FdLink, PinnedLink},
     tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
 };
@@ -17,6 +20,8 @@ use policy_common::endpoint::{
     ATTACH_UPLINK_INGRESS,
 };
 use tracing::debug;
+
+use crate::netlink;
 
 use super::{
     Error, Hook, PinLayout,
@@ -58,9 +63,10 @@ pub enum AttachMode {
 }
 
 impl AttachMode {
-    /// TCX where the kernel has it (>= 6.6), unless netlink is forced.
-    pub fn detect(force_netlink: bool) -> Self {
-        if super::probe::kernel().tcx() && !force_netlink {
+    /// TCX when asked for and the kernel has it (>= 6.6); netlink
+    /// otherwise.
+    pub fn detect(tcx: bool) -> Self {
+        if tcx && super::probe::kernel().tcx() {
             Self::Tcx
         } else {
             Self::Netlink
@@ -114,6 +120,43 @@ fn os_error(e: &(dyn StdError + 'static)) -> Option<i32> {
     None
 }
 
+/// What runs before our classifier at one hook (see
+/// [`Attachment::ahead_of`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Ahead {
+    /// TCX programs, by id.
+    pub tcx: Vec<u32>,
+    /// clsact filters (netlink attachment only).
+    pub filters: Vec<netlink::Filter>,
+    /// The filters could not be listed: unknown, so not "none".
+    pub unknown: Option<String>,
+}
+
+impl Ahead {
+    pub fn is_empty(&self) -> bool {
+        self.tcx.is_empty() && self.filters.is_empty() && self.unknown.is_none()
+    }
+}
+
+impl std::fmt::Display for Ahead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut parts = Vec::new();
+        if !self.tcx.is_empty() {
+            parts.push(format!("TCX programs {:?}", self.tcx));
+        }
+        for filter in &self.filters {
+            parts.push(format!(
+                "tc filter pref {} handle {:#x} ({})",
+                filter.priority, filter.handle, filter.kind
+            ));
+        }
+        if let Some(e) = &self.unknown {
+            parts.push(format!("filters unknown ({e})"));
+        }
+        f.write_str(&parts.join(", "))
+    }
+}
+
 /// What the agent did to one interface.
 pub struct Attachment<'a> {
     layout: &'a PinLayout,
@@ -138,6 +181,19 @@ impl<'a> Attachment<'a> {
         move |e| attach_error(self.ifindex, hook, e)
     }
 
+    /// How this interface is attached: the kind recorded, or `mode` for
+    /// an interface with nothing attached yet (one interface never mixes
+    /// the two, and a restarted agent keeps what it finds).
+    pub fn kind(&self, mode: AttachMode) -> AttachMode {
+        if self.bits & ATTACH_TCX != 0 {
+            AttachMode::Tcx
+        } else if self.bits & ATTACH_NETLINK != 0 {
+            AttachMode::Netlink
+        } else {
+            mode
+        }
+    }
+
     /// Makes sure `prog` runs at `hook` of this interface.
     pub fn ensure(
         &mut self,
@@ -146,7 +202,7 @@ impl<'a> Attachment<'a> {
         mode: AttachMode,
     ) -> Result<(), Error> {
         let name = if_name(self.ifindex)?;
-        match mode {
+        match self.kind(mode) {
             AttachMode::Tcx => self.ensure_tcx(prog, hook, &name)?,
             AttachMode::Netlink => self.ensure_netlink(prog, hook, &name)?,
         }
@@ -243,26 +299,68 @@ impl<'a> Attachment<'a> {
         Ok(())
     }
 
-    /// Programs attached through TCX that run before ours at `hook`: they
-    /// can pass packets (`TC_ACT_OK`) before the classifier judges them.
-    /// Empty under netlink attachment (filters at lower priority numbers
-    /// would be the equivalent; `tc filter show` lists them).
-    pub fn ahead_of(&self, prog: &SchedClassifier, hook: Hook) -> Vec<u32> {
-        if self.bits & ATTACH_TCX == 0 {
-            return Vec::new();
+    /// What runs before ours at `hook` and could pass a packet
+    /// (`TC_ACT_OK`) before the classifier judges it. Under TCX: the
+    /// programs ahead of ours in the chain. Under netlink: every TCX
+    /// program (the kernel runs TCX before clsact), and the filters at a
+    /// lower priority number, or at ours with another handle.
+    pub fn ahead_of(&self, prog: &SchedClassifier, hook: Hook) -> Ahead {
+        let mut ahead = Ahead::default();
+        let Ok(name) = if_name(self.ifindex) else {
+            return ahead;
+        };
+        // An older kernel cannot be asked (and has no TCX): none.
+        let tcx: Vec<u32> = SchedClassifier::query_tcx(&name, tc_type(hook))
+            .map(|(_, progs)| progs.iter().map(aya::programs::ProgramInfo::id).collect())
+            .unwrap_or_default();
+        if self.bits & ATTACH_TCX != 0 {
+            let Ok(ours) = prog.info().map(|i| i.id()) else {
+                return ahead;
+            };
+            ahead.tcx = tcx.into_iter().take_while(|id| *id != ours).collect();
+        } else if self.bits & ATTACH_NETLINK != 0 {
+            ahead.tcx = tcx;
+            let (priority, handle) = netlink_slot(hook);
+            let handle = u32::from(handle);
+            match netlink::clsact_filters(self.ifindex, tc_type(hook) == TcAttachType::Egress) {
+                Ok(filters) => {
+                    ahead.filters = filters
+                        .into_iter()
+                        .filter(|f| {
+                            f.priority < priority || (f.priority == priority && f.handle != handle)
+                        })
+                        .collect();
+                }
+                Err(e) => ahead.unknown = Some(e.to_string()),
+            }
         }
-        let (Ok(name), Ok(info)) = (if_name(self.ifindex), prog.info()) else {
-            return Vec::new();
-        };
-        let ours = info.id();
-        let Ok((_, attached)) = SchedClassifier::query_tcx(&name, tc_type(hook)) else {
-            return Vec::new();
-        };
-        attached
-            .iter()
-            .map(aya::programs::ProgramInfo::id)
-            .take_while(|id| *id != ours)
-            .collect()
+        ahead
+    }
+
+    /// Moves a netlink-attached interface to TCX links, first in the
+    /// chain: for foreign TCX programs, which would otherwise run before
+    /// our filters. The links go on before the filters come off, so the
+    /// interface is never without the classifiers; the clsact qdisc stays
+    /// (with its ATTACH_CREATED_CLSACT record, for `reset`).
+    pub fn move_to_tcx(
+        &mut self,
+        programs: &mut super::Classifiers,
+        errors: &mut Vec<Error>,
+    ) -> Result<(), Error> {
+        if self.bits & ATTACH_NETLINK == 0 {
+            return Ok(());
+        }
+        let name = if_name(self.ifindex)?;
+        let hooks: Vec<Hook> = Hook::ALL
+            .into_iter()
+            .filter(|h| self.bits & hook_bit(*h) != 0)
+            .collect();
+        for hook in &hooks {
+            self.ensure_tcx(programs.get_mut(*hook), *hook, &name)?;
+        }
+        self.remove_filters(&name, &hooks, errors);
+        self.bits &= !ATTACH_NETLINK;
+        Ok(())
     }
 
     /// Points an existing attachment at `prog` (an upgraded program).
@@ -327,11 +425,16 @@ impl<'a> Attachment<'a> {
         let Ok(name) = if_name(self.ifindex) else {
             return; // Interface gone: its filters went with it.
         };
+        self.remove_filters(&name, hooks, errors);
+    }
+
+    /// Deletes our netlink filters at `hooks` (absent ones are fine).
+    fn remove_filters(&self, name: &str, hooks: &[Hook], errors: &mut Vec<Error>) {
         for hook in hooks {
             let (priority, handle) = netlink_slot(*hook);
             // Absent (never attached at this hook): nothing to do.
             let Ok(link) =
-                SchedClassifierLink::attached(&name, tc_type(*hook), priority, handle, None)
+                SchedClassifierLink::attached(name, tc_type(*hook), priority, handle, None)
             else {
                 continue;
             };

@@ -558,13 +558,31 @@ fn verify_attached(
             false
         }
     };
-    for (hook, ids) in dp.foreign_ahead(iface.ifindex) {
-        warn!(pod = %pod, interface = %iface.name, hook = hook.name(), programs = ?ids, "foreign programs run before the classifier");
+    let check = dp.check_order(iface.ifindex);
+    match check.moved {
+        Some(Ok(leftovers)) => {
+            warn!(pod = %pod, interface = %iface.name, "foreign TCX programs ran before the classifier's filters: moved to TCX links, first in the chain");
+            for e in leftovers {
+                warn!(pod = %pod, interface = %iface.name, error = %e, "filter left after the move to TCX");
+            }
+        }
+        Some(Err(e)) => report.problems.push(Problem::object(
+            ObjectKind::Pod,
+            pod.clone(),
+            format!(
+                "moving {} to TCX, ahead of foreign programs: {e}",
+                iface.name
+            ),
+        )),
+        None => {}
+    }
+    for (hook, what) in check.ahead {
+        warn!(pod = %pod, interface = %iface.name, hook = hook.name(), ahead = %what, "foreign programs run before the classifier");
         report.problems.push(Problem::object(
             ObjectKind::Pod,
             pod.clone(),
             format!(
-                "programs {ids:?} run before the classifier at {} {}: they can pass packets unjudged",
+                "{what} run before the classifier at {} {}: they can pass packets unjudged",
                 iface.name,
                 hook.name()
             ),

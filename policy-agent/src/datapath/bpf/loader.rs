@@ -9,17 +9,28 @@ use tracing::{debug, info};
 
 use super::{
     BpfMaps, Error, Hook, PinLayout,
-    attach::{AttachMode, Attachment, attach_error},
+    attach::{Ahead, AttachMode, Attachment, attach_error},
     object::{OBJECT, object_hash},
     pins::remove_pin,
     sys::{current_netns, tcx_attach_and_pin},
 };
 
+/// What [`BpfDatapath::check_order`] found and did.
+#[derive(Debug)]
+pub struct OrderCheck {
+    /// Set when foreign TCX programs made the interface move from netlink
+    /// filters to TCX links: filters left behind, or why it failed.
+    pub moved: Option<Result<Vec<Error>, Error>>,
+    /// What still runs before the classifiers, by hook.
+    pub ahead: Vec<(Hook, Ahead)>,
+}
+
 /// Knobs for opening the datapath.
 #[derive(Clone, Debug, Default)]
 pub struct LoadOptions {
-    /// Attach with netlink clsact filters even where TCX exists.
-    pub force_netlink: bool,
+    /// Attach through TCX links where the kernel has them, instead of
+    /// netlink clsact filters.
+    pub tcx: bool,
     /// Map capacity overrides (map name → entries), applied when a map is
     /// first created.
     pub capacities: Vec<(&'static str, u32)>,
@@ -127,7 +138,7 @@ impl BpfDatapath {
                 source: Box::new(e),
             })?;
         let mut maps = BpfMaps::from_ebpf(&mut ebpf, Some(layout))?;
-        let mode = AttachMode::detect(opts.force_netlink);
+        let mode = AttachMode::detect(opts.tcx);
 
         let hash = object_hash();
         let mut config = maps.config()?;
@@ -301,15 +312,59 @@ impl BpfDatapath {
         out
     }
 
-    /// Foreign programs running before ours on `ifindex`, by hook.
-    pub fn foreign_ahead(&mut self, ifindex: u32) -> Vec<(Hook, Vec<u32>)> {
+    /// What runs before the pod classifiers on `ifindex`, by hook (only
+    /// hooks where something does).
+    pub fn foreign_ahead(&mut self, ifindex: u32) -> Vec<(Hook, Ahead)> {
         let known = self.maps.meta(ifindex).map(|m| m.attach).unwrap_or(0);
         let attachment = Attachment::new(&self.layout, ifindex, known);
         Hook::BOTH
             .iter()
             .map(|h| (*h, attachment.ahead_of(self.programs.get_mut(*h), *h)))
-            .filter(|(_, ids)| !ids.is_empty())
+            .filter(|(_, ahead)| !ahead.is_empty())
             .collect()
+    }
+
+    /// How `ifindex` is attached (or would be, with nothing on it yet).
+    pub fn kind_of(&self, ifindex: u32) -> AttachMode {
+        let known = self.maps.meta(ifindex).map(|m| m.attach).unwrap_or(0);
+        Attachment::new(&self.layout, ifindex, known).kind(self.mode)
+    }
+
+    /// Moves a netlink-attached `ifindex` to TCX links, first in the
+    /// chain, ahead of foreign TCX programs (see
+    /// [`Attachment::move_to_tcx`]). Filters left behind are errors to
+    /// report; the classifiers run either way.
+    pub fn move_to_tcx(&mut self, ifindex: u32) -> Result<Vec<Error>, Error> {
+        let meta = self.maps.meta(ifindex);
+        let known = meta.as_ref().map_or(0, |m| m.attach);
+        let mut attachment = Attachment::new(&self.layout, ifindex, known);
+        let mut errors = Vec::new();
+        let moved = attachment.move_to_tcx(&mut self.programs, &mut errors);
+        let name = meta
+            .as_ref()
+            .map(endpoint_meta_name)
+            .unwrap_or_else(|| uplink_label(ifindex));
+        // Recorded even after a failure half way, so `reset` undoes both.
+        self.maps
+            .set_meta(ifindex, &endpoint_meta(&name, attachment.bits))?;
+        moved.map(|()| errors)
+    }
+
+    /// Makes sure nothing foreign runs before the pod classifiers of
+    /// `ifindex` where the agent can help it: foreign TCX programs run
+    /// before every clsact filter, so a netlink-attached interface that
+    /// has any moves to TCX links, first in the chain. What still runs
+    /// ahead afterwards (a filter at a lower priority number, a program
+    /// that took the first TCX slot later) is the caller's to report.
+    pub fn check_order(&mut self, ifindex: u32) -> OrderCheck {
+        let mut ahead = self.foreign_ahead(ifindex);
+        let tcx_ahead = ahead.iter().any(|(_, a)| !a.tcx.is_empty());
+        let mut moved = None;
+        if tcx_ahead && self.kind_of(ifindex) == AttachMode::Netlink {
+            moved = Some(self.move_to_tcx(ifindex));
+            ahead = self.foreign_ahead(ifindex);
+        }
+        OrderCheck { moved, ahead }
     }
 
     /// Removes the pod classifiers of `ifindex` (and its record, unless

@@ -21,12 +21,15 @@ mod uplinks;
 mod verifier;
 
 pub use self::{
-    attach::{AttachMode, Attachment, NETLINK_HANDLE, NETLINK_PRIORITY, if_name},
+    attach::{Ahead, AttachMode, Attachment, NETLINK_HANDLE, NETLINK_PRIORITY, if_name},
     driver::BpfDriver,
     error::Error,
     events::{DropEventReader, DropRecord},
     kernel_log::{KernelLog, follow_kernel_log},
-    loader::{BpfDatapath, Classifiers, LoadOptions, Unpinned, endpoint_meta, endpoint_meta_name},
+    loader::{
+        BpfDatapath, Classifiers, LoadOptions, OrderCheck, Unpinned, endpoint_meta,
+        endpoint_meta_name,
+    },
     maps::BpfMaps,
     object::{OBJECT, object_hash},
     pins::{DEFAULT_PIN_ROOT, Hook, PinLayout},
