@@ -34,6 +34,22 @@ fn read(root: &Path, name: &str) -> Option<Value> {
     serde_json::from_str(&text).ok()
 }
 
+/// A benchmark's results as last recorded in docs/benchmarks.json (with
+/// the load they were measured at).
+fn recorded(root: &Path, name: &str) -> Option<Value> {
+    let text = std::fs::read_to_string(root.join("docs/benchmarks.json")).ok()?;
+    let all: Value = serde_json::from_str(&text).ok()?;
+    all.get(name).cloned()
+}
+
+/// The load line of one section of the shared block: sections come from
+/// different runs.
+fn section_load(out: &mut String, v: &Value) {
+    if let Some(load) = v["load"].as_str() {
+        let _ = writeln!(out, "Run at {load}.\n");
+    }
+}
+
 fn f(v: &Value, key: &str) -> f64 {
     v[key].as_f64().unwrap_or(f64::NAN)
 }
@@ -67,6 +83,7 @@ pub fn render(datapath: Option<&Value>, system: Option<&Value>, control: Option<
     let _ = writeln!(out, "{BEGIN}\n\nMachine: {}.\n", machine());
     if let Some(d) = datapath {
         let _ = writeln!(out, "### Datapath: per-packet cost (BPF_PROG_TEST_RUN)\n");
+        section_load(&mut out, d);
         let _ = writeln!(
             out,
             "{} ipcache entries loaded; mean of {} runs per call, median of {} rounds. Floors loaded and measured the same way, in every round: an empty classifier **{:.0} ns**, one that parses the same headers and does one hash lookup **{:.0} ns** (medians over all rounds). The ratios are medians of per-round ratios against the one-lookup floor of the same round, which cancels the drift of a shared machine; \"vs 10\" compares those floor-relative costs.\n",
@@ -109,6 +126,7 @@ pub fn render(datapath: Option<&Value>, system: Option<&Value>, control: Option<
             out,
             "### Throughput and first-packet latency (simulated node, real traffic)\n"
         );
+        section_load(&mut out, s);
         let _ = writeln!(
             out,
             "Two pods behind routed veths (and a third the server's policy refuses); 10,000 remote pods in the ipcache; the server pod isolated, the client allowed. New connections: {} sequential connects, each reading the server's greeting, after {} unmeasured ones; iperf3 TCP for {} s. In each of {} rounds every configuration is applied and measured right after a baseline with nothing installed (same warm-up), the policy checked in force before and after; \"vs none\" is the median of the per-round ratios, the other figures medians over rounds ({} iperf3 runs per configuration, {} with nothing installed).\n",
@@ -191,6 +209,7 @@ pub fn render(datapath: Option<&Value>, system: Option<&Value>, control: Option<
     }
     if let Some(c) = control {
         let _ = writeln!(out, "### Control plane (`run` mode)\n");
+        section_load(&mut out, c);
         let _ = writeln!(
             out,
             "{} pods, {} policies, {} namespaces ({} pods local, the rest fill the ipcache); a manifest rewritten (temporary file and rename) until the pinned maps hold the change, {} samples of each change (nearest-rank percentiles; {} samples leave two above the p99).\n",
@@ -549,12 +568,25 @@ pub fn run(root: &Path, only: &[String], execute: bool) -> anyhow::Result<()> {
         .iter()
         .any(|b| ran(b))
     {
+        // One block, three benchmarks: those not run now keep their
+        // recorded results (and say when they ran); those run now carry
+        // this run's load.
+        let section = |name: &str| {
+            if !ran(name) {
+                return recorded(root, name);
+            }
+            let mut v = read(root, name)?;
+            if let Value::Object(o) = &mut v {
+                o.insert("load".into(), Value::String(load.clone()));
+            }
+            Some(v)
+        };
         let (d, s, c) = (
-            read(root, "datapath"),
-            read(root, "system"),
-            read(root, "control_plane"),
+            section("datapath"),
+            section("system"),
+            section("control_plane"),
         );
-        let block = stamped(render(d.as_ref(), s.as_ref(), c.as_ref()));
+        let block = render(d.as_ref(), s.as_ref(), c.as_ref());
         updated = replace_block(&updated, BEGIN, END, &block).unwrap_or_else(|| {
             format!(
                 "{}\n## Datapath, throughput and control plane\n\n{block}",

@@ -128,7 +128,7 @@ pub struct Ahead {
     pub tcx: Vec<u32>,
     /// clsact filters (netlink attachment only).
     pub filters: Vec<netlink::Filter>,
-    /// The filters could not be listed: unknown, so not "none".
+    /// What could not be listed (so not "none"), and why.
     pub unknown: Option<String>,
 }
 
@@ -151,7 +151,7 @@ impl std::fmt::Display for Ahead {
             ));
         }
         if let Some(e) = &self.unknown {
-            parts.push(format!("filters unknown ({e})"));
+            parts.push(e.clone());
         }
         f.write_str(&parts.join(", "))
     }
@@ -309,10 +309,15 @@ impl<'a> Attachment<'a> {
         let Ok(name) = if_name(self.ifindex) else {
             return ahead;
         };
-        // An older kernel cannot be asked (and has no TCX): none.
-        let tcx: Vec<u32> = SchedClassifier::query_tcx(&name, tc_type(hook))
-            .map(|(_, progs)| progs.iter().map(aya::programs::ProgramInfo::id).collect())
-            .unwrap_or_default();
+        let tcx: Vec<u32> = match SchedClassifier::query_tcx(&name, tc_type(hook)) {
+            Ok((_, progs)) => progs.iter().map(aya::programs::ProgramInfo::id).collect(),
+            // An older kernel cannot be asked, and has no TCX: none.
+            Err(_) if !super::probe::kernel().tcx() => Vec::new(),
+            Err(e) => {
+                ahead.unknown = Some(format!("TCX programs unknown: {e}"));
+                Vec::new()
+            }
+        };
         if self.bits & ATTACH_TCX != 0 {
             let Ok(ours) = prog.info().map(|i| i.id()) else {
                 return ahead;
@@ -331,7 +336,7 @@ impl<'a> Attachment<'a> {
                         })
                         .collect();
                 }
-                Err(e) => ahead.unknown = Some(e.to_string()),
+                Err(e) => ahead.unknown = Some(format!("filters unknown: {e}")),
             }
         }
         ahead
