@@ -1,6 +1,7 @@
 //! rtnetlink queries the agent needs: the interface a pod IP routes to, an
 //! interface's name and kind, the node's own addresses, an interface's tc
-//! filters, and link events.
+//! filters, conntrack marks, and link events.
+pub mod conntrack;
 mod filters;
 mod request;
 mod watch;

@@ -20,7 +20,12 @@ use super::{
         is_own_chain, is_own_set,
     },
 };
-use crate::{cluster::PodRef, exec, mapstate::fnv1a64};
+use crate::{
+    cluster::PodRef,
+    exec,
+    mapstate::fnv1a64,
+    netlink::conntrack::{self, FlowSide, MarkReport},
+};
 
 /// Which iptables binaries to drive.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -132,40 +137,31 @@ impl ApplyReport {
 }
 
 /// A conntrack revocation: which side of a flow the address is on.
-type Flush = (&'static str, IpAddr);
+type Flush = (FlowSide, IpAddr);
 
-/// Revokes the conntrack entries with `ip` as `side` (`-s`, `-d`, or
-/// `--reply-src` for a backend behind DNAT): sets the agent's connmark
-/// bit (`mark`) on them, the other bits kept. A revoked flow's replies
-/// wait and its next original-direction packet is judged again (see the
-/// FORWARD rules). Deleting the entries instead let the kernel pick the
-/// flow up again in the name of whichever side spoke first — the pod
-/// whose ingress had just closed, answering, made it its own flow and the
-/// peer rode it back in. conntrack exits 1 with "0 flow entries have been
-/// updated" when nothing matched: that is success.
+/// Revokes the conntrack entries of `flushes` (an address as the flow's
+/// original source, original destination, or reply source for a backend
+/// behind DNAT): sets the agent's connmark bit (`mark`) on them, the
+/// other bits kept. A revoked flow's replies wait and its next
+/// original-direction packet is judged again (see the FORWARD rules).
+/// Deleting the entries instead let the kernel pick the flow up again in
+/// the name of whichever side spoke first — the pod whose ingress had
+/// just closed, answering, made it its own flow and the peer rode it back
+/// in.
 ///
-/// conntrack-tools dumps the matching entries and updates them one by
-/// one while traffic goes on; an entry that changes or vanishes between
-/// the two steps makes it stop with an error ("Protocol error" seen in
-/// CI) before the rest are marked. Setting the bit is idempotent, so the
-/// whole command is tried again a few times before the failure is
-/// reported (and kept for the next apply to retry).
-fn revoke_conntrack(side: &str, ip: IpAddr, mark: u32) -> Result<(), Error> {
+/// Over ctnetlink, one dump for all of them (see `netlink::conntrack`:
+/// `conntrack -U` failed once a few hundred entries matched). A failure
+/// is tried again a few times before it is reported (and kept for the
+/// next apply to retry): setting the bit is idempotent.
+fn revoke_conntrack(flushes: &[Flush], mark: u32) -> Result<MarkReport, Error> {
     const ATTEMPTS: u32 = 4;
-    let bit = format!("0x{mark:x}/0x{mark:x}");
-    let address = ip.to_string();
     let mut attempt = 1;
     loop {
-        match exec::run("conntrack", &["-U", side, &address, "--mark", &bit]) {
-            Ok(_) => return Ok(()),
-            Err(exec::CommandError::Failed {
-                code: Some(1),
-                stderr,
-                ..
-            }) if stderr.contains("0 flow entries have been updated") => return Ok(()),
+        match conntrack::mark_flows(flushes, mark) {
+            Ok(report) => return Ok(report),
             Err(e) if attempt >= ATTEMPTS => return Err(e.into()),
             Err(e) => {
-                debug!(%ip, side, attempt, error = %e, "conntrack revocation failed; trying again");
+                debug!(attempt, error = %e, "conntrack revocation failed; trying again");
                 std::thread::sleep(std::time::Duration::from_millis(10 * u64::from(attempt)));
                 attempt += 1;
             }
@@ -394,14 +390,14 @@ impl Executor {
             }
             // Ingress: flows to the pod, directly (`-d`) or through a
             // Service's DNAT, where the pod answers (`--reply-src`).
-            let sides: &[&'static str] = if *dir == policy_common::direction::INGRESS {
-                &["-d", "--reply-src"]
+            let sides: &[FlowSide] = if *dir == policy_common::direction::INGRESS {
+                &[FlowSide::OrigDst, FlowSide::ReplySrc]
             } else {
-                &["-s"]
+                &[FlowSide::OrigSrc]
             };
             for ip in ips {
                 for side in sides {
-                    flushes.insert((side, *ip), pod.clone());
+                    flushes.insert((*side, *ip), pod.clone());
                 }
             }
         }
@@ -410,10 +406,21 @@ impl Executor {
         } else {
             desired.mark
         };
-        for ((side, ip), pod) in flushes {
-            match revoke_conntrack(side, ip, mark) {
-                Ok(()) => report.conntrack_flushed.push(ip),
-                Err(e) => {
+        if flushes.is_empty() {
+            return Ok(report);
+        }
+        let targets: Vec<Flush> = flushes.keys().copied().collect();
+        match revoke_conntrack(&targets, mark) {
+            Ok(done) => {
+                for ((side, ip), n) in &done.marked {
+                    debug!(%ip, ?side, flows = n, "conntrack entries marked for re-judgement");
+                    if !report.conntrack_flushed.contains(ip) {
+                        report.conntrack_flushed.push(*ip);
+                    }
+                }
+            }
+            Err(e) => {
+                for ((side, ip), pod) in flushes {
                     warn!(pod = %pod, %ip, error = %e, "cannot revoke conntrack entries; established flows keep their verdict until the retry");
                     report
                         .conntrack_failed

@@ -5,6 +5,9 @@ use crate::exec::CommandError;
 pub enum Error {
     #[error("iptables datapath: {0}")]
     Command(#[from] CommandError),
+    /// Marking established flows for re-judgement (ctnetlink).
+    #[error("iptables datapath: conntrack: {0}")]
+    Conntrack(#[from] crate::netlink::Error),
 }
 
 impl Error {
@@ -12,6 +15,7 @@ impl Error {
         match self {
             Self::Command(CommandError::Missing { .. }) => "setup",
             Self::Command(_) => "iptables",
+            Self::Conntrack(_) => "conntrack",
         }
     }
 }
