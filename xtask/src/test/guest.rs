@@ -101,6 +101,15 @@ pub const SUITES: &[Suite] = &[
         timeout: Duration::from_secs(600),
     },
     Suite {
+        name: "iptables",
+        // Conntrack marks set over ctnetlink, with the bit as its own mask
+        // (the kernel must keep the other bits).
+        args: &["revocation_marks_every_flow"],
+        env: &[],
+        subset: Some("the conntrack revocation of a busy pod (ctnetlink marks)"),
+        timeout: Duration::from_secs(600),
+    },
+    Suite {
         name: "full_maps",
         args: &[],
         env: &[],
@@ -140,12 +149,14 @@ pub const SUITES: &[Suite] = &[
         args: &[
             "bpf::run_mode_attaches_a_pod_whose_interface_and_route_appear_later",
             "bpf::established_connections_are_cut_when_a_policy_denies_them",
+            "iptables::established_connections_are_cut_when_a_policy_denies_them",
         ],
         env: &[],
         subset: Some(
-            "only two BPF-datapath tests (the daemon attaching a late pod, established \
-             connections cut); the other 16 and the iptables half run on the host only \
-             (the whole suite takes ~23 min per datapath in the TCG guest)",
+            "only three tests (BPF: the daemon attaching a late pod; both datapaths: \
+             established connections cut, on iptables through ctnetlink marks); the \
+             rest run on the host only (the whole suite takes ~23 min per datapath in \
+             the TCG guest)",
         ),
         timeout: Duration::from_secs(1800),
     },
