@@ -72,6 +72,20 @@ impl Drop for Cleanup {
     }
 }
 
+/// A simulated node of `prefix` with its servers and a pin directory,
+/// all removed when the guard drops.
+fn fixture(prefix: &'static str) -> (PinLayout, Cleanup, SimNode, Servers) {
+    let layout = PinLayout::new(format!("/sys/fs/bpf/policy-agent-test-{prefix}"));
+    let cleanup = Cleanup {
+        prefix,
+        layout: layout.clone(),
+    };
+    cleanup_prefix(prefix);
+    let node = SimNode::create(prefix, &pods()).unwrap();
+    let servers = Servers::start(&node).unwrap();
+    (layout, cleanup, node, servers)
+}
+
 /// "a" isolated for ingress, reachable only from "b" on TCP 80.
 fn desired(node: &SimNode) -> (MapState<u32>, Vec<(u32, String)>) {
     let ids = [A, B, C];
@@ -232,14 +246,7 @@ fn assert_matrix(
 }
 
 fn scenario(prefix: &'static str, tcx: bool) {
-    let layout = PinLayout::new(format!("/sys/fs/bpf/policy-agent-test-{prefix}"));
-    let _cleanup = Cleanup {
-        prefix,
-        layout: layout.clone(),
-    };
-    cleanup_prefix(prefix);
-    let node = SimNode::create(prefix, &pods()).unwrap();
-    let servers = Servers::start(&node).unwrap();
+    let (layout, _cleanup, node, servers) = fixture(prefix);
 
     let open = |_: &str, _: &str, _: u16, _: Transport| true;
     assert_matrix(&node, &servers, "before", open);
@@ -393,14 +400,7 @@ fn the_classifier_runs_before_foreign_tcx_programs() {
         return;
     }
     let prefix = "e2efrn";
-    let layout = PinLayout::new(format!("/sys/fs/bpf/policy-agent-test-{prefix}"));
-    let _cleanup = Cleanup {
-        prefix,
-        layout: layout.clone(),
-    };
-    cleanup_prefix(prefix);
-    let node = SimNode::create(prefix, &pods()).unwrap();
-    let servers = Servers::start(&node).unwrap();
+    let (layout, _cleanup, node, servers) = fixture(prefix);
     let ifaces: Vec<String> = node.pods.iter().map(|p| p.host_if.clone()).collect();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
     let (step_tx, step_rx) = std::sync::mpsc::channel::<bool>();
@@ -462,14 +462,7 @@ fn foreign_tcx_programs_make_netlink_filters_move_to_tcx() {
         return;
     }
     let prefix = "e2efmv";
-    let layout = PinLayout::new(format!("/sys/fs/bpf/policy-agent-test-{prefix}"));
-    let _cleanup = Cleanup {
-        prefix,
-        layout: layout.clone(),
-    };
-    cleanup_prefix(prefix);
-    let node = SimNode::create(prefix, &pods()).unwrap();
-    let servers = Servers::start(&node).unwrap();
+    let (layout, _cleanup, node, servers) = fixture(prefix);
     let ifaces: Vec<String> = node.pods.iter().map(|p| p.host_if.clone()).collect();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
     let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
@@ -564,14 +557,7 @@ fn foreign_filters_after_ours(prefix: &'static str, tcx: bool) {
         TcAttachType,
         tc::{self, NlOptions, TcAttachOptions, TcHandle},
     };
-    let layout = PinLayout::new(format!("/sys/fs/bpf/policy-agent-test-{prefix}"));
-    let _cleanup = Cleanup {
-        prefix,
-        layout: layout.clone(),
-    };
-    cleanup_prefix(prefix);
-    let node = SimNode::create(prefix, &pods()).unwrap();
-    let servers = Servers::start(&node).unwrap();
+    let (layout, _cleanup, node, servers) = fixture(prefix);
     let ifaces: Vec<String> = node.pods.iter().map(|p| p.host_if.clone()).collect();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
     let (step_tx, step_rx) = std::sync::mpsc::channel::<bool>();
