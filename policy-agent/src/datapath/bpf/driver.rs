@@ -558,6 +558,16 @@ fn verify_attached(
             false
         }
     };
+    check_order(dp, pod, iface, report);
+    attached
+}
+
+/// Runs the order check on a pod's interface (see
+/// [`BpfDatapath::check_order`]) and reports what it found: on every
+/// full pass, and right after a new pod's attach (a foreign TCX program
+/// already on the veth would run ahead of the netlink filters until the
+/// next full pass, minutes later).
+fn check_order(dp: &mut BpfDatapath, pod: &PodRef, iface: &Interface, report: &mut SyncReport) {
     let check = dp.check_order(iface.ifindex);
     match check.moved {
         Some(Ok(leftovers)) => {
@@ -588,7 +598,6 @@ fn verify_attached(
             ),
         ));
     }
-    attached
 }
 
 /// New interfaces, attached together (in parallel with TCX). Returns
@@ -615,6 +624,7 @@ fn attach_fresh(
                 info!(pod = %pod, interface = %iface.name, "attached");
                 report.attached.push(iface.name.clone());
                 done.insert(ifindex);
+                check_order(dp, pod, iface, report);
             }
             Err(e) => {
                 report
