@@ -23,7 +23,7 @@ use policy_agent::{
     sim::cni::{CniError, CniRuntime, Sandbox},
 };
 use policy_cni::protocol::code;
-use policy_common::endpoint::{ATTACH_NETLINK, ATTACH_POD, ATTACH_STANDBY};
+use policy_common::endpoint::{ATTACH_NETLINK, ATTACH_POD, ATTACH_STANDBY, ATTACH_TCX};
 use serde_json::{Value, json};
 use support::{fake_apiserver::FakeApi, services::eventually};
 
@@ -542,4 +542,94 @@ fn standby(prefix: &'static str, extra: &[&str]) {
     );
     assert!(name.ends_with("/victim"), "recorded as the pod: {name}");
     rt.del(&mut victim).unwrap();
+}
+
+/// A foreign TCX program already on a new pod's veth when our ADD comes
+/// (kernels with TCX): the kernel runs it before the default netlink
+/// filters, and this one passes everything. The order check right after
+/// the hand-off's attach moves the veth to TCX links, first in the chain,
+/// before ADD returns: the foe reaches nothing, the friend gets through,
+/// with the foreign program still attached.
+#[test]
+fn a_foreign_tcx_program_on_a_new_veth_is_overtaken_before_add_returns() {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let mut parts = release.trim().split(['.', '-']);
+    let version: (u32, u32) = (
+        parts.next().unwrap().parse().unwrap(),
+        parts.next().unwrap().parse().unwrap(),
+    );
+    if version < (6, 6) {
+        eprintln!("no TCX on {}: no TCX program can run ahead", release.trim());
+        return;
+    }
+    let mut w = World::new("cniftx", Mode::Manifests, friend_foe_victim(), &[]);
+    let rt = w.node.runtime(10.0);
+    let (friend, friend_ip) = w.pod(&rt, "friend");
+    let (foe, foe_ip) = w.pod(&rt, "foe");
+    let mut victim = w.node.sandbox(&rt, "victim");
+    let rx = Receiver::start(&victim.netns, PORT);
+    // The chain as a runtime runs it, but stopping before our plugin.
+    let list = rt.list().clone();
+    let plugins = list["plugins"].as_array().unwrap().clone();
+    let (ours, main) = plugins.split_last().unwrap();
+    assert_eq!(ours["type"], "policy-cni");
+    let mut prev: Option<Value> = None;
+    for plugin in main {
+        let inv = rt
+            .invoke("ADD", &victim, &rt.derive(&list, plugin, prev.as_ref()))
+            .unwrap();
+        assert_eq!(inv.status, Some(0), "{}: {}", inv.plugin, inv.stderr);
+        prev = Some(serde_json::from_str(inv.stdout.trim()).unwrap());
+    }
+    let host = prev.as_ref().unwrap()["interfaces"][0]["name"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let veth = host.clone();
+    // Attached as long as this thread waits.
+    let foreign = w
+        .node
+        .fx
+        .node
+        .node
+        .spawn(move || {
+            use aya::programs::{LinkOrder, TcAttachType, tc::TcAttachOptions};
+            let mut dp = policy_agent::datapath::bpf::Unpinned::load().unwrap();
+            let prog = dp.extra_program("foreign_pass").unwrap();
+            for t in [TcAttachType::Ingress, TcAttachType::Egress] {
+                prog.attach_with_options(&veth, t, TcAttachOptions::TcxOrder(LinkOrder::first()))
+                    .unwrap();
+            }
+            ready_tx.send(()).unwrap();
+            let _ = done_rx.recv();
+        })
+        .unwrap();
+    ready_rx.recv().unwrap();
+    let inv = rt
+        .invoke("ADD", &victim, &rt.derive(&list, ours, prev.as_ref()))
+        .unwrap();
+    assert_eq!(inv.status, Some(0), "ours: {} {}", inv.stdout, inv.stderr);
+    let result: Value = serde_json::from_str(inv.stdout.trim()).unwrap();
+    victim.result = Some(result.clone());
+    let victim_ip = ipv4(&result);
+    let (attached, meta) = pod_hooks(&w, ifindex(&w, &host), &host);
+    let (bits, _) = meta.expect("the victim's veth has a record");
+    assert!(
+        attached && bits & ATTACH_TCX != 0 && bits & ATTACH_NETLINK == 0,
+        "moved to TCX links ({bits:#x})"
+    );
+    assert_enforced_now(
+        &victim,
+        victim_ip,
+        &rx,
+        (&friend, friend_ip),
+        (&foe, foe_ip),
+    );
+    drop(done_tx);
+    foreign.join().unwrap().unwrap();
+    for mut sb in [victim, foe, friend] {
+        rt.del(&mut sb).unwrap();
+    }
 }
