@@ -1,7 +1,7 @@
 //! The iptables fallback against an attacker and a hostile node, with
 //! real traffic on a simulated node (needs root; run under the kernel-test
-//! lock): a failing `conntrack -D` is reported and retried instead of
-//! being taken for done; an upgrade removes the objects of the earlier
+//! lock): a failing conntrack revocation is reported and retried instead
+//! of being taken for done; an upgrade removes the objects of the earlier
 //! naming but never a foreign `PA…` one.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -12,55 +12,42 @@ use std::{
     time::{Duration, Instant},
 };
 
-use policy_agent::sim::{Outcome, connect, echo};
+use policy_agent::{
+    netlink::conntrack::FAULT_ENV,
+    sim::{Outcome, connect, echo},
+};
 use support::conformance::{AGENT, Backend, Conformance, socket};
 
-/// A stand-in `conntrack` that fails (exit 1, not the "0 flow entries"
-/// message) while a flag file exists and runs the real one otherwise.
+/// A flag file: revocations fail while it exists.
 struct FakeConntrack {
     dir: PathBuf,
 }
 
+/// The agent's fault hook (`netlink::conntrack::FAULT_ENV`): a real
+/// ctnetlink failure cannot be produced on demand.
 impl FakeConntrack {
     fn new(name: &str) -> Self {
         let dir = std::env::temp_dir().join(format!("policy-agent-fake-conntrack-{name}"));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let real = [
-            "/usr/sbin/conntrack",
-            "/sbin/conntrack",
-            "/usr/bin/conntrack",
-        ]
-        .into_iter()
-        .find(|p| std::path::Path::new(p).exists())
-        .expect("conntrack is installed");
-        let script = format!(
-            "#!/bin/sh\nif [ -e '{flag}' ]; then\n  echo 'conntrack v1.4.7 (conntrack-tools): Operation failed: invalid parameters' >&2\n  exit 1\nfi\nexec {real} \"$@\"\n",
-            flag = dir.join("fail").display()
-        );
-        let path = dir.join("conntrack");
-        std::fs::write(&path, script).unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
         Self { dir }
     }
 
+    fn flag(&self) -> PathBuf {
+        self.dir.join("fail")
+    }
+
     fn fail(&self, on: bool) {
-        let flag = self.dir.join("fail");
         if on {
-            std::fs::write(flag, "").unwrap();
+            std::fs::write(self.flag(), "").unwrap();
         } else {
-            let _ = std::fs::remove_file(flag);
+            let _ = std::fs::remove_file(self.flag());
         }
     }
 
-    /// PATH with the stand-in first.
-    fn path(&self) -> String {
-        format!(
-            "{}:{}",
-            self.dir.display(),
-            std::env::var("PATH").unwrap_or_default()
-        )
+    /// The environment that points the agent at the flag.
+    fn env(&self) -> (&'static str, String) {
+        (FAULT_ENV, self.flag().display().to_string())
     }
 }
 
@@ -76,9 +63,9 @@ const DENY_DB: &str = "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nme
 fn a_failing_conntrack_delete_is_reported_and_retried() {
     let fake = FakeConntrack::new("run");
     let mut c = Conformance::new("ictrack", Backend::Iptables);
-    let path = fake.path();
+    let (key, flag) = fake.env();
     let dir = c.dir.to_str().unwrap().to_owned();
-    c.start_daemon_with(19420, &["--manifests", &dir], &[("PATH", &path)]);
+    c.start_daemon_with(19420, &["--manifests", &dir], &[(key, &flag)]);
     let client = &c.node().pod("beta/web").unwrap().netns;
     let mut flow = connect(client, socket("10.244.1.12", 80), Duration::from_secs(2)).unwrap();
     assert_eq!(
@@ -141,7 +128,7 @@ fn apply_fails_when_conntrack_cannot_delete() {
         .args(["apply", "--manifests", c.dir.to_str().unwrap()])
         .args(["--node", "node-1", "--datapath", "iptables"])
         .args(["--pin-dir", c.layout.root().to_str().unwrap()])
-        .env("PATH", fake.path())
+        .env(fake.env().0, fake.env().1)
         .output()
         .unwrap();
     let text = format!(

@@ -78,6 +78,23 @@ impl Entry {
     }
 }
 
+/// Fault injection for the tests of what a failed revocation does (a
+/// real failure cannot be produced on demand): while the file this names
+/// exists, every revocation fails.
+pub const FAULT_ENV: &str = "POLICY_AGENT_TEST_FAIL_CONNTRACK_WHILE";
+
+fn injected_fault() -> Option<Error> {
+    let flag = std::env::var_os(FAULT_ENV)?;
+    std::path::Path::new(&flag)
+        .exists()
+        .then(|| Error::Request {
+            what: "conntrack dump",
+            source: std::io::Error::other(format!(
+                "fault injected ({FAULT_ENV} names an existing file)"
+            )),
+        })
+}
+
 /// Sets `bit` in the connmark of every conntrack entry of the calling
 /// thread's network namespace that matches one of `targets`.
 pub fn mark_flows(targets: &[(FlowSide, IpAddr)], bit: u32) -> Result<MarkReport, Error> {
@@ -87,6 +104,9 @@ pub fn mark_flows(targets: &[(FlowSide, IpAddr)], bit: u32) -> Result<MarkReport
     };
     if targets.is_empty() {
         return Ok(report);
+    }
+    if let Some(fault) = injected_fault() {
+        return Err(fault);
     }
     let socket = open()?;
     // A dump the kernel marks interrupted (the table changed under it)
