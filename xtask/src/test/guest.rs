@@ -502,7 +502,7 @@ mod tests {
         );
         assert!(t.contains("guest total: 308 s"), "{t}");
         assert!(
-            t.contains("in the guest, conformance: only two BPF-datapath tests"),
+            t.contains("in the guest, conformance: only three tests"),
             "{t}"
         );
     }
