@@ -20,7 +20,7 @@ use policy_agent::{
 };
 use policy_common::{
     direction::INGRESS,
-    endpoint::{ENDPOINT_INGRESS_ISOLATED, EndpointInfo},
+    endpoint::{ATTACH_TCX, ENDPOINT_INGRESS_ISOLATED, EndpointInfo},
     identity::{NODE, WORLD},
     ipcache::IpcacheEntry,
     policy::{PolicyEntry, PolicyKey},
@@ -94,10 +94,7 @@ fn desired(node: &SimNode) -> (MapState<u32>, Vec<(u32, String)>) {
     let ifindexes: Vec<u32> = node
         .pods
         .iter()
-        .map(|p| {
-            let out = node.node.ip(&["-o", "link", "show", &p.host_if]).unwrap();
-            out.split(':').next().unwrap().trim().parse().unwrap()
-        })
+        .map(|p| ifindex_of(node, &p.host_if))
         .collect();
     for (i, p) in node.pods.iter().enumerate() {
         let flags = if p.pod.name == "a" {
@@ -353,6 +350,11 @@ fn the_kernel_offers_what_the_classifier_needs() {
     );
 }
 
+fn ifindex_of(node: &SimNode, interface: &str) -> u32 {
+    let out = node.node.ip(&["-o", "link", "show", interface]).unwrap();
+    out.split(':').next().unwrap().trim().parse().unwrap()
+}
+
 /// Runs the agent's order check ([`BpfDatapath::check_order`]) on every
 /// pod interface, from inside the node: how many moved to TCX, and how
 /// many hooks still have something foreign ahead of the classifier.
@@ -361,10 +363,7 @@ fn order_check(node: &SimNode, layout: &PinLayout) -> (usize, usize) {
     let ifindexes: Vec<u32> = node
         .pods
         .iter()
-        .map(|p| {
-            let out = node.node.ip(&["-o", "link", "show", &p.host_if]).unwrap();
-            out.split(':').next().unwrap().trim().parse().unwrap()
-        })
+        .map(|p| ifindex_of(node, &p.host_if))
         .collect();
     node.node
         .spawn(move || {
@@ -505,6 +504,86 @@ fn foreign_tcx_programs_make_netlink_filters_move_to_tcx() {
     assert_matrix(&node, &servers, "moved to TCX, first", enforced);
     // A later check finds nothing to do.
     assert_eq!(order_check(&node, &layout), (0, 0));
+    drop(done_tx);
+    foreign.join().unwrap().unwrap();
+}
+
+/// The uplink classifier under the default netlink filters: our own pod
+/// filter ahead of it on a veth that carries both is not foreign, and a
+/// foreign TCX program on an uplink makes the order check move it to TCX
+/// links, first in the chain (a pod's packet to a Service whose backend is
+/// reached through there would otherwise pass unjudged).
+#[test]
+fn the_uplink_classifier_is_order_checked_too() {
+    let prefix = "e2eupo";
+    let (layout, _cleanup, node, _servers) = fixture(prefix);
+    let both = ifindex_of(&node, &node.pods[0].host_if);
+    let uplink_if = node.pods[1].host_if.clone();
+    let uplink = ifindex_of(&node, &uplink_if);
+    let tcx = kernel_has_tcx();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    // The foreign program stays attached as long as this thread waits.
+    let foreign = node
+        .node
+        .spawn(move || {
+            use aya::programs::{LinkOrder, TcAttachType, tc::TcAttachOptions};
+            let mut dp = policy_agent::datapath::bpf::Unpinned::load().unwrap();
+            let prog = dp.extra_program("foreign_pass").unwrap();
+            if tcx {
+                prog.attach_with_options(
+                    &uplink_if,
+                    TcAttachType::Egress,
+                    TcAttachOptions::TcxOrder(LinkOrder::default()),
+                )
+                .unwrap();
+            }
+            ready_tx.send(()).unwrap();
+            let _ = done_rx.recv();
+        })
+        .unwrap();
+    ready_rx.recv().unwrap();
+    let checked = node
+        .node
+        .spawn(move || {
+            let mut dp = BpfDatapath::open(&layout, &LoadOptions::default()).unwrap();
+            dp.attach(both, "x/a").unwrap();
+            dp.attach_uplink(both, "uplink a", &[Hook::Uplink, Hook::UplinkIngress])
+                .unwrap();
+            let own = dp.foreign_ahead(both);
+            dp.attach_uplink(uplink, "uplink b", &[Hook::Uplink])
+                .unwrap();
+            let before = dp.foreign_ahead(uplink).len();
+            let check = dp.check_order(uplink);
+            let bits = dp.maps.meta(uplink).unwrap().attach;
+            (own, before, check, bits)
+        })
+        .unwrap()
+        .join()
+        .unwrap()
+        .unwrap();
+    let (own, before, check, bits) = checked;
+    assert!(own.is_empty(), "our own filters are not foreign: {own:?}");
+    if tcx {
+        assert_eq!(
+            before, 1,
+            "the foreign TCX program is ahead of the uplink filter"
+        );
+        assert!(
+            matches!(&check.moved, Some(Ok(left)) if left.is_empty()),
+            "{check:?}"
+        );
+        assert!(check.ahead.is_empty(), "{check:?}");
+        assert_ne!(bits & ATTACH_TCX, 0, "moved to TCX ({bits:#x})");
+        let listing = tc_filters(&node, &node.pods[1].host_if, "egress");
+        assert!(
+            filter_prefs(&listing).is_empty(),
+            "our filter is gone: {listing}"
+        );
+    } else {
+        assert_eq!(before, 0);
+        assert!(check.moved.is_none() && check.ahead.is_empty(), "{check:?}");
+    }
     drop(done_tx);
     foreign.join().unwrap().unwrap();
 }

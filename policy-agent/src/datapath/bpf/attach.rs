@@ -47,6 +47,15 @@ pub fn netlink_slot(hook: Hook) -> (u16, TcHandle) {
     }
 }
 
+/// Whether a listed filter sits in one of our slots (the pod filter runs
+/// before the uplink one on a veth that has both: not a foreign one).
+fn is_our_filter(f: &netlink::Filter) -> bool {
+    [Hook::Ingress, Hook::Uplink].into_iter().any(|h| {
+        let (priority, handle) = netlink_slot(h);
+        f.priority == priority && f.handle == u32::from(handle)
+    })
+}
+
 /// The ENDPOINT_META bit recording that `hook` is attached.
 pub fn hook_bit(hook: Hook) -> u32 {
     match hook {
@@ -299,12 +308,13 @@ impl<'a> Attachment<'a> {
         Ok(())
     }
 
-    /// What runs before ours at `hook` and could pass a packet
-    /// (`TC_ACT_OK`) before the classifier judges it. Under TCX: the
+    /// What runs before our program `prog` at `hook` and could pass a
+    /// packet (`TC_ACT_OK`) before the classifier judges it; our other
+    /// programs (`ours`, by id) and filters do not count. Under TCX: the
     /// programs ahead of ours in the chain. Under netlink: every TCX
     /// program (the kernel runs TCX before clsact), and the filters at a
     /// lower priority number, or at ours with another handle.
-    pub fn ahead_of(&self, prog: &SchedClassifier, hook: Hook) -> Ahead {
+    pub fn ahead_of(&self, prog: u32, ours: &[u32], hook: Hook) -> Ahead {
         let mut ahead = Ahead::default();
         let Ok(name) = if_name(self.ifindex) else {
             return ahead;
@@ -319,18 +329,20 @@ impl<'a> Attachment<'a> {
             }
         };
         if self.bits & ATTACH_TCX != 0 {
-            let Ok(ours) = prog.info().map(|i| i.id()) else {
-                return ahead;
-            };
-            ahead.tcx = tcx.into_iter().take_while(|id| *id != ours).collect();
+            ahead.tcx = tcx
+                .into_iter()
+                .take_while(|id| *id != prog)
+                .filter(|id| !ours.contains(id))
+                .collect();
         } else if self.bits & ATTACH_NETLINK != 0 {
-            ahead.tcx = tcx;
+            ahead.tcx = tcx.into_iter().filter(|id| !ours.contains(id)).collect();
             let (priority, handle) = netlink_slot(hook);
             let handle = u32::from(handle);
             match netlink::clsact_filters(self.ifindex, tc_type(hook) == TcAttachType::Egress) {
                 Ok(filters) => {
                     ahead.filters = filters
                         .into_iter()
+                        .filter(|f| !is_our_filter(f))
                         .filter(|f| {
                             f.priority < priority || (f.priority == priority && f.handle != handle)
                         })

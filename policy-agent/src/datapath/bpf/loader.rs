@@ -9,7 +9,7 @@ use tracing::{debug, info};
 
 use super::{
     BpfMaps, Error, Hook, PinLayout,
-    attach::{Ahead, AttachMode, Attachment, attach_error},
+    attach::{Ahead, AttachMode, Attachment, attach_error, hook_bit},
     object::{OBJECT, object_hash},
     pins::remove_pin,
     sys::{current_netns, tcx_attach_and_pin},
@@ -312,14 +312,20 @@ impl BpfDatapath {
         out
     }
 
-    /// What runs before the pod classifiers on `ifindex`, by hook (only
-    /// hooks where something does).
+    /// What runs before the classifiers on `ifindex`, at every hook the
+    /// agent attached there (only hooks where something does).
     pub fn foreign_ahead(&mut self, ifindex: u32) -> Vec<(Hook, Ahead)> {
         let known = self.maps.meta(ifindex).map(|m| m.attach).unwrap_or(0);
         let attachment = Attachment::new(&self.layout, ifindex, known);
-        Hook::BOTH
+        let ours: Vec<u32> = Hook::ALL
             .iter()
-            .map(|h| (*h, attachment.ahead_of(self.programs.get_mut(*h), *h)))
+            .filter_map(|h| self.programs.id(*h))
+            .collect();
+        Hook::ALL
+            .iter()
+            .filter(|h| known & hook_bit(**h) != 0)
+            .filter_map(|h| Some((*h, self.programs.id(*h)?)))
+            .map(|(h, prog)| (h, attachment.ahead_of(prog, &ours, h)))
             .filter(|(_, ahead)| !ahead.is_empty())
             .collect()
     }
@@ -350,7 +356,7 @@ impl BpfDatapath {
         moved.map(|()| errors)
     }
 
-    /// Makes sure nothing foreign runs before the pod classifiers of
+    /// Makes sure nothing foreign runs before the classifiers of
     /// `ifindex` where the agent can help it: foreign TCX programs run
     /// before every clsact filter, so a netlink-attached interface that
     /// has any moves to TCX links, first in the chain. What still runs

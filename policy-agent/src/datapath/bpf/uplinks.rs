@@ -101,8 +101,12 @@ pub fn sync_uplinks(
             uplink_label(*ifindex)
         };
         match dp.attach_uplink(*ifindex, &label, hooks) {
-            Ok(()) if !has => info!(interface = %name, "uplink classifier attached"),
-            Ok(()) => {}
+            Ok(()) => {
+                if !has {
+                    info!(interface = %name, "uplink classifier attached");
+                }
+                check_order(dp, *ifindex, name, report);
+            }
             Err(e) => {
                 warn!(interface = %name, error = %e, "uplink classifier not attached");
                 report.incomplete = true;
@@ -140,6 +144,33 @@ pub fn sync_uplinks(
                 )));
             }
         }
+    }
+}
+
+/// The order check of an uplink (see `BpfDatapath::check_order`): a
+/// foreign TCX program ahead of the netlink filters moves the interface to
+/// TCX links; what still runs ahead is a node problem (a pod's packet to a
+/// Service whose backend is reached through here would pass unjudged).
+fn check_order(dp: &mut BpfDatapath, ifindex: u32, name: &str, report: &mut SyncReport) {
+    let check = dp.check_order(ifindex);
+    match check.moved {
+        Some(Ok(leftovers)) => {
+            warn!(interface = %name, "foreign TCX programs ran before the uplink classifier's filters: moved to TCX links, first in the chain");
+            for e in leftovers {
+                warn!(interface = %name, error = %e, "filter left after the move to TCX");
+            }
+        }
+        Some(Err(e)) => report.problems.push(Problem::node(format!(
+            "moving {name} to TCX, ahead of foreign programs: {e}"
+        ))),
+        None => {}
+    }
+    for (hook, what) in check.ahead {
+        warn!(interface = %name, hook = hook.name(), ahead = %what, "foreign programs run before the classifier");
+        report.problems.push(Problem::node(format!(
+            "{what} run before the classifier at {name} {}: they can pass packets unjudged",
+            hook.name()
+        )));
     }
 }
 
