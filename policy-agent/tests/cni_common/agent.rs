@@ -94,7 +94,14 @@ impl AgentNode {
     /// waits until it answers STATUS (its first sync has run).
     pub fn start(&mut self) {
         self.start_no_wait();
-        let deadline = Instant::now() + Duration::from_secs(30);
+        // The program load alone takes tens of seconds in a TCG guest:
+        // the deadline follows the run's time scale (support::deadline).
+        let scale: f64 = std::env::var("POLICY_AGENT_TEST_TIME_SCALE")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(1.0_f64)
+            .max(1.0);
+        let deadline = Instant::now() + Duration::from_secs(30).mul_f64(scale);
         loop {
             if let Some(child) = self.agent.as_mut()
                 && let Ok(Some(status)) = child.try_wait()
