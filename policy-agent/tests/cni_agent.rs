@@ -25,7 +25,7 @@ use policy_agent::{
 use policy_cni::protocol::code;
 use policy_common::endpoint::{ATTACH_NETLINK, ATTACH_POD, ATTACH_STANDBY, ATTACH_TCX};
 use serde_json::{Value, json};
-use support::{fake_apiserver::FakeApi, services::eventually};
+use support::{fake_apiserver::FakeApi, services::eventually, tcx};
 
 /// The victim's listeners.
 const PORT: u16 = 19600;
@@ -552,14 +552,8 @@ fn standby(prefix: &'static str, extra: &[&str]) {
 /// with the foreign program still attached.
 #[test]
 fn a_foreign_tcx_program_on_a_new_veth_is_overtaken_before_add_returns() {
-    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
-    let mut parts = release.trim().split(['.', '-']);
-    let version: (u32, u32) = (
-        parts.next().unwrap().parse().unwrap(),
-        parts.next().unwrap().parse().unwrap(),
-    );
-    if version < (6, 6) {
-        eprintln!("no TCX on {}: no TCX program can run ahead", release.trim());
+    if !tcx::kernel_has_tcx() {
+        eprintln!("no TCX on this kernel: no TCX program can run ahead");
         return;
     }
     let mut w = World::new("cniftx", Mode::Manifests, friend_foe_victim(), &[]);
@@ -595,13 +589,9 @@ fn a_foreign_tcx_program_on_a_new_veth_is_overtaken_before_add_returns() {
         .node
         .node
         .spawn(move || {
-            use aya::programs::{LinkOrder, TcAttachType, tc::TcAttachOptions};
             let mut dp = policy_agent::datapath::bpf::Unpinned::load().unwrap();
-            let prog = dp.extra_program("foreign_pass").unwrap();
-            for t in [TcAttachType::Ingress, TcAttachType::Egress] {
-                prog.attach_with_options(&veth, t, TcAttachOptions::TcxOrder(LinkOrder::first()))
-                    .unwrap();
-            }
+            let first = aya::programs::LinkOrder::first;
+            tcx::attach_foreign(&mut dp, "foreign_pass", &[veth], &tcx::BOTH, first);
             ready_tx.send(()).unwrap();
             let _ = done_rx.recv();
         })

@@ -10,6 +10,7 @@ mod support;
 
 use std::{net::IpAddr, time::Duration};
 
+use aya::programs::{LinkOrder, TcAttachType};
 use ipnet::IpNet;
 use policy_agent::{
     datapath::bpf::{AttachMode, BpfDatapath, Hook, LoadOptions, PinLayout, probe, reset},
@@ -26,7 +27,10 @@ use policy_common::{
     policy::{PolicyEntry, PolicyKey},
     proto::TCP,
 };
-use support::deadline::scaled;
+use support::{
+    deadline::scaled,
+    tcx::{self, kernel_has_tcx},
+};
 
 const A: u32 = 300;
 const B: u32 = 301;
@@ -144,14 +148,6 @@ fn desired(node: &SimNode) -> (MapState<u32>, Vec<(u32, String)>) {
 
 /// Whether the running kernel has TCX (Linux 6.6), read independently of
 /// the agent's own probe.
-fn kernel_has_tcx() -> bool {
-    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
-    let mut parts = release.trim().split(['.', '-']);
-    let major: u32 = parts.next().unwrap().parse().unwrap();
-    let minor: u32 = parts.next().unwrap().parse().unwrap();
-    (major, minor) >= (6, 6)
-}
-
 /// Loads, fills and attaches from a thread inside the node namespace, then
 /// drops every handle: what is left is what the pins hold. Returns how it
 /// attached.
@@ -407,27 +403,19 @@ fn the_classifier_runs_before_foreign_tcx_programs() {
     let foreign = node
         .node
         .spawn(move || {
-            use aya::programs::{LinkOrder, TcAttachType, tc::TcAttachOptions};
             let mut dp = policy_agent::datapath::bpf::Unpinned::load().unwrap();
-            let prog = dp.extra_program("foreign_pass").unwrap();
-            for i in &ifaces {
-                for t in [TcAttachType::Ingress, TcAttachType::Egress] {
-                    prog.attach_with_options(i, t, TcAttachOptions::TcxOrder(LinkOrder::default()))
-                        .unwrap();
-                }
-            }
+            tcx::attach_foreign(
+                &mut dp,
+                "foreign_pass",
+                &ifaces,
+                &tcx::BOTH,
+                LinkOrder::default,
+            );
             ready_tx.send(()).unwrap();
             // Told to jump ahead of ours: another program, attached first.
             if step_rx.recv() == Ok(true) {
-                let prog = dp.extra_program("floor_empty").unwrap();
-                for i in &ifaces {
-                    prog.attach_with_options(
-                        i,
-                        TcAttachType::Ingress,
-                        TcAttachOptions::TcxOrder(LinkOrder::first()),
-                    )
-                    .unwrap();
-                }
+                let ingress = [TcAttachType::Ingress];
+                tcx::attach_foreign(&mut dp, "floor_empty", &ifaces, &ingress, LinkOrder::first);
                 ready_tx.send(()).unwrap();
                 let _ = step_rx.recv();
             }
@@ -469,15 +457,14 @@ fn foreign_tcx_programs_make_netlink_filters_move_to_tcx() {
     let foreign = node
         .node
         .spawn(move || {
-            use aya::programs::{LinkOrder, TcAttachType, tc::TcAttachOptions};
             let mut dp = policy_agent::datapath::bpf::Unpinned::load().unwrap();
-            let prog = dp.extra_program("foreign_pass").unwrap();
-            for i in &ifaces {
-                for t in [TcAttachType::Ingress, TcAttachType::Egress] {
-                    prog.attach_with_options(i, t, TcAttachOptions::TcxOrder(LinkOrder::default()))
-                        .unwrap();
-                }
-            }
+            tcx::attach_foreign(
+                &mut dp,
+                "foreign_pass",
+                &ifaces,
+                &tcx::BOTH,
+                LinkOrder::default,
+            );
             ready_tx.send(()).unwrap();
             let _ = done_rx.recv();
         })
@@ -527,16 +514,16 @@ fn the_uplink_classifier_is_order_checked_too() {
     let foreign = node
         .node
         .spawn(move || {
-            use aya::programs::{LinkOrder, TcAttachType, tc::TcAttachOptions};
             let mut dp = policy_agent::datapath::bpf::Unpinned::load().unwrap();
-            let prog = dp.extra_program("foreign_pass").unwrap();
             if tcx {
-                prog.attach_with_options(
-                    &uplink_if,
-                    TcAttachType::Egress,
-                    TcAttachOptions::TcxOrder(LinkOrder::default()),
-                )
-                .unwrap();
+                let egress = [TcAttachType::Egress];
+                tcx::attach_foreign(
+                    &mut dp,
+                    "foreign_pass",
+                    &[uplink_if],
+                    &egress,
+                    LinkOrder::default,
+                );
             }
             ready_tx.send(()).unwrap();
             let _ = done_rx.recv();

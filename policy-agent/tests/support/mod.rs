@@ -11,4 +11,5 @@ pub mod map_reset;
 pub mod netfilter;
 pub mod raw;
 pub mod services;
+pub mod tcx;
 pub mod testns;
