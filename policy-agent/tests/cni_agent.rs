@@ -25,7 +25,11 @@ use policy_agent::{
 use policy_cni::protocol::code;
 use policy_common::endpoint::{ATTACH_NETLINK, ATTACH_POD, ATTACH_STANDBY, ATTACH_TCX};
 use serde_json::{Value, json};
-use support::{fake_apiserver::FakeApi, services::eventually, tcx};
+use support::{
+    fake_apiserver::FakeApi,
+    services::{eventually, http_get_at},
+    tcx,
+};
 
 /// The victim's listeners.
 const PORT: u16 = 19600;
@@ -622,4 +626,94 @@ fn a_foreign_tcx_program_on_a_new_veth_is_overtaken_before_add_returns() {
     for mut sb in [victim, foe, friend] {
         rt.del(&mut sb).unwrap();
     }
+}
+
+/// A foreign TCX program attached to a *running* pod's veth, first in
+/// the chain, passing everything: the kernel runs it before the netlink
+/// filters. The agent's periodic order check sees the change and its full
+/// pass moves the veth to TCX links, ahead of it: the foe reaches nothing
+/// again, the friend gets through, the foreign program still attached.
+#[test]
+fn a_foreign_tcx_program_on_a_running_pod_is_overtaken_by_the_order_check() {
+    if !tcx::kernel_has_tcx() {
+        eprintln!("no TCX on this kernel: no TCX program can run ahead");
+        return;
+    }
+    let extra = ["--order-check-ms", "200"];
+    let mut w = World::new("cnirtx", Mode::Manifests, friend_foe_victim(), &extra);
+    let rt = w.node.runtime(10.0);
+    let (friend, friend_ip) = w.pod(&rt, "friend");
+    let (foe, foe_ip) = w.pod(&rt, "foe");
+    let (victim, victim_ip) = w.pod(&rt, "victim");
+    let rx = Receiver::start(&victim.netns, PORT);
+    let host = victim.result.as_ref().unwrap()["interfaces"][0]["name"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let veth = ifindex(&w, &host);
+    let (_, meta) = pod_hooks(&w, veth, &host);
+    let (bits, _) = meta.expect("the victim's veth has a record");
+    assert!(
+        bits & ATTACH_NETLINK != 0,
+        "netlink filters first ({bits:#x})"
+    );
+    // The checks that find nothing new run no sync: once the victim's
+    // publication is synced, a whole second (five checks) passes quietly.
+    eventually("a second without syncs", Duration::from_secs(5), || {
+        let before = syncs(&w);
+        std::thread::sleep(Duration::from_secs(1));
+        match syncs(&w) - before {
+            0 => Ok(()),
+            n => Err(format!("{n} sync(s)")),
+        }
+    });
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let on = host.clone();
+    // Attached as long as this thread waits.
+    let foreign = w
+        .node
+        .fx
+        .node
+        .node
+        .spawn(move || {
+            let mut dp = policy_agent::datapath::bpf::Unpinned::load().unwrap();
+            let first = aya::programs::LinkOrder::first;
+            tcx::attach_foreign(&mut dp, "foreign_pass", &[on], &tcx::BOTH, first);
+            ready_tx.send(()).unwrap();
+            let _ = done_rx.recv();
+        })
+        .unwrap();
+    ready_rx.recv().unwrap();
+    eventually(
+        "the veth moved to TCX links",
+        Duration::from_secs(10),
+        || match pod_hooks(&w, veth, &host) {
+            (true, Some((bits, _))) if bits & ATTACH_TCX != 0 && bits & ATTACH_NETLINK == 0 => {
+                Ok(())
+            }
+            other => Err(format!("{other:?}")),
+        },
+    );
+    assert_enforced_now(
+        &victim,
+        victim_ip,
+        &rx,
+        (&friend, friend_ip),
+        (&foe, foe_ip),
+    );
+    drop(done_tx);
+    foreign.join().unwrap().unwrap();
+    for mut sb in [victim, foe, friend] {
+        rt.del(&mut sb).unwrap();
+    }
+}
+
+/// The agent's count of successful syncs (its /metrics).
+fn syncs(w: &World) -> u64 {
+    let text = http_get_at(&w.node.fx.node.node, 19999, "/metrics");
+    text.lines()
+        .find_map(|l| l.strip_prefix("policy_agent_syncs_total{result=\"ok\"} "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no sync count in:\n{text}"))
 }

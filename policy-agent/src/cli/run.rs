@@ -32,6 +32,11 @@ pub struct Args {
     /// usually shorter.
     #[arg(long, default_value_t = 30)]
     pub cni_wait_secs: u64,
+    /// How often (ms) to look for programs attached ahead of the
+    /// classifiers on a running pod's interface (a change triggers a full
+    /// pass, which puts them first again where it can).
+    #[arg(long, default_value_t = 5000)]
+    pub order_check_ms: u64,
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -41,6 +46,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     config.debounce = Duration::from_millis(args.debounce_ms);
     config.cni_socket = args.cni_socket.clone();
     config.cni_wait = Duration::from_secs(args.cni_wait_secs);
+    config.order_check = Duration::from_millis(args.order_check_ms.max(100));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -102,6 +102,15 @@ pub trait Datapath: Send {
     /// Interfaces appeared or vanished: look them up again.
     fn links_changed(&mut self);
 
+    /// Whether what runs before this datapath's programs on its
+    /// interfaces changed since the last look or verifying full pass (a
+    /// foreign program attached to a running pod's interface): the caller
+    /// then runs a full pass, which puts the classifiers first again where
+    /// it can and reports the rest. Datapaths without programs: never.
+    fn order_changed(&mut self) -> bool {
+        false
+    }
+
     /// A veth appeared (`ifindex`, `name`): prepare what a pod on it will
     /// need, before its hand-off asks (nothing by default).
     fn new_veth(&mut self, _ifindex: u32, _name: &str) {}

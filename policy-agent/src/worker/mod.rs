@@ -39,6 +39,9 @@ pub struct Config {
     pub poll: Duration,
     /// Full resync (maps read back from the kernel) this often.
     pub resync: Duration,
+    /// How often to look for foreign programs ahead of the classifiers
+    /// (between the full passes, which also check).
+    pub order_check: Duration,
     /// Where the chained CNI plugin hands pods over (None: no plugin).
     pub cni_socket: Option<PathBuf>,
     /// Longest a CNI ADD waits for its pod to be enforced.
@@ -61,6 +64,7 @@ impl Config {
             settle: Duration::from_millis(20),
             poll: Duration::from_millis(500),
             resync: Duration::from_secs(300),
+            order_check: Duration::from_secs(5),
             cni_socket: None,
             cni_wait: Duration::from_secs(30),
         }
@@ -198,22 +202,21 @@ pub async fn run(
             }
         }
     });
-    let resync_tx = tx.clone();
-    let resync_every = config.resync;
-    let resync_task = tokio::spawn(async move {
-        let mut tick = tokio::time::interval(resync_every);
-        tick.tick().await;
-        loop {
-            tick.tick().await;
-            if resync_tx.send(Trigger::Resync).is_err() {
-                return;
-            }
-        }
-    });
+    let resync_task = tokio::spawn(every(config.resync, tx.clone(), || Trigger::Resync));
+    let order_task = tokio::spawn(every(config.order_check, tx.clone(), || {
+        Trigger::OrderCheck
+    }));
 
     shutdown.await;
     info!("shutting down; enforcement stays pinned");
-    for task in [cluster_task, node_task, forward_task, resync_task, http] {
+    for task in [
+        cluster_task,
+        node_task,
+        forward_task,
+        resync_task,
+        order_task,
+        http,
+    ] {
         task.abort();
     }
     if let Some(t) = events_task {
@@ -227,4 +230,22 @@ pub async fn run(
         warn!("sync worker panicked");
     }
     Ok(())
+}
+
+/// Sends `trigger()` every `period` (the first after one period) until
+/// the worker is gone.
+async fn every(
+    period: Duration,
+    tx: std::sync::mpsc::Sender<Trigger>,
+    trigger: impl Fn() -> Trigger,
+) {
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        if tx.send(trigger()).is_err() {
+            return;
+        }
+    }
 }

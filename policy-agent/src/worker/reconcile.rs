@@ -42,6 +42,9 @@ pub enum Trigger {
     NewVeth(u32, String),
     /// Periodic: read the installed state back and sync.
     Resync,
+    /// Periodic, between resyncs: a full pass only if what runs before
+    /// the classifiers changed (see `Datapath::order_changed`).
+    OrderCheck,
     Stop,
 }
 
@@ -124,8 +127,11 @@ fn run(ctx: &Context, rx: &Receiver<Trigger>) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        let Some(started) = collect(ctx, rx, &mut state, wake) else {
+        let Some(collected) = collect(ctx, rx, &mut state, wake) else {
             return;
+        };
+        let Some(started) = collected else {
+            continue; // Only checks that found nothing to do.
         };
         if !ctx.sources.is_subset(&state.heard) {
             // The first sync waits for every source's first word; waiting
@@ -151,13 +157,14 @@ fn run(ctx: &Context, rx: &Receiver<Trigger>) {
 /// Waits for a trigger (or the pending retry), then lets the burst settle:
 /// until `debounce` passes quietly, at most `max_delay`. A CNI hand-off
 /// does not wait for quiet: a pod's start waits on it, so what has
-/// arrived by then is taken and the sync runs at once. None: stop.
+/// arrived by then is taken and the sync runs at once. None: stop;
+/// Some(None): nothing to sync (an order check that found no change).
 fn collect(
     ctx: &Context,
     rx: &Receiver<Trigger>,
     state: &mut State,
     retry_at: Option<Instant>,
-) -> Option<Instant> {
+) -> Option<Option<Instant>> {
     let first = match retry_at {
         Some(at) => match rx.recv_timeout(at.saturating_duration_since(Instant::now())) {
             Ok(t) => Some(t),
@@ -167,9 +174,14 @@ fn collect(
         None => Some(rx.recv().ok()?),
     };
     let started = Instant::now();
+    // A due retry is work; so is every trigger but a quiet order check.
+    let mut work = first.is_none();
     let mut next = first;
     let mut handoff = false;
     loop {
+        work |= next
+            .as_ref()
+            .is_some_and(|t| !matches!(t, Trigger::OrderCheck));
         match next.take() {
             Some(Trigger::Update(update)) => {
                 state.heard.insert(update.source);
@@ -188,23 +200,31 @@ fn collect(
                 }
             }
             Some(Trigger::Resync) => state.resync = true,
+            Some(Trigger::OrderCheck) => {
+                if let Some(enforcer) = state.enforcer.as_mut()
+                    && enforcer.datapath().order_changed()
+                {
+                    state.resync = true;
+                    work = true;
+                }
+            }
             Some(Trigger::Stop) => return None,
             None => {}
         }
         if started.elapsed() >= ctx.config.max_delay {
-            return Some(started);
+            return Some(work.then_some(started));
         }
         if handoff {
             match rx.try_recv() {
                 Ok(t) => next = Some(t),
-                Err(TryRecvError::Empty) => return Some(started),
+                Err(TryRecvError::Empty) => return Some(work.then_some(started)),
                 Err(TryRecvError::Disconnected) => return None,
             }
             continue;
         }
         match rx.recv_timeout(ctx.config.debounce) {
             Ok(t) => next = Some(t),
-            Err(RecvTimeoutError::Timeout) => return Some(started),
+            Err(RecvTimeoutError::Timeout) => return Some(work.then_some(started)),
             Err(RecvTimeoutError::Disconnected) => return None,
         }
     }

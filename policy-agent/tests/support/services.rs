@@ -395,8 +395,13 @@ impl Env {
 
 /// A GET from inside `netns` (each agent listens in its node's namespace).
 pub fn http_get(netns: &NetNs, path: &str) -> String {
+    http_get_at(netns, LISTEN_PORT, path)
+}
+
+/// A GET of `127.0.0.1:port` from inside `netns`.
+pub fn http_get_at(netns: &NetNs, port: u16, path: &str) -> String {
     let script = format!(
-        "exec 3<>/dev/tcp/127.0.0.1/{LISTEN_PORT} && printf 'GET {path} HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n\\r\\n' >&3 && timeout 5 cat <&3"
+        "exec 3<>/dev/tcp/127.0.0.1/{port} && printf 'GET {path} HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n\\r\\n' >&3 && timeout 5 cat <&3"
     );
     netns.exec("bash", &["-c", &script]).unwrap_or_default()
 }

@@ -20,7 +20,10 @@ use policy_common::{
 };
 
 use super::{
-    BpfDatapath, Error, LoadOptions, PinLayout, catchall::Enforcement, endpoint_meta_name, observe,
+    BpfDatapath, Error, LoadOptions, PinLayout,
+    catchall::Enforcement,
+    endpoint_meta_name, observe,
+    order::{OrderWatch, check_order},
     uplinks::sync_uplinks,
 };
 use crate::{
@@ -45,6 +48,8 @@ pub struct BpfDriver {
     service_ranges: Vec<ipnet::IpNet>,
     /// `--pod-cidr` and the enforced local addresses.
     enforcement: Enforcement,
+    /// What ran before the classifiers after the last full pass.
+    order: OrderWatch,
 }
 
 impl BpfDriver {
@@ -60,6 +65,7 @@ impl BpfDriver {
             drop_log: false,
             kernel_log: false,
             service_ranges: opts.service_ranges.clone(),
+            order: OrderWatch::default(),
         })
     }
 
@@ -100,6 +106,7 @@ impl BpfDriver {
                 sync_uplinks(&mut self.dp, &pods, ingress, false, &mut report);
             }
         } else {
+            let verifies = self.interfaces.needs_full_pass();
             sync_full(
                 &mut self.dp,
                 &mut self.last,
@@ -112,6 +119,9 @@ impl BpfDriver {
                 },
                 &mut report,
             )?;
+            if verifies {
+                self.order.settle(&mut self.dp);
+            }
         }
         debug!(
             total_us = t.elapsed().as_micros() as u64,
@@ -152,6 +162,10 @@ impl Datapath for BpfDriver {
 
     fn links_changed(&mut self) {
         self.interfaces.links_changed();
+    }
+
+    fn order_changed(&mut self) -> bool {
+        self.order.changed(&mut self.dp)
     }
 
     /// The pod classifiers go on a new veth at once (standby, see
@@ -560,44 +574,6 @@ fn verify_attached(
     };
     check_order(dp, pod, iface, report);
     attached
-}
-
-/// Runs the order check on a pod's interface (see
-/// [`BpfDatapath::check_order`]) and reports what it found: on every
-/// full pass, and right after a new pod's attach (a foreign TCX program
-/// already on the veth would run ahead of the netlink filters until the
-/// next full pass, minutes later).
-fn check_order(dp: &mut BpfDatapath, pod: &PodRef, iface: &Interface, report: &mut SyncReport) {
-    let check = dp.check_order(iface.ifindex);
-    match check.moved {
-        Some(Ok(leftovers)) => {
-            warn!(pod = %pod, interface = %iface.name, "foreign TCX programs ran before the classifier's filters: moved to TCX links, first in the chain");
-            for e in leftovers {
-                warn!(pod = %pod, interface = %iface.name, error = %e, "filter left after the move to TCX");
-            }
-        }
-        Some(Err(e)) => report.problems.push(Problem::object(
-            ObjectKind::Pod,
-            pod.clone(),
-            format!(
-                "moving {} to TCX, ahead of foreign programs: {e}",
-                iface.name
-            ),
-        )),
-        None => {}
-    }
-    for (hook, what) in check.ahead {
-        warn!(pod = %pod, interface = %iface.name, hook = hook.name(), ahead = %what, "foreign programs run before the classifier");
-        report.problems.push(Problem::object(
-            ObjectKind::Pod,
-            pod.clone(),
-            format!(
-                "{what} run before the classifier at {} {}: they can pass packets unjudged",
-                iface.name,
-                hook.name()
-            ),
-        ));
-    }
 }
 
 /// New interfaces, attached together (in parallel with TCX). Returns

@@ -12,6 +12,7 @@ mod maps;
 pub mod names;
 mod object;
 mod observe;
+mod order;
 mod pins;
 pub mod probe;
 mod reset;
