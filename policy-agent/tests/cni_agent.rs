@@ -14,6 +14,7 @@ use std::{
     time::Duration,
 };
 
+use aya::programs::LinkOrder;
 use cni_common::{
     agent::{AgentNode, POD_CIDR, ipv4, namespace, pod, policy, status},
     traffic::{Flood, Receiver, connect, send_udp},
@@ -583,24 +584,12 @@ fn a_foreign_tcx_program_on_a_new_veth_is_overtaken_before_add_returns() {
         .as_str()
         .unwrap()
         .to_owned();
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
-    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
-    let veth = host.clone();
-    // Attached as long as this thread waits.
-    let foreign = w
-        .node
-        .fx
-        .node
-        .node
-        .spawn(move || {
-            let mut dp = policy_agent::datapath::bpf::Unpinned::load().unwrap();
-            let first = aya::programs::LinkOrder::first;
-            tcx::attach_foreign(&mut dp, "foreign_pass", &[veth], &tcx::BOTH, first);
-            ready_tx.send(()).unwrap();
-            let _ = done_rx.recv();
-        })
-        .unwrap();
-    ready_rx.recv().unwrap();
+    let foreign = tcx::Foreign::attach(
+        &w.node.fx.node.node,
+        "foreign_pass",
+        vec![host.clone()],
+        LinkOrder::first,
+    );
     let inv = rt
         .invoke("ADD", &victim, &rt.derive(&list, ours, prev.as_ref()))
         .unwrap();
@@ -621,8 +610,7 @@ fn a_foreign_tcx_program_on_a_new_veth_is_overtaken_before_add_returns() {
         (&friend, friend_ip),
         (&foe, foe_ip),
     );
-    drop(done_tx);
-    foreign.join().unwrap().unwrap();
+    drop(foreign);
     for mut sb in [victim, foe, friend] {
         rt.del(&mut sb).unwrap();
     }
@@ -667,24 +655,12 @@ fn a_foreign_tcx_program_on_a_running_pod_is_overtaken_by_the_order_check() {
             n => Err(format!("{n} sync(s)")),
         }
     });
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
-    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
-    let on = host.clone();
-    // Attached as long as this thread waits.
-    let foreign = w
-        .node
-        .fx
-        .node
-        .node
-        .spawn(move || {
-            let mut dp = policy_agent::datapath::bpf::Unpinned::load().unwrap();
-            let first = aya::programs::LinkOrder::first;
-            tcx::attach_foreign(&mut dp, "foreign_pass", &[on], &tcx::BOTH, first);
-            ready_tx.send(()).unwrap();
-            let _ = done_rx.recv();
-        })
-        .unwrap();
-    ready_rx.recv().unwrap();
+    let foreign = tcx::Foreign::attach(
+        &w.node.fx.node.node,
+        "foreign_pass",
+        vec![host.clone()],
+        LinkOrder::first,
+    );
     eventually(
         "the veth moved to TCX links",
         Duration::from_secs(10),
@@ -702,8 +678,7 @@ fn a_foreign_tcx_program_on_a_running_pod_is_overtaken_by_the_order_check() {
         (&friend, friend_ip),
         (&foe, foe_ip),
     );
-    drop(done_tx);
-    foreign.join().unwrap().unwrap();
+    drop(foreign);
     for mut sb in [victim, foe, friend] {
         rt.del(&mut sb).unwrap();
     }

@@ -451,25 +451,7 @@ fn foreign_tcx_programs_make_netlink_filters_move_to_tcx() {
     let prefix = "e2efmv";
     let (layout, _cleanup, node, servers) = fixture(prefix);
     let ifaces: Vec<String> = node.pods.iter().map(|p| p.host_if.clone()).collect();
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
-    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
-    // The foreign programs stay attached as long as this thread waits.
-    let foreign = node
-        .node
-        .spawn(move || {
-            let mut dp = policy_agent::datapath::bpf::Unpinned::load().unwrap();
-            tcx::attach_foreign(
-                &mut dp,
-                "foreign_pass",
-                &ifaces,
-                &tcx::BOTH,
-                LinkOrder::default,
-            );
-            ready_tx.send(()).unwrap();
-            let _ = done_rx.recv();
-        })
-        .unwrap();
-    ready_rx.recv().unwrap();
+    let foreign = tcx::Foreign::attach(&node.node, "foreign_pass", ifaces, LinkOrder::default);
     assert_eq!(enforce(&node, &layout, false), AttachMode::Netlink);
     assert_our_filters(&node);
     let open = |_: &str, _: &str, _: u16, _: Transport| true;
@@ -491,8 +473,7 @@ fn foreign_tcx_programs_make_netlink_filters_move_to_tcx() {
     assert_matrix(&node, &servers, "moved to TCX, first", enforced);
     // A later check finds nothing to do.
     assert_eq!(order_check(&node, &layout), (0, 0));
-    drop(done_tx);
-    foreign.join().unwrap().unwrap();
+    drop(foreign);
 }
 
 /// The uplink classifier under the default netlink filters: our own pod

@@ -33,3 +33,44 @@ pub fn attach_foreign(
 }
 
 pub const BOTH: [TcAttachType; 2] = [TcAttachType::Ingress, TcAttachType::Egress];
+
+/// `program` attached through TCX from inside `netns` (a thread that holds
+/// the links), for as long as this value lives.
+pub struct Foreign {
+    done: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<Result<(), policy_agent::sim::Error>>>,
+}
+
+impl Foreign {
+    pub fn attach(
+        netns: &policy_agent::sim::NetNs,
+        program: &'static str,
+        ifaces: Vec<String>,
+        order: fn() -> LinkOrder,
+    ) -> Self {
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let thread = netns
+            .spawn(move || {
+                let mut dp = Unpinned::load().unwrap();
+                attach_foreign(&mut dp, program, &ifaces, &BOTH, order);
+                ready_tx.send(()).unwrap();
+                let _ = done_rx.recv();
+            })
+            .unwrap();
+        ready_rx.recv().expect("the foreign programs are attached");
+        Self {
+            done: Some(done_tx),
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Foreign {
+    fn drop(&mut self) {
+        drop(self.done.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
