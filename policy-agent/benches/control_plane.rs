@@ -301,6 +301,31 @@ fn main() {
         relabel.push(t.elapsed());
     }
     let rss = rss_peak_kib(pid);
+    // The order checks that ran meanwhile (every 5 s, over the local
+    // pods' interfaces and the uplink).
+    let metrics = node
+        .node
+        .exec(
+            "bash",
+            &["-c", &format!(
+                "exec 3<>/dev/tcp/127.0.0.1/{PORT} && printf 'GET /metrics HTTP/1.1\\r\\nConnection: close\\r\\n\\r\\n' >&3 && cat <&3"
+            )],
+        )
+        .unwrap_or_default();
+    let metric = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in /metrics"))
+    };
+    let checks = metric("policy_agent_order_check_seconds_count");
+    let check_mean_ms = if checks > 0.0 {
+        metric("policy_agent_order_check_seconds_sum") * 1000.0 / checks
+    } else {
+        0.0
+    };
+    let check_max_ms = metric("policy_agent_order_check_max_seconds") * 1000.0;
     drop(daemon);
     // A restart adopts the pinned maps, programs and links.
     let (daemon, _, restart) = start(&[]);
@@ -342,6 +367,9 @@ fn main() {
         ms(percentile(&relabel, 0.99)),
         max(&relabel)
     );
+    println!(
+        "  order check between full passes ({checks} during the changes): mean {check_mean_ms:.2} ms, max {check_max_ms:.2} ms"
+    );
     println!("  agent peak RSS: {:.1} MiB", rss as f64 / 1024.0);
     let json = serde_json::json!({
         "pods": NAMESPACES * PODS_PER_NS, "policies": NAMESPACES * POLICIES_PER_NS, "namespaces": NAMESPACES, "local_pods": LOCAL,
@@ -352,6 +380,7 @@ fn main() {
         "policy_add_p50_ms": ms(percentile(&add, 0.5)), "policy_add_p99_ms": ms(percentile(&add, 0.99)), "policy_add_max_ms": max(&add),
         "relabel_p50_ms": ms(percentile(&relabel, 0.5)), "relabel_p99_ms": ms(percentile(&relabel, 0.99)), "relabel_max_ms": max(&relabel),
         "peak_rss_mib": rss as f64 / 1024.0,
+        "order_checks": checks as u64, "order_check_mean_ms": check_mean_ms, "order_check_max_ms": check_max_ms,
     });
     write_result("control_plane", &json);
 }

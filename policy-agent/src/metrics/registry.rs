@@ -34,6 +34,11 @@ pub struct Metrics {
     endpoints: AtomicU64,
     map_writes: AtomicU64,
     last_sync_unix: AtomicU64,
+    /// Order checks between full passes: how many, their total and
+    /// longest time (µs).
+    order_checks: AtomicU64,
+    order_check_us: AtomicU64,
+    order_check_max_us: AtomicU64,
     durations: Mutex<Histogram>,
     errors_by_kind: Mutex<std::collections::BTreeMap<String, u64>>,
     /// Entries the last sync could not write, by map (0 when all landed).
@@ -52,6 +57,9 @@ impl Metrics {
             endpoints: AtomicU64::new(0),
             map_writes: AtomicU64::new(0),
             last_sync_unix: AtomicU64::new(0),
+            order_checks: AtomicU64::new(0),
+            order_check_us: AtomicU64::new(0),
+            order_check_max_us: AtomicU64::new(0),
             durations: Mutex::new(Histogram::default()),
             errors_by_kind: Mutex::new(Default::default()),
             shortfall: Mutex::new(Default::default()),
@@ -75,6 +83,14 @@ impl Metrics {
     }
 
     /// Records one sync that reached the datapath.
+    /// One order check between full passes took `took`.
+    pub fn order_checked(&self, took: Duration) {
+        let us = took.as_micros() as u64;
+        self.order_checks.fetch_add(1, Ordering::Relaxed);
+        self.order_check_us.fetch_add(us, Ordering::Relaxed);
+        self.order_check_max_us.fetch_max(us, Ordering::Relaxed);
+    }
+
     pub fn sync_done(&self, took: Duration, writes: usize, endpoints: usize, problems: usize) {
         self.syncs_ok.fetch_add(1, Ordering::Relaxed);
         self.map_writes.fetch_add(writes as u64, Ordering::Relaxed);
@@ -161,6 +177,19 @@ impl Metrics {
             "Unix time of the last successful sync.",
             "gauge",
             self.last_sync_unix.load(Ordering::Relaxed).to_string(),
+        );
+        gauge(
+            "policy_agent_order_check_max_seconds",
+            "The longest order check so far.",
+            "gauge",
+            (self.order_check_max_us.load(Ordering::Relaxed) as f64 / 1e6).to_string(),
+        );
+        let name = "policy_agent_order_check_seconds";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Time spent looking for programs ahead of the classifiers between full passes.\n# TYPE {name} summary\n{name}_sum {}\n{name}_count {}",
+            self.order_check_us.load(Ordering::Relaxed) as f64 / 1e6,
+            self.order_checks.load(Ordering::Relaxed)
         );
         let _ = writeln!(
             out,

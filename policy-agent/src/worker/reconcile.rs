@@ -201,11 +201,14 @@ fn collect(
             }
             Some(Trigger::Resync) => state.resync = true,
             Some(Trigger::OrderCheck) => {
-                if let Some(enforcer) = state.enforcer.as_mut()
-                    && enforcer.datapath().order_changed()
-                {
-                    state.resync = true;
-                    work = true;
+                if let Some(enforcer) = state.enforcer.as_mut() {
+                    let t = Instant::now();
+                    let changed = enforcer.datapath().order_changed();
+                    ctx.metrics.order_checked(t.elapsed());
+                    if changed {
+                        state.resync = true;
+                        work = true;
+                    }
                 }
             }
             Some(Trigger::Stop) => return None,

@@ -250,6 +250,16 @@ pub fn render(datapath: Option<&Value>, system: Option<&Value>, control: Option<
             "| agent peak RSS | {:.1} MiB | < 150 MiB |",
             f(c, "peak_rss_mib")
         );
+        if c.get("order_checks").is_some() {
+            let _ = writeln!(
+                out,
+                "| order check between full passes (every 5 s, {} local pods' interfaces and the uplink; {} during the changes), mean / max | {:.2} / {:.2} ms | |",
+                c["local_pods"],
+                c["order_checks"],
+                f(c, "order_check_mean_ms"),
+                f(c, "order_check_max_ms")
+            );
+        }
         out.push('\n');
     }
     let _ = writeln!(out, "{END}");
