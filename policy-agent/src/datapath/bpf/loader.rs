@@ -110,6 +110,39 @@ fn classifier<'a>(
         .map_err(Error::program(name))
 }
 
+/// Loads the four classifiers into the kernel at once, one thread each:
+/// the verifier's time is most of an agent's first start, and the
+/// programs do not depend on each other.
+fn load_in_parallel(ebpf: &mut aya::Ebpf) -> Result<(), Error> {
+    let t = std::time::Instant::now();
+    let wanted: Vec<&'static str> = Hook::ALL.iter().map(|h| h.program()).collect();
+    let mut progs: Vec<(&'static str, &mut SchedClassifier)> = Vec::new();
+    for (name, prog) in ebpf.programs_mut() {
+        let Some(name) = wanted.iter().find(|w| **w == name) else {
+            continue;
+        };
+        progs.push((name, prog.try_into().map_err(Error::program(name))?));
+    }
+    if let Some(missing) = wanted.iter().find(|w| !progs.iter().any(|(n, _)| n == *w)) {
+        return Err(Error::MissingProgram(missing));
+    }
+    let results: Vec<Result<(), Error>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = progs
+            .into_iter()
+            .map(|(name, prog)| {
+                scope.spawn(move || prog.load().map_err(Error::program(name)))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    results.into_iter().collect::<Result<(), Error>>()?;
+    debug!(took_ms = t.elapsed().as_millis() as u64, "classifier programs loaded");
+    Ok(())
+}
+
 impl BpfDatapath {
     /// Opens the datapath pinned under `layout`, creating it if absent.
     ///
@@ -151,10 +184,10 @@ impl BpfDatapath {
         } else {
             info!(pins = %layout.progs_dir().display(), "loading classifier programs");
             let meta = maps.read_meta()?;
+            load_in_parallel(&mut ebpf)?;
             for hook in Hook::ALL {
                 let name = hook.program();
                 let prog = classifier(&mut ebpf, name)?;
-                prog.load().map_err(Error::program(name))?;
                 // Move existing attachments over before the old pin goes,
                 // so no interface is ever without a program.
                 for (ifindex, m) in &meta {
