@@ -129,9 +129,7 @@ fn load_in_parallel(ebpf: &mut aya::Ebpf) -> Result<(), Error> {
     let results: Vec<Result<(), Error>> = std::thread::scope(|scope| {
         let handles: Vec<_> = progs
             .into_iter()
-            .map(|(name, prog)| {
-                scope.spawn(move || prog.load().map_err(Error::program(name)))
-            })
+            .map(|(name, prog)| scope.spawn(move || prog.load().map_err(Error::program(name))))
             .collect();
         handles
             .into_iter()
@@ -139,7 +137,10 @@ fn load_in_parallel(ebpf: &mut aya::Ebpf) -> Result<(), Error> {
             .collect()
     });
     results.into_iter().collect::<Result<(), Error>>()?;
-    debug!(took_ms = t.elapsed().as_millis() as u64, "classifier programs loaded");
+    debug!(
+        took_ms = t.elapsed().as_millis() as u64,
+        "classifier programs loaded"
+    );
     Ok(())
 }
 
