@@ -687,8 +687,56 @@ fn a_foreign_tcx_program_on_a_running_pod_is_overtaken_by_the_order_check() {
 /// The agent's count of successful syncs (its /metrics).
 fn syncs(w: &World) -> u64 {
     let text = http_get_at(&w.node.fx.node.node, 19999, "/metrics");
+    metric(&text, "policy_agent_syncs_total{result=\"ok\"}") as u64
+}
+
+/// A datapath problem stands until something fixes it: a local pod whose
+/// address no interface of the node routes to is reported, and still
+/// reported after an unrelated policy change (an incremental sync that
+/// does not look at that pod again), until the pod goes.
+#[test]
+fn a_problem_stands_until_fixed_not_until_the_next_sync() {
+    let mut ghost = pod("ghost", &[("app", "ghost")]);
+    ghost["status"] =
+        json!({"phase": "Running", "podIP": "10.99.0.5", "podIPs": [{"ip": "10.99.0.5"}]});
+    let mut objects = friend_foe_victim();
+    objects.push(ghost);
+    let mut w = World::new("cniprb", Mode::Manifests, objects, &[]);
+    // friend, foe and victim have no address yet (the compiler's three).
+    let ghost_reported = |w: &World, want: f64| {
+        let text = http_get_at(&w.node.fx.node.node, 19999, "/metrics");
+        match metric(&text, "policy_agent_problems") {
+            n if n == want => Ok(()),
+            n => Err(format!("{n} problems, not {want}")),
+        }
+    };
+    eventually("the ghost reported", Duration::from_secs(5), || {
+        ghost_reported(&w, 4.0)
+    });
+    let before = syncs(&w);
+    w.add_object(policy("unrelated", "nobody", &["Ingress"], Value::Null));
+    eventually("the change synced", Duration::from_secs(5), || {
+        match syncs(&w) > before {
+            true => Ok(()),
+            false => Err("no sync yet".into()),
+        }
+    });
+    // Let any sync that follows run, then look.
+    std::thread::sleep(Duration::from_millis(500));
+    ghost_reported(&w, 4.0).expect("still reported after an incremental sync");
+    w.objects.retain(|o| o["metadata"]["name"] != "ghost");
+    w.node.write(&w.objects);
+    eventually(
+        "the ghost's problem gone with it",
+        Duration::from_secs(5),
+        || ghost_reported(&w, 3.0),
+    );
+}
+
+/// A metric's value in a Prometheus text (panics if absent).
+fn metric(text: &str, name: &str) -> f64 {
     text.lines()
-        .find_map(|l| l.strip_prefix("policy_agent_syncs_total{result=\"ok\"} "))
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
         .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no sync count in:\n{text}"))
+        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
 }

@@ -24,6 +24,7 @@ use super::{
     catchall::Enforcement,
     endpoint_meta_name, observe,
     order::{OrderWatch, check_order},
+    standing::Standing,
     uplinks::sync_uplinks,
 };
 use crate::{
@@ -50,6 +51,8 @@ pub struct BpfDriver {
     enforcement: Enforcement,
     /// What ran before the classifiers after the last full pass.
     order: OrderWatch,
+    /// Problems found and not fixed since (see `standing.rs`).
+    standing: Standing,
 }
 
 impl BpfDriver {
@@ -66,6 +69,7 @@ impl BpfDriver {
             kernel_log: false,
             service_ranges: opts.service_ranges.clone(),
             order: OrderWatch::default(),
+            standing: Standing::default(),
         })
     }
 
@@ -88,6 +92,13 @@ impl BpfDriver {
             if links_changed {
                 ops.extend(link_ops(&self.interfaces, desired));
             }
+            let looked_at: BTreeSet<PodRef> = ops
+                .iter()
+                .filter_map(|op| match op {
+                    MapOp::UpsertEndpoint(pod, _) | MapOp::DeleteEndpoint(pod) => Some(pod.clone()),
+                    _ => None,
+                })
+                .collect();
             sync_ops(
                 &mut self.dp,
                 &mut self.last,
@@ -105,6 +116,9 @@ impl BpfDriver {
                 let ingress = !self.enforcement.ranges().is_empty();
                 sync_uplinks(&mut self.dp, &pods, ingress, false, &mut report);
             }
+            report.problems =
+                self.standing
+                    .update(&report.problems, &looked_at, desired.local_pods);
         } else {
             let verifies = self.interfaces.needs_full_pass();
             sync_full(
@@ -122,6 +136,7 @@ impl BpfDriver {
             if verifies {
                 self.order.settle(&mut self.dp);
             }
+            report.problems = self.standing.replace(&report.problems);
         }
         debug!(
             total_us = t.elapsed().as_micros() as u64,

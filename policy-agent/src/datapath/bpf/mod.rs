@@ -17,6 +17,7 @@ mod pins;
 pub mod probe;
 mod reset;
 pub mod sizing;
+mod standing;
 mod sys;
 mod uplinks;
 mod verifier;
