@@ -92,13 +92,23 @@ impl BpfDriver {
             if links_changed {
                 ops.extend(link_ops(&self.interfaces, desired));
             }
-            let looked_at: BTreeSet<PodRef> = ops
-                .iter()
-                .filter_map(|op| match op {
-                    MapOp::UpsertEndpoint(pod, _) | MapOp::DeleteEndpoint(pod) => Some(pod.clone()),
-                    _ => None,
-                })
-                .collect();
+            // The pods this sync looks at again: those it resolves (and
+            // attaches) afresh, and those that go. A pod whose interface
+            // it already holds is rewritten, not looked at: its problems
+            // (an attach that failed, a program ahead) stand.
+            let looked_at: BTreeSet<PodRef> =
+                ops.iter()
+                    .filter_map(|op| match op {
+                        MapOp::UpsertEndpoint(pod, _) => {
+                            let held = desired.local_pods.get(pod).is_some_and(|ips| {
+                                self.interfaces.ips(pod) == Some(ips.as_slice())
+                            });
+                            (!held).then(|| pod.clone())
+                        }
+                        MapOp::DeleteEndpoint(pod) => Some(pod.clone()),
+                        _ => None,
+                    })
+                    .collect();
             sync_ops(
                 &mut self.dp,
                 &mut self.last,
