@@ -197,15 +197,7 @@ fn main() {
     let layout = PinLayout::new("/sys/fs/bpf/policy-agent-bench-cp");
     let pins = layout.root().to_str().unwrap().to_owned();
 
-    let ready = |node: &SimNode| {
-        let script = format!(
-            "exec 3<>/dev/tcp/127.0.0.1/{PORT} && printf 'GET /readyz HTTP/1.1\\r\\n\\r\\n' >&3 && cat <&3"
-        );
-        node.node
-            .exec("bash", &["-c", &script])
-            .unwrap_or_default()
-            .starts_with("HTTP/1.1 200")
-    };
+    let ready = |node: &SimNode| http_get(node, "/readyz").starts_with("HTTP/1.1 200");
     let start = |extra: &[&str]| -> (Daemon, u32, Duration) {
         let t = Instant::now();
         let child = node
@@ -303,15 +295,7 @@ fn main() {
     let rss = rss_peak_kib(pid);
     // The order checks that ran meanwhile (every 5 s, over the local
     // pods' interfaces and the uplink).
-    let metrics = node
-        .node
-        .exec(
-            "bash",
-            &["-c", &format!(
-                "exec 3<>/dev/tcp/127.0.0.1/{PORT} && printf 'GET /metrics HTTP/1.1\\r\\nConnection: close\\r\\n\\r\\n' >&3 && cat <&3"
-            )],
-        )
-        .unwrap_or_default();
+    let metrics = http_get(&node, "/metrics");
     let metric = |name: &str| -> f64 {
         metrics
             .lines()
@@ -383,6 +367,14 @@ fn main() {
         "order_checks": checks as u64, "order_check_mean_ms": check_mean_ms, "order_check_max_ms": check_max_ms,
     });
     write_result("control_plane", &json);
+}
+
+/// A GET of the agent's HTTP server, from inside the node's namespace.
+fn http_get(node: &SimNode, path: &str) -> String {
+    let script = format!(
+        "exec 3<>/dev/tcp/127.0.0.1/{PORT} && printf 'GET {path} HTTP/1.1\\r\\n\\r\\n' >&3 && cat <&3"
+    );
+    node.node.exec("bash", &["-c", &script]).unwrap_or_default()
 }
 
 /// Writes via a temporary file and rename, as config managers do.

@@ -176,9 +176,7 @@ fn enforced_once_add_returns(prefix: &'static str, mode: Mode) {
         (&friend, friend_ip),
         (&foe, foe_ip),
     );
-    for mut sb in [victim, foe, friend] {
-        rt.del(&mut sb).unwrap();
-    }
+    del_all(&rt, [victim, foe, friend]);
     assert!(w.node.fx.reserved().is_empty(), "every address released");
 }
 
@@ -533,10 +531,7 @@ fn standby(prefix: &'static str, extra: &[&str]) {
 
     let rt = w.node.runtime(10.0);
     let (mut victim, _) = w.pod(&rt, "victim");
-    let host = victim.result.as_ref().unwrap()["interfaces"][0]["name"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let host = host_if(victim.result.as_ref().unwrap());
     let (attached, meta) = pod_hooks(&w, ifindex(&w, &host), &host);
     let (bits, name) = meta.expect("the victim's veth has a record");
     assert!(attached, "both pod classifiers attached");
@@ -580,10 +575,7 @@ fn a_foreign_tcx_program_on_a_new_veth_is_overtaken_before_add_returns() {
         assert_eq!(inv.status, Some(0), "{}: {}", inv.plugin, inv.stderr);
         prev = Some(serde_json::from_str(inv.stdout.trim()).unwrap());
     }
-    let host = prev.as_ref().unwrap()["interfaces"][0]["name"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let host = host_if(prev.as_ref().unwrap());
     let foreign = tcx::Foreign::attach(
         &w.node.fx.node.node,
         "foreign_pass",
@@ -597,12 +589,7 @@ fn a_foreign_tcx_program_on_a_new_veth_is_overtaken_before_add_returns() {
     let result: Value = serde_json::from_str(inv.stdout.trim()).unwrap();
     victim.result = Some(result.clone());
     let victim_ip = ipv4(&result);
-    let (attached, meta) = pod_hooks(&w, ifindex(&w, &host), &host);
-    let (bits, _) = meta.expect("the victim's veth has a record");
-    assert!(
-        attached && bits & ATTACH_TCX != 0 && bits & ATTACH_NETLINK == 0,
-        "moved to TCX links ({bits:#x})"
-    );
+    on_tcx_links(&w, ifindex(&w, &host), &host).unwrap();
     assert_enforced_now(
         &victim,
         victim_ip,
@@ -611,9 +598,7 @@ fn a_foreign_tcx_program_on_a_new_veth_is_overtaken_before_add_returns() {
         (&foe, foe_ip),
     );
     drop(foreign);
-    for mut sb in [victim, foe, friend] {
-        rt.del(&mut sb).unwrap();
-    }
+    del_all(&rt, [victim, foe, friend]);
 }
 
 /// A foreign TCX program attached to a *running* pod's veth, first in
@@ -634,10 +619,7 @@ fn a_foreign_tcx_program_on_a_running_pod_is_overtaken_by_the_order_check() {
     let (foe, foe_ip) = w.pod(&rt, "foe");
     let (victim, victim_ip) = w.pod(&rt, "victim");
     let rx = Receiver::start(&victim.netns, PORT);
-    let host = victim.result.as_ref().unwrap()["interfaces"][0]["name"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let host = host_if(victim.result.as_ref().unwrap());
     let veth = ifindex(&w, &host);
     let (_, meta) = pod_hooks(&w, veth, &host);
     let (bits, _) = meta.expect("the victim's veth has a record");
@@ -664,12 +646,7 @@ fn a_foreign_tcx_program_on_a_running_pod_is_overtaken_by_the_order_check() {
     eventually(
         "the veth moved to TCX links",
         Duration::from_secs(10),
-        || match pod_hooks(&w, veth, &host) {
-            (true, Some((bits, _))) if bits & ATTACH_TCX != 0 && bits & ATTACH_NETLINK == 0 => {
-                Ok(())
-            }
-            other => Err(format!("{other:?}")),
-        },
+        || on_tcx_links(&w, veth, &host),
     );
     assert_enforced_now(
         &victim,
@@ -679,7 +656,26 @@ fn a_foreign_tcx_program_on_a_running_pod_is_overtaken_by_the_order_check() {
         (&foe, foe_ip),
     );
     drop(foreign);
-    for mut sb in [victim, foe, friend] {
+    del_all(&rt, [victim, foe, friend]);
+}
+
+/// The host-side interface a CNI result names.
+fn host_if(result: &Value) -> String {
+    result["interfaces"][0]["name"].as_str().unwrap().to_owned()
+}
+
+/// Ok once `host` carries both pod classifiers on TCX links only (moved
+/// off the netlink filters).
+fn on_tcx_links(w: &World, ifindex: u32, host: &str) -> Result<(), String> {
+    match pod_hooks(w, ifindex, host) {
+        (true, Some((bits, _))) if bits & ATTACH_TCX != 0 && bits & ATTACH_NETLINK == 0 => Ok(()),
+        other => Err(format!("not moved to TCX links: {other:?}")),
+    }
+}
+
+/// DELs every sandbox, as a runtime tearing pods down.
+fn del_all(rt: &CniRuntime, sandboxes: impl IntoIterator<Item = Sandbox>) {
+    for mut sb in sandboxes {
         rt.del(&mut sb).unwrap();
     }
 }
