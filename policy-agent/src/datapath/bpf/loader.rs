@@ -111,7 +111,7 @@ fn classifier<'a>(
 }
 
 /// Loads the four classifiers into the kernel at once, one thread each:
-/// the verifier's time is most of an agent's first start, and the
+/// the verifier's time is a large part of an agent's first start, and the
 /// programs do not depend on each other.
 fn load_in_parallel(ebpf: &mut aya::Ebpf) -> Result<(), Error> {
     let t = std::time::Instant::now();
