@@ -10,8 +10,10 @@
 //!   no stage imports another;
 //! - on top: [`worker`] (the `run` daemon, and the enforcer `apply`
 //!   uses), [`inspect`] (`dump`);
-//! - support: [`netlink`], [`exec`], [`metrics`]; [`sim`] (the simulated
-//!   node, with the `sim` feature only).
+//! - support: [`netlink`], [`exec`], [`metrics`].
+//!
+//! The simulated cluster the agent is tested and demonstrated on is the
+//! `policy-testbed` crate: nothing of it is part of this one.
 pub mod cluster;
 pub mod datapath;
 pub mod exec;
@@ -21,7 +23,5 @@ pub mod mapstate;
 pub mod metrics;
 pub mod netlink;
 pub mod policy;
-#[cfg(feature = "sim")]
-pub mod sim;
 pub mod source;
 pub mod worker;

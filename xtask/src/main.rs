@@ -52,7 +52,8 @@ enum Task {
     },
     /// Set up, build, and enforce the example manifests on a simulated
     /// two-node cluster (an agent per node, kube-proxy's rules for the
-    /// Services), printing the connectivity before and after.
+    /// Services), printing the connectivity before and after: the
+    /// testbed's `policy-demo`.
     Demo {
         #[arg(long, default_value = "examples")]
         manifests: PathBuf,
@@ -257,18 +258,23 @@ fn main() -> anyhow::Result<()> {
         Task::Demo { manifests } => {
             setup()?;
             require_root("the demo")?;
+            // The demo (the testbed's binary) runs the agent beside it, as
+            // built for a cluster.
             run(cargo().args([
                 "build",
                 "--release",
                 "-p",
                 "policy-agent",
-                "--features",
-                "sim",
+                "-p",
+                "policy-testbed",
+                "--bin",
+                "policy-agent",
+                "--bin",
+                "policy-demo",
             ]))?;
-            let agent = root().join("target/release/policy-agent");
-            run(Command::new(agent)
+            let demo = root().join("target/release/policy-demo");
+            run(Command::new(demo)
                 .current_dir(root())
-                .arg("demo")
                 .arg("--manifests")
                 .arg(manifests))
         }

@@ -2,7 +2,6 @@
 mod apply;
 mod common;
 mod config;
-mod demo;
 mod dump;
 mod events;
 mod explain;
@@ -44,12 +43,6 @@ enum Command {
     Events(events::Args),
     /// Switch kernel debug logging or drop events at run time.
     Config(config::Args),
-    /// Enforce manifests on a simulated two-node cluster (one agent per
-    /// node, kube-proxy's rules for the Services) and show the
-    /// connectivity, pod to pod and through the Services, before and
-    /// after (needs root; creates and removes network namespaces of its
-    /// own).
-    Demo(demo::Args),
 }
 
 pub fn main() -> ExitCode {
@@ -64,7 +57,6 @@ pub fn main() -> ExitCode {
         Command::Render(a) => render::run(a),
         Command::Events(a) => events::run(a),
         Command::Config(a) => config::run(a),
-        Command::Demo(a) => demo::run(a),
     };
     match result {
         Ok(code) => code,

@@ -1,5 +1,5 @@
 //! `cargo xtask bench --only datapath-guest`: the datapath bench
-//! (`policy-agent/benches/datapath.rs`, BPF_PROG_TEST_RUN) on the host and
+//! (`testbed/benches/datapath.rs`, BPF_PROG_TEST_RUN) on the host and
 //! then inside the Debian 12 6.1 guest (`crate::vm`), the same binary with
 //! the same settings, and one block with both side by side.
 //!
@@ -33,7 +33,7 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         &[
             "bench",
             "-p",
-            "policy-agent",
+            "policy-testbed",
             "--bench",
             "datapath",
             "--no-run",
@@ -56,13 +56,13 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     ];
 
     let mut host = std::process::Command::new(exe);
-    host.current_dir(root.join("policy-agent"))
+    host.current_dir(root.join("testbed"))
         .envs(settings.iter().map(|(k, v)| (*k, v.as_str())))
         .env("POLICY_AGENT_BENCH_OUT", &host_out);
     crate::run(&mut host)?;
 
     let mut spec = vm::VmSpec::new(vec![exe.to_string_lossy().into_owned()]);
-    spec.cwd = Some(root.join("policy-agent"));
+    spec.cwd = Some(root.join("testbed"));
     spec.env = settings
         .iter()
         .map(|(k, v)| ((*k).to_owned(), v.clone()))

@@ -546,7 +546,7 @@ pub fn run(root: &Path, only: &[String], execute: bool) -> anyhow::Result<()> {
         super::run(
             Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
                 .current_dir(root)
-                .args(["bench", "-p", "policy-agent", "--bench", bench]),
+                .args(["bench", "-p", "policy-testbed", "--bench", bench]),
         )?;
     }
     if execute && guest_ran {

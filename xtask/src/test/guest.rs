@@ -1,27 +1,37 @@
 //! The kernel suites again, each in its own 6.1 guest (`crate::vm`): no
 //! TCX there, so the agent takes its netlink fallback and the tests
 //! assert that path.
-use std::{collections::BTreeMap, path::Path, time::Duration};
+use std::{path::Path, time::Duration};
 
 use anyhow::{Context as _, bail};
 
 use crate::vm::{self, Accel};
 
 /// What the guest's tests read to stretch their deadlines (see
-/// `policy-agent/tests/support/deadline.rs`).
+/// `testbed/src/fixtures/deadline.rs`).
 const TIME_SCALE_VAR: &str = "POLICY_AGENT_TEST_TIME_SCALE";
 
 /// What a test prints when it skips for want of a kernel feature.
 const SKIP_MARK: &str = "SKIPPED";
 
-/// One test target run in the guest.
+/// The test binary the guest runs (`testbed/tests/privileged`).
+pub const PRIVILEGED: &str = "privileged";
+
+/// A part of the privileged suite run in its own guest.
 pub struct Suite {
-    /// The test target (`policy-agent/tests/<name>.rs`).
+    /// Its name (`--vm-suite`, the summary).
     pub name: &'static str,
-    /// libtest arguments after `--test-threads`: filters.
-    pub args: &'static [&'static str],
-    /// Added to the guest's environment.
-    pub env: &'static [(&'static str, &'static str)],
+    /// The tests: every one whose full name starts with one of these
+    /// module paths (or is one of these names).
+    pub prefixes: &'static [&'static str],
+    /// Of those, only the ones whose name contains one of these (empty:
+    /// all).
+    pub only: &'static [&'static str],
+    /// Of those, not these (names relative to the prefix they matched).
+    pub skip: &'static [&'static str],
+    /// Show the tests' output (a skip line must be seen to fail the
+    /// suite).
+    pub nocapture: bool,
     /// What the guest leaves to the host, if anything: printed with the
     /// summary.
     pub subset: Option<&'static str>,
@@ -31,60 +41,38 @@ pub struct Suite {
 
 /// The suites the guest runs, in order: those that load or attach the
 /// classifier (what the older verifier and the missing TCX change), and
-/// SCTP and kube-proxy's IPVS mode (modules the host lacks), chosen to keep the guest part of
-/// `.ci/run` near 20 minutes under TCG on two cores. On the host only:
-/// `iptables_hardening` (~3 min there), `iptables`, `sim_services`,
-/// `cluster_mode`, `deploy`, `node_addresses`, the pure suites, and most
-/// of `conformance` (see its note). Each test binary runs with `--test-threads=1`: the
-/// guest has two vCPUs, and tests that share the machine's CPUs under
-/// emulation would only stretch each other's deadlines.
+/// SCTP and kube-proxy's IPVS mode (modules the host lacks), chosen to
+/// keep the guest part of `.ci/run` within budget under TCG on two cores.
+/// On the host only: `iptables_hardening`, most of `iptables`,
+/// `services::{basics,changes,simulated}`, `cluster_mode`,
+/// `node_addresses`, `pod_range_guard_netns`, `bad_input_daemon`, the CNI
+/// plugin tests and most of `conformance` (see its note). The
+/// unprivileged suite never needs a kernel of its own. Each guest runs its
+/// tests one at a time: the guest has two vCPUs, and tests that share
+/// them under emulation would only stretch each other's deadlines.
 pub const SUITES: &[Suite] = &[
     Suite {
-        name: "kernel_test_run",
-        args: &[],
-        env: &[],
+        // One process: the classifier loaded once is reused by every
+        // test of the same kind (the verifier is what a load costs).
+        name: "kernel",
+        prefixes: &["kernel::"],
+        only: &[],
+        skip: &[],
+        nocapture: false,
         subset: None,
-        timeout: Duration::from_secs(900),
+        timeout: Duration::from_secs(1800),
     },
     Suite {
-        name: "kernel_services",
-        args: &[],
-        env: &[],
-        subset: None,
-        timeout: Duration::from_secs(600),
-    },
-    Suite {
-        name: "kernel_catchall",
-        args: &[],
-        env: &[],
-        subset: None,
-        timeout: Duration::from_secs(600),
-    },
-    Suite {
-        name: "kernel_differential",
-        args: &[],
-        env: &[],
-        subset: None,
-        timeout: Duration::from_secs(600),
-    },
-    Suite {
-        name: "kernel_hardening",
-        args: &[],
-        env: &[],
-        subset: None,
-        timeout: Duration::from_secs(600),
-    },
-    Suite {
-        name: "kernel_netns",
+        name: "netns",
+        prefixes: &["netns::"],
+        only: &[],
         // Below 6.6 the TCX-named tests ask for TCX and fall back to
         // netlink filters, the default path their netlink twins take.
-        args: &[
-            "--skip",
+        skip: &[
             "netlink_attachments_enforce_and_outlive_the_loader",
-            "--skip",
             "netlink_filters_run_before_foreign_filters_of_a_later_priority",
         ],
-        env: &[],
+        nocapture: false,
         subset: Some(
             "all but the netlink twins: without TCX their TCX-named tests \
              take that path already, through the fallback",
@@ -92,66 +80,80 @@ pub const SUITES: &[Suite] = &[
         timeout: Duration::from_secs(600),
     },
     Suite {
-        name: "cni_agent",
         // The hand-off with Debian's real plugins through netlink filters
         // (no TCX): the standby attachment, and one first-packet run.
-        args: &["a_new_veth_is_prepared", "first_packet_manifests"],
-        env: &[],
+        name: "cni",
+        prefixes: &["cni::agent::"],
+        only: &["a_new_veth_is_prepared", "first_packet_manifests"],
+        skip: &[],
+        nocapture: false,
         subset: Some("the standby attachment and the first-packet test in manifests mode"),
         timeout: Duration::from_secs(600),
     },
     Suite {
-        name: "iptables",
         // Conntrack marks set over ctnetlink, with the bit as its own mask
         // (the kernel must keep the other bits).
-        args: &["revocation_marks_every_flow"],
-        env: &[],
+        name: "iptables",
+        prefixes: &["iptables::"],
+        only: &["revocation_marks_every_flow"],
+        skip: &[],
+        nocapture: false,
         subset: Some("the conntrack revocation of a busy pod (ctnetlink marks)"),
         timeout: Duration::from_secs(600),
     },
     Suite {
         name: "full_maps",
-        args: &[],
-        env: &[],
+        prefixes: &["full_maps::"],
+        only: &[],
+        skip: &[],
+        nocapture: false,
         subset: None,
         timeout: Duration::from_secs(600),
     },
     Suite {
         name: "attacker",
-        args: &[],
-        env: &[],
+        prefixes: &["attacker::"],
+        only: &[],
+        skip: &[],
+        nocapture: false,
         subset: None,
         timeout: Duration::from_secs(600),
     },
     Suite {
-        name: "sctp",
         // The skip line is printed by a passing test: shown, and checked.
-        args: &["--nocapture"],
-        env: &[],
+        name: "sctp",
+        prefixes: &["sctp::"],
+        only: &[],
+        skip: &[],
+        nocapture: true,
         subset: None,
         timeout: Duration::from_secs(600),
     },
     Suite {
-        name: "ipvs",
         // kube-proxy's IPVS mode (the host has no ip_vs): its tests print
         // SKIPPED there, and a skip here fails the suite, so the output is
         // shown.
-        args: &["--nocapture"],
-        env: &[],
+        name: "ipvs",
+        prefixes: &["services::ipvs::"],
+        only: &[],
+        skip: &[],
+        nocapture: true,
         subset: None,
         timeout: Duration::from_secs(900),
     },
     Suite {
-        name: "conformance",
         // The daemon attaching late pods and cutting established flows
         // through the netlink filters; the whole suite takes ~23 minutes
         // per datapath under TCG, past the budget.
-        args: &[
-            "bpf::run_mode_attaches_a_pod_whose_interface_and_route_appear_later",
-            "bpf::established_connections_are_cut_when_a_policy_denies_them",
-            "iptables::established_connections_are_cut_when_a_policy_denies_them",
+        name: "conformance",
+        prefixes: &[
+            "conformance::bpf::run_mode_attaches_a_pod_whose_interface_and_route_appear_later",
+            "conformance::bpf::established_connections_are_cut_when_a_policy_denies_them",
+            "conformance::iptables::established_connections_are_cut_when_a_policy_denies_them",
         ],
-        env: &[],
+        only: &[],
+        skip: &[],
+        nocapture: false,
         subset: Some(
             "only three tests (BPF: the daemon attaching a late pod; both datapaths: \
              established connections cut, on iptables through ctnetlink marks); the \
@@ -161,6 +163,23 @@ pub const SUITES: &[Suite] = &[
         timeout: Duration::from_secs(1800),
     },
 ];
+
+impl Suite {
+    /// The tests of `all` (full names) this suite runs, in order.
+    pub fn tests<'a>(&self, all: &'a [String]) -> Vec<&'a str> {
+        all.iter()
+            .map(String::as_str)
+            .filter(|t| {
+                self.prefixes.iter().any(|p| {
+                    t.strip_prefix(p).is_some_and(|rest| {
+                        (self.only.is_empty() || self.only.iter().any(|o| rest.contains(o)))
+                            && !self.skip.contains(&rest)
+                    })
+                })
+            })
+            .collect()
+    }
+}
 
 /// One line of the summary.
 pub struct Row {
@@ -210,55 +229,56 @@ pub fn select(names: &[String]) -> anyhow::Result<Vec<&'static Suite>> {
 
 /// Runs `suites`, each in its own guest, one after the other; a failing
 /// suite does not stop the others. Returns a row per suite.
-pub fn run_all(
-    root: &Path,
-    binaries: &BTreeMap<String, std::path::PathBuf>,
-    suites: &[&Suite],
-) -> Vec<Row> {
+pub fn run_all(root: &Path, privileged: &Path, suites: &[&Suite]) -> anyhow::Result<Vec<Row>> {
+    let all = list(privileged)?;
     let accel = vm::accel();
     let scale = time_scale(accel);
-    // The choice is a budget (the guest part of `.ci/run` within ~20
-    // minutes under TCG): said before the run, not only in the summary.
+    // The choice is a budget (the guest part of `.ci/run`): said before
+    // the run, not only in the summary.
     eprintln!("\nthe 6.1 guest runs (one guest each, {accel:?}):");
     for s in suites {
-        eprintln!("  {}", label(s));
+        eprintln!("  {} ({} tests)", s.name, s.tests(&all).len());
         if let Some(subset) = s.subset {
             eprintln!("    {subset}");
         }
     }
-    suites
+    Ok(suites
         .iter()
-        .map(|suite| match run_suite(root, binaries, suite, &scale) {
-            Ok(row) => row,
-            Err(e) => Row {
-                suite: label(suite),
-                kernel: "?".into(),
-                accel: format!("{accel:?}").to_lowercase(),
-                boot_seconds: None,
-                run_seconds: 0.0,
-                result: format!("ERROR: {}", first_line(&format!("{e:#}"))),
-                ok: false,
+        .map(
+            |suite| match run_suite(root, privileged, &all, suite, &scale) {
+                Ok(row) => row,
+                Err(e) => Row {
+                    suite: suite.name.to_owned(),
+                    kernel: "?".into(),
+                    accel: format!("{accel:?}").to_lowercase(),
+                    boot_seconds: None,
+                    run_seconds: 0.0,
+                    result: format!("ERROR: {}", first_line(&format!("{e:#}"))),
+                    ok: false,
+                },
             },
-        })
-        .collect()
+        )
+        .collect())
 }
 
-/// The suite and its filters (not libtest's switches, nor what `--skip`
-/// leaves out: the summary's note says that).
-fn label(suite: &Suite) -> String {
-    let mut filters = Vec::new();
-    let mut args = suite.args.iter();
-    while let Some(a) = args.next() {
-        if *a == "--skip" {
-            args.next();
-        } else if !a.starts_with("--") {
-            filters.push(*a);
-        }
+/// Every test of the privileged binary, by full name (`--list`).
+fn list(privileged: &Path) -> anyhow::Result<Vec<String>> {
+    let out = std::process::Command::new(privileged)
+        .args(["--list", "--format", "terse"])
+        .output()
+        .with_context(|| format!("listing the tests of {}", privileged.display()))?;
+    if !out.status.success() {
+        bail!(
+            "{} --list failed: {}",
+            privileged.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
-    match filters.as_slice() {
-        [] => suite.name.to_owned(),
-        f => format!("{} {}", suite.name, f.join(" ")),
-    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.strip_suffix(": test"))
+        .map(str::to_owned)
+        .collect())
 }
 
 fn first_line(s: &str) -> &str {
@@ -267,23 +287,29 @@ fn first_line(s: &str) -> &str {
 
 fn run_suite(
     root: &Path,
-    binaries: &BTreeMap<String, std::path::PathBuf>,
+    privileged: &Path,
+    all: &[String],
     suite: &Suite,
     scale: &str,
 ) -> anyhow::Result<Row> {
-    let exe = binaries
-        .get(suite.name)
-        .with_context(|| format!("cargo built no test target named {}", suite.name))?;
+    let tests = suite.tests(all);
+    if tests.is_empty() {
+        bail!("no test of {PRIVILEGED} matches suite {}", suite.name);
+    }
     let mut command = vec![
-        exe.to_string_lossy().into_owned(),
+        privileged.to_string_lossy().into_owned(),
         "--test-threads=1".into(),
+        "--exact".into(),
     ];
-    command.extend(suite.args.iter().map(|a| (*a).to_owned()));
+    if suite.nocapture {
+        command.push("--nocapture".into());
+    }
+    command.extend(tests.iter().map(|t| (*t).to_owned()));
     let mut spec = vm::VmSpec::new(command);
-    spec.cwd = Some(root.join("policy-agent"));
+    spec.cwd = Some(root.join("testbed"));
     // The guest mounts fresh tmpfs over /tmp, /run and /var/tmp: a
     // checkout (or a target directory) there is shared on its own.
-    let build_dir = exe.parent().and_then(Path::parent).unwrap_or(root);
+    let build_dir = privileged.parent().and_then(Path::parent).unwrap_or(root);
     for dir in [root, build_dir] {
         if vm::hidden_in_guest(dir) && !spec.writable.iter().any(|w| dir.starts_with(w)) {
             spec.writable.push(dir.to_path_buf());
@@ -294,21 +320,24 @@ fn run_suite(
     spec.env = vec![
         (TIME_SCALE_VAR.to_owned(), scale.to_owned()),
         ("RUST_BACKTRACE".to_owned(), "1".to_owned()),
-        // Built beside the test binaries by `test::run` (debug profile).
+        // Built beside the test binary by `test::run` (debug profile):
+        // the guest has no toolchain to build them.
+        (
+            "POLICY_AGENT_BIN".to_owned(),
+            build_dir
+                .join("policy-agent")
+                .to_string_lossy()
+                .into_owned(),
+        ),
         (
             "POLICY_CNI_BIN".to_owned(),
             build_dir.join("policy-cni").to_string_lossy().into_owned(),
         ),
     ];
-    spec.env.extend(
-        suite
-            .env
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
-    );
     eprintln!(
-        "\n=== guest: {} ({TIME_SCALE_VAR}={scale}) ===",
-        label(suite)
+        "\n=== guest: {} ({} tests, {TIME_SCALE_VAR}={scale}) ===",
+        suite.name,
+        tests.len()
     );
     let out = vm::run(&spec)?;
     for l in out.kernel_trouble() {
@@ -323,10 +352,17 @@ fn run_suite(
     let skipped = out.stdout.contains(SKIP_MARK) || out.stderr.contains(SKIP_MARK);
     let (ok, result) = match (&summary, out.status) {
         (Some(_), 0) if skipped => (false, format!("FAILED: a test printed {SKIP_MARK}")),
-        (Some(s), 0) if s.passed > 0 && s.failed == 0 => (true, format!("ok, {} passed", s.passed)),
+        (Some(s), 0) if s.passed as usize == tests.len() && s.failed == 0 => {
+            (true, format!("ok, {} passed", s.passed))
+        }
         (Some(s), 0) => (
             false,
-            format!("FAILED: {} passed, {} failed", s.passed, s.failed),
+            format!(
+                "FAILED: {} passed, {} failed, of {}",
+                s.passed,
+                s.failed,
+                tests.len()
+            ),
         ),
         (Some(s), status) => (
             false,
@@ -338,7 +374,7 @@ fn run_suite(
         (None, status) => (false, format!("FAILED: no test summary (exit {status})")),
     };
     Ok(Row {
-        suite: label(suite),
+        suite: suite.name.to_owned(),
         kernel: out.kernel_release,
         accel: format!("{:?}", out.accel).to_lowercase(),
         boot_seconds: Some(out.boot_seconds),
@@ -431,9 +467,7 @@ pub fn render(rows: &[Row]) -> String {
     out.push_str(&format!("guest total: {guest_total:.0} s\n"));
     for s in SUITES {
         if let Some(subset) = s.subset
-            && rows
-                .iter()
-                .any(|r| r.suite.split(' ').next() == Some(s.name))
+            && rows.iter().any(|r| r.suite == s.name)
         {
             out.push_str(&format!("in the guest, {}: {subset}\n", s.name));
         }
@@ -467,6 +501,37 @@ mod tests {
     }
 
     #[test]
+    fn a_suite_takes_its_modules_minus_skips_and_only_its_filters() {
+        let all: Vec<String> = [
+            "kernel::test_run::a",
+            "pod_range_guard_netns::b",
+            "netns::twin",
+            "netns::c",
+            "cni::agent::first_packet_manifests_x",
+            "cni::agent::other",
+            "services::ipvs::d",
+            "kernel::services::e",
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        let by_name = |n: &str| SUITES.iter().find(|s| s.name == n).unwrap();
+        assert_eq!(
+            by_name("kernel").tests(&all),
+            ["kernel::test_run::a", "kernel::services::e"]
+        );
+        let netns = Suite {
+            skip: &["twin"],
+            ..*by_name("netns")
+        };
+        assert_eq!(netns.tests(&all), ["netns::c"]);
+        assert_eq!(
+            by_name("cni").tests(&all),
+            ["cni::agent::first_packet_manifests_x"]
+        );
+        assert_eq!(by_name("ipvs").tests(&all), ["services::ipvs::d"]);
+    }
+
+    #[test]
     fn the_table_names_kernel_accel_times_and_subsets() {
         let rows = [
             Row {
@@ -479,7 +544,7 @@ mod tests {
                 ok: true,
             },
             Row {
-                suite: "conformance bpf::".into(),
+                suite: "conformance".into(),
                 kernel: "6.1.0-56-amd64".into(),
                 accel: "tcg".into(),
                 boot_seconds: Some(8.04),
@@ -492,11 +557,11 @@ mod tests {
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(
             lines[0],
-            "suite             | kernel         | accel | boot s | run s | result"
+            "suite            | kernel         | accel | boot s | run s | result"
         );
         assert!(
             lines[3].starts_with(
-                "conformance bpf:: | 6.1.0-56-amd64 | tcg   |    8.0 | 300.0 | ok, 17 passed"
+                "conformance      | 6.1.0-56-amd64 | tcg   |    8.0 | 300.0 | ok, 17 passed"
             ),
             "{t}"
         );

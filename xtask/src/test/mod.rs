@@ -8,7 +8,7 @@ pub mod guest;
 
 use std::{path::Path, time::Instant};
 
-use anyhow::bail;
+use anyhow::{Context as _, bail};
 
 pub struct Options {
     pub no_lint: bool,
@@ -40,12 +40,14 @@ pub fn run(root: &Path, opts: &Options) -> anyhow::Result<()> {
         guest::prepare()?;
     }
     let binaries = binaries::build()?;
-    if !opts.no_vm {
-        // The CNI suites run the plugin binary, which the guest (no
-        // toolchain) cannot build: built here, handed over by
-        // POLICY_CNI_BIN (see `guest::run_suite`).
-        crate::run(crate::cargo().args(["build", "-p", "policy-cni"]))?;
-    }
+    let privileged = binaries
+        .get(guest::PRIVILEGED)
+        .with_context(|| format!("cargo built no test target named {}", guest::PRIVILEGED))?
+        .clone();
+    // The privileged tests run the agent and the plugin as a user does:
+    // built here (the guest, with no toolchain, cannot build them), found
+    // beside the test binary (see `testbed/src/workspace_bins.rs`).
+    crate::run(crate::cargo().args(["build", "-p", "policy-agent", "-p", "policy-cni"]))?;
     let mut rows = Vec::new();
     if !opts.vm_only {
         rows.push(host(&opts.args)?);
@@ -55,7 +57,7 @@ pub fn run(root: &Path, opts: &Options) -> anyhow::Result<()> {
         eprintln!("the 6.1 guest was left out (--no-vm)");
         return Ok(());
     }
-    rows.extend(guest::run_all(root, &binaries, &suites));
+    rows.extend(guest::run_all(root, &privileged, &suites)?);
     eprintln!("\n{}", guest::render(&rows));
     let failed: Vec<&str> = rows
         .iter()

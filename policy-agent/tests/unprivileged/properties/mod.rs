@@ -1,0 +1,4 @@
+//! Property tests over random clusters and policies.
+mod fuzz;
+mod incremental;
+mod semantics;

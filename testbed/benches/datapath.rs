@@ -1,0 +1,312 @@
+//! Per-packet cost of the classifier via BPF_PROG_TEST_RUN, as the number
+//! of policy entries grows (10 → 10,000) with 10,000 ipcache entries
+//! loaded. Needs root. `cargo bench -p policy-agent --bench datapath`
+//!
+//! Three paths: an established flow (a conntrack hit); a new flow denied
+//! with the typical shape (every entry of the endpoint TCP one-port, so
+//! two probes: the peer's label identity and its class); and a new flow
+//! denied with the worst shape the classifier can take: every lookup bit
+//! set (all 17 port-prefix lengths, any-protocol, any-peer: port blocks of
+//! every length, as endPort ranges compile to), and a peer whose label
+//! identity and ipBlock class both have no entry, so all 3 × 18 = 54
+//! probes run and miss. The probe counts are taken from the model
+//! (`policy_common::model`) and printed.
+//!
+//! The kernel runs the program `REPEAT` times per call and reports the
+//! mean; each figure is the median of `ROUNDS` calls. Every ratio is the
+//! median of per-round ratios against the one-lookup floor measured in the
+//! same round, so drift of the machine cancels. Printed figures, not
+//! pass/fail.
+//!
+//! `POLICY_AGENT_BENCH_REPEAT` and `POLICY_AGENT_BENCH_ROUNDS` override
+//! `REPEAT` and `ROUNDS`, and `POLICY_AGENT_BENCH_OUT` the JSON's path:
+//! `cargo xtask bench --only datapath-guest` runs this binary inside the
+//! emulated 6.1 guest (far slower, its target directory read-only there).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::{IpAddr, Ipv4Addr};
+
+use aya::programs::{TestRun as _, TestRunOptions};
+use ipnet::IpNet;
+use policy_agent::{
+    datapath::bpf::{Hook, Unpinned},
+    mapstate::{MapState, diff},
+};
+use policy_common::{
+    direction,
+    endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED, EndpointInfo, lookups},
+    identity::{ANY, FIRST_CIDR, FIRST_LABEL, WORLD},
+    ipcache::IpcacheEntry,
+    model::Maps,
+    policy::{PolicyEntry, PolicyKey},
+    proto,
+};
+use policy_testbed::packet::{Packet, TCP_ACK, TCP_SYN};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+const REPEAT: u32 = 200_000;
+const ROUNDS: usize = 7;
+const IPCACHE_ENTRIES: u32 = 10_000;
+const ME: u32 = FIRST_LABEL;
+
+/// 10,000 pod /32s, `policies` entries spread over 500 endpoint identities
+/// (ours among them), seeded.
+fn state(policies: usize) -> MapState<u32> {
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut s = MapState::default();
+    s.endpoints.insert(
+        1,
+        EndpointInfo {
+            identity: ME,
+            flags: ENDPOINT_INGRESS_ISOLATED | ENDPOINT_EGRESS_ISOLATED,
+            revision: 1,
+            ..Default::default()
+        }
+        .with_addresses(&[IpAddr::V4(Ipv4Addr::new(10, 0, 0, 200))]),
+    );
+    for i in 0..IPCACHE_ENTRIES {
+        let ip = IpAddr::V4(Ipv4Addr::from(0x0a00_0000u32 + i + 1));
+        s.ipcache.insert(
+            IpNet::new(ip, 32).unwrap(),
+            IpcacheEntry {
+                identity: FIRST_LABEL + 1 + (i % 2000),
+                cidr_identity: WORLD,
+            },
+        );
+    }
+    // Our own allow: 10.0.0.1 (identity FIRST_LABEL + 1) on TCP 80.
+    s.policy.insert(
+        PolicyKey::new(ME, direction::INGRESS, FIRST_LABEL + 1, proto::TCP, 16, 80),
+        PolicyEntry::default(),
+    );
+    while s.policy.len() < policies {
+        let ep = FIRST_LABEL + rng.random_range(0..500);
+        let peer = FIRST_LABEL + 1 + rng.random_range(0..2000);
+        let port = rng.random_range(1..65535);
+        s.policy.insert(
+            PolicyKey::new(ep, direction::INGRESS, peer, proto::TCP, 16, port),
+            PolicyEntry::default(),
+        );
+    }
+    s.finalize();
+    s
+}
+
+/// The worst peer: a label identity and an ipBlock class, neither of
+/// which the endpoint has entries for.
+fn worst_peer() -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(10, 200, 0, 7))
+}
+
+/// `state(policies)` with our endpoint's entries replaced by the worst
+/// lookup shape: a block of every port-prefix length, an any-protocol
+/// entry (all for the allowed peer), and an any-peer entry on UDP 53, so
+/// every lookup bit is set and none of them matches the worst peer's
+/// TCP 80.
+fn worst_state(policies: usize) -> MapState<u32> {
+    let mut s = state(policies);
+    s.policy.retain(|k, _| k.endpoint_identity != ME);
+    let allowed = FIRST_LABEL + 1;
+    for len in 0..=16u8 {
+        // A block of 2^(16-len) ports above 32768 (len 0: every TCP port).
+        let port = if len == 0 { 0 } else { 0x8000 };
+        s.policy.insert(
+            PolicyKey::new(ME, direction::INGRESS, allowed, proto::TCP, len, port),
+            PolicyEntry::default(),
+        );
+    }
+    s.policy.insert(
+        PolicyKey::new(ME, direction::INGRESS, allowed, proto::ANY, 0, 0),
+        PolicyEntry::default(),
+    );
+    s.policy.insert(
+        PolicyKey::new(ME, direction::INGRESS, ANY, proto::UDP, 16, 53),
+        PolicyEntry::default(),
+    );
+    s.ipcache.insert(
+        IpNet::new(worst_peer(), 32).unwrap(),
+        IpcacheEntry {
+            identity: FIRST_LABEL + 2001,
+            cidr_identity: FIRST_CIDR + 5,
+        },
+    );
+    s.finalize();
+    s
+}
+
+/// How many policy probes the model makes for a new TCP flow from `peer`
+/// to our endpoint's port `port`, and its verdict.
+fn probes(s: &MapState<u32>, peer: IpAddr, port: u16) -> (usize, policy_common::verdict::Reason) {
+    let m = s.to_model(|k| *k);
+    let ep = m.endpoints[&1];
+    let entry = m.ipcache_lookup(peer);
+    let n = Maps::peers_to_probe(&ep, direction::INGRESS, entry)
+        .into_iter()
+        .map(|id| Maps::probes_for_peer(&ep, direction::INGRESS, id, proto::TCP, port).len())
+        .sum();
+    (
+        n,
+        m.judge(&ep, direction::INGRESS, peer, proto::TCP, port)
+            .reason,
+    )
+}
+
+/// `name` from the environment, else `default`.
+fn setting<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn run_once(prog: &mut aya::programs::SchedClassifier, frame: &[u8], repeat: u32) -> f64 {
+    let r = prog
+        .test_run(TestRunOptions {
+            data_in: Some(frame),
+            repeat,
+            ..TestRunOptions::default()
+        })
+        .unwrap();
+    r.duration.as_nanos() as f64
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let repeat: u32 = setting("POLICY_AGENT_BENCH_REPEAT", REPEAT);
+    let rounds: usize = setting("POLICY_AGENT_BENCH_ROUNDS", ROUNDS).max(1);
+    let peer = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 3));
+    let pod = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 200));
+    let allowed_peer = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1));
+    // Denied: every probe misses, the longest path a new flow takes.
+    let new_denied = Packet::tcp(peer, 40000, pod, 80, TCP_SYN).frame();
+    // Established: an ACK of a flow whose SYN opened a conntrack entry (a
+    // segment without SYN opens none), so every run is a conntrack hit.
+    let opening = Packet::tcp(allowed_peer, 40001, pod, 80, TCP_SYN).frame();
+    let established = Packet::tcp(allowed_peer, 40001, pod, 80, TCP_ACK).frame();
+    // Denied with the worst lookup shape: 54 probes, all missing.
+    let new_worst = Packet::tcp(worst_peer(), 40002, pod, 80, TCP_SYN).frame();
+    // The floors, loaded the same way, with the same maps behind them.
+    let mut floors = Unpinned::load_with(&[(policy_common::maps::CONNTRACK, 65536)]).unwrap();
+    let (typical_probes, typical_verdict) = probes(&state(10), peer, 80);
+    let (worst_probes, worst_verdict) = probes(&worst_state(10), worst_peer(), 80);
+    let worst_bits = worst_state(10).endpoints[&1].ingress_lookups;
+    assert_eq!(
+        worst_bits,
+        lookups::PORT_PREFIXES | lookups::ANY_PROTOCOL | lookups::ANY_PEER,
+        "every lookup bit"
+    );
+    assert_eq!((typical_probes, worst_probes), (2, 54));
+    for v in [typical_verdict, worst_verdict] {
+        assert_eq!(v, policy_common::verdict::Reason::DropPolicy);
+    }
+    println!(
+        "new flows denied: typical shape {typical_probes} probes, worst shape {worst_probes} probes (all lookup bits set, label identity and class both without entries)"
+    );
+    println!(
+        "policy entries | new flow, typical miss ns/pkt | new flow, worst shape ns/pkt | established ns/pkt"
+    );
+    let mut base: Option<(f64, f64, f64)> = None;
+    let mut rows: Vec<serde_json::Value> = Vec::new();
+    let (mut all_empty, mut all_floor) = (Vec::new(), Vec::new());
+    for policies in [10usize, 100, 1_000, 10_000] {
+        let mut dp = Unpinned::load_with(&[(policy_common::maps::CONNTRACK, 65536)]).unwrap();
+        let s = state(policies);
+        let old = dp.maps.read_state().unwrap();
+        dp.maps.apply(&diff(&old, &s)).unwrap();
+        let mut worst = Unpinned::load_with(&[(policy_common::maps::CONNTRACK, 65536)]).unwrap();
+        let w = worst_state(policies);
+        let old = worst.maps.read_state().unwrap();
+        worst.maps.apply(&diff(&old, &w)).unwrap();
+        // The worst packet is dropped (every probe missed).
+        let r = worst
+            .program(Hook::Egress)
+            .unwrap()
+            .test_run(TestRunOptions {
+                data_in: Some(&new_worst),
+                ..TestRunOptions::default()
+            })
+            .unwrap();
+        assert_eq!(r.return_value, 2, "the worst-shape packet is dropped");
+        let r = dp
+            .program(Hook::Egress)
+            .unwrap()
+            .test_run(TestRunOptions {
+                data_in: Some(&opening),
+                ..TestRunOptions::default()
+            })
+            .unwrap();
+        assert_ne!(r.return_value, 2, "the established flow's SYN is allowed");
+        // Each round measures the floors and both paths back to back, and
+        // ratios are taken within a round: a shared VM drifts by 20% and
+        // more between minutes, far less between neighbouring calls.
+        let (mut new, mut est, mut floor, mut wst) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut new_r, mut est_r, mut wst_r) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            let e = run_once(
+                floors.extra_program("floor_empty").unwrap(),
+                &established,
+                repeat,
+            );
+            let f = run_once(
+                floors.extra_program("floor_one_lookup").unwrap(),
+                &established,
+                repeat,
+            );
+            let n = run_once(dp.program(Hook::Egress).unwrap(), &new_denied, repeat);
+            let x = run_once(dp.program(Hook::Egress).unwrap(), &established, repeat);
+            let wc = run_once(worst.program(Hook::Egress).unwrap(), &new_worst, repeat);
+            wst.push(wc);
+            wst_r.push(wc / f);
+            all_empty.push(e);
+            all_floor.push(f);
+            floor.push(f);
+            new.push(n);
+            est.push(x);
+            new_r.push(n / f);
+            est_r.push(x / f);
+        }
+        let (new, est, floor, wst) = (median(new), median(est), median(floor), median(wst));
+        let (new_r, est_r, wst_r) = (median(new_r), median(est_r), median(wst_r));
+        let (b_new, b_est, b_wst) = *base.get_or_insert((new_r, est_r, wst_r));
+        println!(
+            "{policies:>14} | {new:>8.1} ({:.2}x) | {wst:>8.1} ({:.2}x) | {est:>8.1} ({:.2}x, {est_r:.2}x the one-lookup floor of {floor:.0} ns)",
+            new_r / b_new,
+            wst_r / b_wst,
+            est_r / b_est,
+        );
+        rows.push(serde_json::json!({
+            "policies": policies, "new_flow_ns": new, "established_ns": est,
+            "new_flow_worst_ns": wst,
+            "floor_one_lookup_ns": floor,
+            "new_flow_ratio_to_10": new_r / b_new, "established_ratio_to_10": est_r / b_est,
+            "new_flow_worst_ratio_to_10": wst_r / b_wst,
+            "established_over_floor": est_r, "new_flow_worst_over_floor": wst_r,
+            "new_flow_over_floor": new_r,
+        }));
+    }
+    let (empty, one_lookup) = (median(all_empty), median(all_floor));
+    println!(
+        "floor: empty program {empty:.1} ns/pkt; parse + one hash lookup {one_lookup:.1} ns/pkt"
+    );
+    let json = serde_json::json!({
+        "ipcache_entries": IPCACHE_ENTRIES, "repeat": repeat, "rounds": rounds,
+        "typical_probes": typical_probes, "worst_probes": worst_probes,
+        "floor_empty_ns": empty, "floor_one_lookup_ns": one_lookup, "rows": rows,
+    });
+    let out = std::env::var_os("POLICY_AGENT_BENCH_OUT").map_or_else(
+        || {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../target/bench-results/datapath.json")
+        },
+        std::path::PathBuf::from,
+    );
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir).unwrap();
+    }
+    std::fs::write(&out, serde_json::to_string_pretty(&json).unwrap()).unwrap();
+}

@@ -1,0 +1,718 @@
+//! iptables mode: the `iptables-restore --noflush` input kube-proxy's
+//! `syncProxyRules` writes (a full sync), and its jump rules.
+use std::{collections::BTreeSet, fmt::Write as _};
+
+use ipnet::IpNet;
+
+use super::{
+    chain_names::{endpoint_hash, port_proto_hash},
+    model::{Family, SvcPort, join_host_port},
+};
+use policy_agent::cluster::Backend;
+
+/// kube-proxy's masquerade mark (`1 << 14`, `%#08x`).
+pub const MASQ_MARK: &str = "0x004000";
+
+pub const FILTER_CHAINS: [&str; 5] = [
+    "KUBE-SERVICES",
+    "KUBE-EXTERNAL-SERVICES",
+    "KUBE-FORWARD",
+    "KUBE-NODEPORTS",
+    "KUBE-PROXY-FIREWALL",
+];
+pub const NAT_CHAINS: [&str; 4] = [
+    "KUBE-SERVICES",
+    "KUBE-NODEPORTS",
+    "KUBE-POSTROUTING",
+    "KUBE-MARK-MASQ",
+];
+
+/// One of `iptablesJumpChains`: inserted (prepended) into a built-in chain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Jump {
+    pub table: &'static str,
+    pub from: &'static str,
+    pub to: &'static str,
+    pub comment: &'static str,
+    pub new_only: bool,
+}
+
+impl Jump {
+    /// The rule's arguments after `-t table -X from` (extra args, then the
+    /// comment, then the target, as kube-proxy orders them).
+    pub fn args(&self) -> Vec<&'static str> {
+        let mut a = Vec::new();
+        if self.new_only {
+            a.extend(["-m", "conntrack", "--ctstate", "NEW"]);
+        }
+        a.extend(["-m", "comment", "--comment", self.comment, "-j", self.to]);
+        a
+    }
+}
+
+const fn jump(
+    table: &'static str,
+    to: &'static str,
+    from: &'static str,
+    comment: &'static str,
+    new_only: bool,
+) -> Jump {
+    Jump {
+        table,
+        from,
+        to,
+        comment,
+        new_only,
+    }
+}
+
+/// `iptablesJumpChains`, in upstream's order (each is prepended, so the
+/// last one ends up first in its chain).
+pub const JUMPS: [Jump; 12] = [
+    jump(
+        "filter",
+        "KUBE-EXTERNAL-SERVICES",
+        "INPUT",
+        "kubernetes externally-visible service portals",
+        true,
+    ),
+    jump(
+        "filter",
+        "KUBE-EXTERNAL-SERVICES",
+        "FORWARD",
+        "kubernetes externally-visible service portals",
+        true,
+    ),
+    jump(
+        "filter",
+        "KUBE-NODEPORTS",
+        "INPUT",
+        "kubernetes health check service ports",
+        false,
+    ),
+    jump(
+        "filter",
+        "KUBE-SERVICES",
+        "FORWARD",
+        "kubernetes service portals",
+        true,
+    ),
+    jump(
+        "filter",
+        "KUBE-SERVICES",
+        "OUTPUT",
+        "kubernetes service portals",
+        true,
+    ),
+    jump(
+        "filter",
+        "KUBE-FORWARD",
+        "FORWARD",
+        "kubernetes forwarding rules",
+        false,
+    ),
+    jump(
+        "filter",
+        "KUBE-PROXY-FIREWALL",
+        "INPUT",
+        "kubernetes load balancer firewall",
+        true,
+    ),
+    jump(
+        "filter",
+        "KUBE-PROXY-FIREWALL",
+        "OUTPUT",
+        "kubernetes load balancer firewall",
+        true,
+    ),
+    jump(
+        "filter",
+        "KUBE-PROXY-FIREWALL",
+        "FORWARD",
+        "kubernetes load balancer firewall",
+        true,
+    ),
+    jump(
+        "nat",
+        "KUBE-SERVICES",
+        "OUTPUT",
+        "kubernetes service portals",
+        false,
+    ),
+    jump(
+        "nat",
+        "KUBE-SERVICES",
+        "PREROUTING",
+        "kubernetes service portals",
+        false,
+    ),
+    jump(
+        "nat",
+        "KUBE-POSTROUTING",
+        "POSTROUTING",
+        "kubernetes postrouting rules",
+        false,
+    ),
+];
+
+/// One family's restore input and the per-service nat chains it holds.
+#[derive(Clone, Debug, Default)]
+pub struct Rendered {
+    pub restore: String,
+    pub service_chains: BTreeSet<String>,
+}
+
+/// Per-service chain names (`servicePortInfo` in upstream).
+struct Chains {
+    svc: String,
+    svl: String,
+    ext: String,
+}
+
+impl Chains {
+    fn of(p: &SvcPort) -> Self {
+        let h = port_proto_hash(&p.spn, p.protocol);
+        Self {
+            svc: format!("KUBE-SVC-{h}"),
+            svl: format!("KUBE-SVL-{h}"),
+            ext: format!("KUBE-EXT-{h}"),
+        }
+    }
+}
+
+fn sep_chain(p: &SvcPort, b: &Backend) -> String {
+    format!(
+        "KUBE-SEP-{}",
+        endpoint_hash(&p.spn, p.protocol, &join_host_port(&b.address, b.port))
+    )
+}
+
+/// A line of the restore input; lines are built from words the way
+/// kube-proxy's LineBuffer joins them.
+fn line(out: &mut String, words: &[&str]) {
+    out.push_str(&words.join(" "));
+    out.push('\n');
+}
+
+fn quoted(s: &str) -> String {
+    format!("\"{s}\"")
+}
+
+/// The restore input of a full sync for one family. `stale` are service
+/// chains installed before and no longer wanted: flushed and deleted in
+/// the same restore, as kube-proxy does.
+pub fn render(
+    ports: &[SvcPort],
+    family: Family,
+    cluster_cidr: Option<&IpNet>,
+    stale: &BTreeSet<String>,
+) -> Rendered {
+    let mut filter_chains = String::new();
+    let mut filter_rules = String::new();
+    let mut nat_chains = String::new();
+    let mut nat_rules = String::new();
+    let mut service_chains = BTreeSet::new();
+    for c in FILTER_CHAINS {
+        line(&mut filter_chains, &[&format!(":{c} - [0:0]")]);
+    }
+    for c in NAT_CHAINS {
+        line(&mut nat_chains, &[&format!(":{c} - [0:0]")]);
+    }
+    let masq_test = format!("{MASQ_MARK}/{MASQ_MARK}");
+    line(
+        &mut nat_rules,
+        &[
+            "-A",
+            "KUBE-POSTROUTING",
+            "-m",
+            "mark",
+            "!",
+            "--mark",
+            &masq_test,
+            "-j",
+            "RETURN",
+        ],
+    );
+    line(
+        &mut nat_rules,
+        &[
+            "-A",
+            "KUBE-POSTROUTING",
+            "-j",
+            "MARK",
+            "--xor-mark",
+            MASQ_MARK,
+        ],
+    );
+    line(
+        &mut nat_rules,
+        &[
+            "-A",
+            "KUBE-POSTROUTING",
+            "-m",
+            "comment",
+            "--comment",
+            &quoted("kubernetes service traffic requiring SNAT"),
+            "-j",
+            "MASQUERADE",
+            "--random-fully",
+        ],
+    );
+    line(
+        &mut nat_rules,
+        &["-A", "KUBE-MARK-MASQ", "-j", "MARK", "--or-mark", MASQ_MARK],
+    );
+    let cidr = cluster_cidr.map(ToString::to_string);
+    let mut declare = |chains: &mut String, name: &str| {
+        if service_chains.insert(name.to_owned()) {
+            line(chains, &[&format!(":{name} - [0:0]")]);
+        }
+    };
+
+    for p in ports {
+        let ch = Chains::of(p);
+        let proto = p.protocol;
+        let cip = p.cluster_ip.to_string();
+        let port = p.port.to_string();
+        let (internal_chain, external_policy_chain) = (
+            if p.internal_local { &ch.svl } else { &ch.svc },
+            if p.external_local { &ch.svl } else { &ch.svc },
+        );
+        let (filter_target, filter_comment) = if !p.has_any {
+            ("REJECT", quoted(&format!("{} has no endpoints", p.spn)))
+        } else {
+            ("DROP", quoted(&format!("{} has no local endpoints", p.spn)))
+        };
+        let cluster_ip_comment = quoted(&format!("{} cluster IP", p.spn));
+
+        // Capture the ClusterIP.
+        if p.has_internal() {
+            line(
+                &mut nat_rules,
+                &[
+                    "-A",
+                    "KUBE-SERVICES",
+                    "-m",
+                    "comment",
+                    "--comment",
+                    &cluster_ip_comment,
+                    "-m",
+                    proto,
+                    "-p",
+                    proto,
+                    "-d",
+                    &cip,
+                    "--dport",
+                    &port,
+                    "-j",
+                    internal_chain,
+                ],
+            );
+        } else {
+            line(
+                &mut filter_rules,
+                &[
+                    "-A",
+                    "KUBE-SERVICES",
+                    "-m",
+                    "comment",
+                    "--comment",
+                    &filter_comment,
+                    "-m",
+                    proto,
+                    "-p",
+                    proto,
+                    "-d",
+                    &cip,
+                    "--dport",
+                    &port,
+                    "-j",
+                    filter_target,
+                ],
+            );
+        }
+        // External IPs and load-balancer IPs.
+        for (ips, what) in [
+            (&p.external_ips, "external IP"),
+            (&p.lb_ips, "loadbalancer IP"),
+        ] {
+            for ip in ips {
+                let ip = ip.to_string();
+                if p.has_any {
+                    line(
+                        &mut nat_rules,
+                        &[
+                            "-A",
+                            "KUBE-SERVICES",
+                            "-m",
+                            "comment",
+                            "--comment",
+                            &quoted(&format!("{} {what}", p.spn)),
+                            "-m",
+                            proto,
+                            "-p",
+                            proto,
+                            "-d",
+                            &ip,
+                            "--dport",
+                            &port,
+                            "-j",
+                            &ch.ext,
+                        ],
+                    );
+                }
+                if !p.has_external() {
+                    line(
+                        &mut filter_rules,
+                        &[
+                            "-A",
+                            "KUBE-EXTERNAL-SERVICES",
+                            "-m",
+                            "comment",
+                            "--comment",
+                            &filter_comment,
+                            "-m",
+                            proto,
+                            "-p",
+                            proto,
+                            "-d",
+                            &ip,
+                            "--dport",
+                            &port,
+                            "-j",
+                            filter_target,
+                        ],
+                    );
+                }
+            }
+        }
+        // NodePort.
+        if let Some(np) = p.node_port {
+            let np = np.to_string();
+            if p.has_any {
+                line(
+                    &mut nat_rules,
+                    &[
+                        "-A",
+                        "KUBE-NODEPORTS",
+                        "-m",
+                        "comment",
+                        "--comment",
+                        &p.spn,
+                        "-m",
+                        proto,
+                        "-p",
+                        proto,
+                        "--dport",
+                        &np,
+                        "-j",
+                        &ch.ext,
+                    ],
+                );
+            }
+            if !p.has_external() {
+                line(
+                    &mut filter_rules,
+                    &[
+                        "-A",
+                        "KUBE-EXTERNAL-SERVICES",
+                        "-m",
+                        "comment",
+                        "--comment",
+                        &filter_comment,
+                        "-m",
+                        "addrtype",
+                        "--dst-type",
+                        "LOCAL",
+                        "-m",
+                        proto,
+                        "-p",
+                        proto,
+                        "--dport",
+                        &np,
+                        "-j",
+                        filter_target,
+                    ],
+                );
+            }
+        }
+        // Internal traffic: masquerade what does not come from a pod.
+        if p.has_internal()
+            && let Some(cidr) = &cidr
+        {
+            line(
+                &mut nat_rules,
+                &[
+                    "-A",
+                    internal_chain,
+                    "-m",
+                    "comment",
+                    "--comment",
+                    &cluster_ip_comment,
+                    "-m",
+                    proto,
+                    "-p",
+                    proto,
+                    "-d",
+                    &cip,
+                    "--dport",
+                    &port,
+                    "!",
+                    "-s",
+                    cidr,
+                    "-j",
+                    "KUBE-MARK-MASQ",
+                ],
+            );
+        }
+        // External traffic.
+        if p.uses_external_chain() {
+            declare(&mut nat_chains, &ch.ext);
+            if !p.external_local {
+                line(
+                    &mut nat_rules,
+                    &[
+                        "-A",
+                        &ch.ext,
+                        "-m",
+                        "comment",
+                        "--comment",
+                        &quoted(&format!(
+                            "masquerade traffic for {} external destinations",
+                            p.spn
+                        )),
+                        "-j",
+                        "KUBE-MARK-MASQ",
+                    ],
+                );
+            } else {
+                if let Some(cidr) = &cidr {
+                    line(
+                        &mut nat_rules,
+                        &[
+                            "-A",
+                            &ch.ext,
+                            "-m",
+                            "comment",
+                            "--comment",
+                            &quoted(&format!("pod traffic for {} external destinations", p.spn)),
+                            "-s",
+                            cidr,
+                            "-j",
+                            &ch.svc,
+                        ],
+                    );
+                }
+                line(
+                    &mut nat_rules,
+                    &[
+                        "-A",
+                        &ch.ext,
+                        "-m",
+                        "comment",
+                        "--comment",
+                        &quoted(&format!(
+                            "masquerade LOCAL traffic for {} external destinations",
+                            p.spn
+                        )),
+                        "-m",
+                        "addrtype",
+                        "--src-type",
+                        "LOCAL",
+                        "-j",
+                        "KUBE-MARK-MASQ",
+                    ],
+                );
+                line(
+                    &mut nat_rules,
+                    &[
+                        "-A",
+                        &ch.ext,
+                        "-m",
+                        "comment",
+                        "--comment",
+                        &quoted(&format!(
+                            "route LOCAL traffic for {} external destinations",
+                            p.spn
+                        )),
+                        "-m",
+                        "addrtype",
+                        "--src-type",
+                        "LOCAL",
+                        "-j",
+                        &ch.svc,
+                    ],
+                );
+            }
+            if p.has_external() {
+                line(
+                    &mut nat_rules,
+                    &["-A", &ch.ext, "-j", external_policy_chain],
+                );
+            }
+        }
+        // Load balancing across the endpoints.
+        if p.uses_cluster_chain() {
+            declare(&mut nat_chains, &ch.svc);
+            service_to_endpoints(&mut nat_rules, p, &ch.svc, &p.cluster);
+        }
+        if p.uses_local_chain() {
+            declare(&mut nat_chains, &ch.svl);
+            service_to_endpoints(&mut nat_rules, p, &ch.svl, &p.local);
+        }
+        // Endpoint chains.
+        for b in p.reachable() {
+            let sep = sep_chain(p, b);
+            declare(&mut nat_chains, &sep);
+            let ip = b.address.to_string();
+            let to = join_host_port(&b.address, b.port);
+            line(
+                &mut nat_rules,
+                &[
+                    "-A",
+                    &sep,
+                    "-m",
+                    "comment",
+                    "--comment",
+                    &p.spn,
+                    "-s",
+                    &ip,
+                    "-j",
+                    "KUBE-MARK-MASQ",
+                ],
+            );
+            line(
+                &mut nat_rules,
+                &[
+                    "-A",
+                    &sep,
+                    "-m",
+                    "comment",
+                    "--comment",
+                    &p.spn,
+                    "-m",
+                    proto,
+                    "-p",
+                    proto,
+                    "-j",
+                    "DNAT",
+                    "--to-destination",
+                    &to,
+                ],
+            );
+        }
+    }
+
+    // Chains no longer in use: a chain line flushes, then -X deletes.
+    for chain in stale.difference(&service_chains) {
+        line(&mut nat_chains, &[&format!(":{chain} - [0:0]")]);
+        line(&mut nat_rules, &["-X", chain]);
+    }
+
+    // The NodePort capture must be the last rule of KUBE-SERVICES
+    // (nodePortAddresses unset; localhost NodePorts off).
+    let mut last = vec![
+        "-A",
+        "KUBE-SERVICES",
+        "-m",
+        "comment",
+        "--comment",
+        "\"kubernetes service nodeports; NOTE: this must be the last rule in this chain\"",
+        "-m",
+        "addrtype",
+        "--dst-type",
+        "LOCAL",
+    ];
+    last.extend(match family {
+        Family::V4 => ["!", "-d", "127.0.0.0/8"],
+        Family::V6 => ["!", "-d", "::1/128"],
+    });
+    last.extend(["-j", "KUBE-NODEPORTS"]);
+    line(&mut nat_rules, &last);
+
+    line(
+        &mut filter_rules,
+        &[
+            "-A",
+            "KUBE-FORWARD",
+            "-m",
+            "conntrack",
+            "--ctstate",
+            "INVALID",
+            "-j",
+            "DROP",
+        ],
+    );
+    line(
+        &mut filter_rules,
+        &[
+            "-A",
+            "KUBE-FORWARD",
+            "-m",
+            "comment",
+            "--comment",
+            "\"kubernetes forwarding rules\"",
+            "-m",
+            "mark",
+            "--mark",
+            &masq_test,
+            "-j",
+            "ACCEPT",
+        ],
+    );
+    line(
+        &mut filter_rules,
+        &[
+            "-A",
+            "KUBE-FORWARD",
+            "-m",
+            "comment",
+            "--comment",
+            "\"kubernetes forwarding conntrack rule\"",
+            "-m",
+            "conntrack",
+            "--ctstate",
+            "RELATED,ESTABLISHED",
+            "-j",
+            "ACCEPT",
+        ],
+    );
+
+    let mut restore = String::new();
+    let _ = write!(
+        restore,
+        "*filter\n{filter_chains}{filter_rules}COMMIT\n*nat\n{nat_chains}{nat_rules}COMMIT\n"
+    );
+    Rendered {
+        restore,
+        service_chains,
+    }
+}
+
+/// `writeServiceToEndpointRules`: a probability cascade, each endpoint
+/// picked with probability exactly 1/N.
+fn service_to_endpoints(out: &mut String, p: &SvcPort, chain: &str, endpoints: &[Backend]) {
+    let n = endpoints.len();
+    for (i, b) in endpoints.iter().enumerate() {
+        let comment = quoted(&format!(
+            "{} -> {}",
+            p.spn,
+            join_host_port(&b.address, b.port)
+        ));
+        let sep = sep_chain(p, b);
+        let mut words = vec!["-A", chain, "-m", "comment", "--comment", &comment];
+        let probability = format!("{:.10}", 1.0 / (n - i) as f64);
+        if i < n - 1 {
+            words.extend([
+                "-m",
+                "statistic",
+                "--mode",
+                "random",
+                "--probability",
+                &probability,
+            ]);
+        }
+        words.extend(["-j", &sep]);
+        line(out, &words);
+    }
+}

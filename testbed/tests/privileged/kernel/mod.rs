@@ -1,0 +1,8 @@
+//! The classifier on the real kernel through BPF_PROG_TEST_RUN: crafted
+//! packets against chosen map content, judged by verdict, reason,
+//! counters and events.
+mod differential;
+mod hardening;
+mod pod_range_guard;
+mod services;
+mod test_run;

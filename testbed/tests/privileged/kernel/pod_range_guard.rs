@@ -1,0 +1,240 @@
+//! The catch-all (`--pod-cidr`) on the real kernel through
+//! BPF_PROG_TEST_RUN, at every hook: an address in the node's pod ranges
+//! that is not enforced is unreachable from a pod, cannot reach one, and
+//! neither leaves nor enters the node. Needs root (CAP_BPF, CAP_NET_ADMIN).
+
+use aya::maps::RingBuf;
+use policy_agent::datapath::bpf::Hook;
+use policy_common::{
+    direction::EGRESS,
+    event::DropEvent,
+    identity::{NODE, WORLD},
+    verdict::Reason,
+};
+use policy_testbed::fixtures::harness::{Harness, TEST_IFINDEX, Verdict, ip};
+use policy_testbed::packet::{Packet, TCP_SYN};
+
+const POD: u32 = 300;
+const PEER: u32 = 301;
+
+/// The pod at 10.0.0.10 / fd00::10 (TEST_IFINDEX, isolated nowhere) in
+/// the node's ranges 10.0.0.0/24 and fd00::/64 with the gateway 10.0.0.1
+/// (a node address) and an enforced neighbour 10.0.0.11 / fd00::11;
+/// 10.0.0.99 / fd00::99 are a new pod the agent does not enforce yet.
+fn node(catchall: bool) -> Harness {
+    let mut h = Harness::new();
+    h.endpoint(POD, 0, 1);
+    h.ipcache("10.0.0.10/32", POD, WORLD);
+    h.ipcache("10.0.0.11/32", PEER, WORLD);
+    h.ipcache("10.0.0.1/32", NODE, WORLD);
+    h.sync();
+    h.enforce("10.0.0.10", Some(TEST_IFINDEX));
+    h.enforce("fd00::10", Some(TEST_IFINDEX));
+    h.enforce("10.0.0.11", Some(7));
+    h.enforce("fd00::11", Some(7));
+    h.enforce("10.0.0.1", Some(0));
+    if catchall {
+        h.pod_range("10.0.0.0/24");
+        h.pod_range("fd00::/64");
+    }
+    h
+}
+
+fn tcp(src: &str, dst: &str) -> Vec<u8> {
+    Packet::tcp(ip(src), 40000, ip(dst), 80, TCP_SYN).frame()
+}
+
+#[test]
+fn a_pod_cannot_reach_an_unenforced_neighbour() {
+    let mut h = node(true);
+    for (src, dst) in [("10.0.0.10", "10.0.0.99"), ("fd00::10", "fd00::99")] {
+        assert_eq!(
+            h.run_reason(Hook::Ingress, &tcp(src, dst)),
+            (Verdict::Drop, Reason::DropUnenforced),
+            "{src} -> {dst}"
+        );
+    }
+    // Enforced neighbours, the gateway, addresses outside the ranges: as before.
+    for dst in ["10.0.0.11", "fd00::11", "192.0.2.1", "10.0.1.99"] {
+        let src = if dst.contains(':') {
+            "fd00::10"
+        } else {
+            "10.0.0.10"
+        };
+        assert_eq!(
+            h.run_reason(Hook::Ingress, &tcp(src, dst)),
+            (Verdict::Pass, Reason::AllowNotIsolated),
+            "{dst}"
+        );
+    }
+    assert_eq!(
+        h.run_reason(Hook::Ingress, &tcp("10.0.0.10", "10.0.0.1")),
+        (Verdict::Pass, Reason::AllowNode)
+    );
+    // Once the agent writes its entry, the new pod is reachable.
+    h.enforce("10.0.0.99", Some(9));
+    assert_eq!(
+        h.run_reason(Hook::Ingress, &tcp("10.0.0.10", "10.0.0.99")),
+        (Verdict::Pass, Reason::AllowNotIsolated)
+    );
+    // And unreachable again once it is withdrawn.
+    h.enforce("10.0.0.99", None);
+    assert_eq!(
+        h.run(Hook::Ingress, &tcp("10.0.0.10", "10.0.0.99")),
+        Verdict::Drop
+    );
+}
+
+#[test]
+fn an_unenforced_neighbour_cannot_reach_a_pod() {
+    let mut h = node(true);
+    for (src, dst) in [("10.0.0.99", "10.0.0.10"), ("fd00::99", "fd00::10")] {
+        assert_eq!(
+            h.run_reason(Hook::Egress, &tcp(src, dst)),
+            (Verdict::Drop, Reason::DropUnenforced),
+            "{src} -> {dst}"
+        );
+    }
+    assert_eq!(
+        h.run_reason(Hook::Egress, &tcp("10.0.0.11", "10.0.0.10")),
+        (Verdict::Pass, Reason::AllowNotIsolated)
+    );
+    assert_eq!(
+        h.run_reason(Hook::Egress, &tcp("10.0.0.1", "10.0.0.10")),
+        (Verdict::Pass, Reason::AllowNode)
+    );
+}
+
+#[test]
+fn nothing_leaves_the_node_from_an_unenforced_address() {
+    let mut h = node(true);
+    assert_eq!(
+        h.run_reason(Hook::Uplink, &tcp("10.0.0.99", "192.0.2.1")),
+        (Verdict::Drop, Reason::DropUnenforced)
+    );
+    assert_eq!(
+        h.run_reason(Hook::Uplink, &tcp("fd00::99", "2001:db8::1")),
+        (Verdict::Drop, Reason::DropUnenforced)
+    );
+    for src in ["10.0.0.10", "10.0.0.1", "192.0.2.7", "fd00::11"] {
+        let dst = if src.contains(':') {
+            "2001:db8::1"
+        } else {
+            "192.0.2.1"
+        };
+        assert_eq!(h.run(Hook::Uplink, &tcp(src, dst)), Verdict::Pass, "{src}");
+    }
+    // The destination does not matter at egress (the next node judges).
+    assert_eq!(
+        h.run(Hook::Uplink, &tcp("192.0.2.1", "10.0.0.99")),
+        Verdict::Pass
+    );
+}
+
+#[test]
+fn nothing_enters_the_node_for_an_unenforced_address() {
+    let mut h = node(true);
+    assert_eq!(
+        h.run_reason(Hook::UplinkIngress, &tcp("192.0.2.1", "10.0.0.99")),
+        (Verdict::Drop, Reason::DropUnenforced)
+    );
+    assert_eq!(
+        h.run_reason(Hook::UplinkIngress, &tcp("2001:db8::1", "fd00::99")),
+        (Verdict::Drop, Reason::DropUnenforced)
+    );
+    for dst in ["10.0.0.10", "10.0.0.1", "fd00::11", "192.0.2.9"] {
+        let src = if dst.contains(':') {
+            "2001:db8::1"
+        } else {
+            "192.0.2.1"
+        };
+        assert_eq!(
+            h.run(Hook::UplinkIngress, &tcp(src, dst)),
+            Verdict::Pass,
+            "{dst}"
+        );
+    }
+    assert_eq!(
+        h.run(Hook::UplinkIngress, &tcp("10.0.0.99", "192.0.2.1")),
+        Verdict::Pass
+    );
+}
+
+#[test]
+fn without_the_config_bit_nothing_is_looked_up() {
+    // The ranges and entries are there but the bit is clear (the agent
+    // sets it only once ENFORCED is filled; without --pod-cidr never).
+    let mut h = node(true);
+    h.catchall(false);
+    assert_eq!(
+        h.run_reason(Hook::Ingress, &tcp("10.0.0.10", "10.0.0.99")),
+        (Verdict::Pass, Reason::AllowNotIsolated)
+    );
+    assert_eq!(
+        h.run_reason(Hook::Egress, &tcp("10.0.0.99", "10.0.0.10")),
+        (Verdict::Pass, Reason::AllowNotIsolated)
+    );
+    assert_eq!(
+        h.run(Hook::Uplink, &tcp("10.0.0.99", "192.0.2.1")),
+        Verdict::Pass
+    );
+    assert_eq!(
+        h.run(Hook::UplinkIngress, &tcp("192.0.2.1", "10.0.0.99")),
+        Verdict::Pass
+    );
+}
+
+#[test]
+fn a_drop_of_an_unenforced_peer_is_reported() {
+    let mut h = node(true);
+    let mut ring = RingBuf::try_from(h.dp.ebpf.take_map("DROP_EVENTS").unwrap()).unwrap();
+    assert_eq!(
+        h.run(Hook::Ingress, &tcp("10.0.0.10", "10.0.0.99")),
+        Verdict::Drop
+    );
+    let item = ring.next().expect("one drop event");
+    let ev: DropEvent = *bytemuck::from_bytes(&item[..std::mem::size_of::<DropEvent>()]);
+    assert_eq!(ev.ifindex, TEST_IFINDEX);
+    assert_eq!(ev.endpoint_identity, POD);
+    assert_eq!(ev.direction, EGRESS);
+    assert_eq!(ev.reason, Reason::DropUnenforced as u8);
+    assert_eq!(&ev.dst[..4], &[10, 0, 0, 99]);
+}
+
+/// Prints the per-packet cost of the catch-all at a pod's hook (no
+/// assertion: timings are printed, never asserted). Run with
+/// `-- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn cost_of_the_catchall() {
+    use aya::programs::{TestRun as _, TestRunOptions};
+    let mut h = node(true);
+    let ns = |h: &mut Harness, frame: &[u8]| -> f64 {
+        let prog = h.dp.program(Hook::Ingress).unwrap();
+        let mut v: Vec<f64> = (0..15)
+            .map(|_| {
+                let r = prog
+                    .test_run(TestRunOptions {
+                        data_in: Some(frame),
+                        repeat: 20_000,
+                        ..TestRunOptions::default()
+                    })
+                    .unwrap();
+                r.duration.as_nanos() as f64
+            })
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let outside = tcp("10.0.0.10", "192.0.2.1");
+    let inside = tcp("10.0.0.10", "10.0.0.11");
+    h.catchall(false);
+    let off_out = ns(&mut h, &outside);
+    let off_in = ns(&mut h, &inside);
+    h.catchall(true);
+    let on_out = ns(&mut h, &outside);
+    let on_in = ns(&mut h, &inside);
+    println!(
+        "ns/packet at from_pod (pod isolated nowhere): catch-all off {off_out:.1} / {off_in:.1}; on, peer outside the ranges {on_out:.1}; on, peer inside and enforced {on_in:.1}"
+    );
+}

@@ -1,0 +1,29 @@
+//! Every test that needs root and a kernel: BPF programs loaded and run,
+//! network namespaces, real traffic, iptables, the CNI plugins. One test
+//! binary, a module per concern; the fixtures they share are in
+//! `policy_testbed::fixtures`.
+//!
+//! Run by `cargo xtask test` on the host and, module by module, in the
+//! Debian 12 6.1 guest (`xtask/src/test/guest.rs` lists which). Tests run
+//! in parallel: each names its own namespaces, interfaces and pin
+//! directory.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests panic with context, keeping the backtrace"
+)]
+
+mod attacker;
+mod bad_input_daemon;
+mod cluster_mode;
+mod cni;
+mod conformance;
+mod full_maps;
+mod iptables;
+mod iptables_hardening;
+mod kernel;
+mod netns;
+mod node_addresses;
+mod pod_range_guard_netns;
+mod sctp;
+mod services;
