@@ -8,7 +8,7 @@ pub const CONFIG_DEBUG_LOG: u32 = 1 << 0;
 pub const CONFIG_NO_DROP_EVENTS: u32 = 1 << 1;
 /// `POD_RANGES` holds at least one range (`--pod-cidr`): the classifier
 /// drops traffic to and from local addresses that are not enforced yet
-/// (see [`crate::catchall`]). Clear: no lookup at all.
+/// (see [`crate::pod_range_guard`]). Clear: no lookup at all.
 pub const CONFIG_POD_RANGES: u32 = 1 << 2;
 
 /// Slot 0 of the `CONFIG` array. All-zero is the default configuration.

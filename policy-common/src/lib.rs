@@ -10,7 +10,6 @@
 //! re-statement of the kernel's lookup order that tests use as an oracle.
 #![cfg_attr(not(feature = "user"), no_std)]
 
-pub mod catchall;
 pub mod config;
 pub mod conntrack;
 pub mod endpoint;
@@ -18,6 +17,7 @@ pub mod event;
 pub mod identity;
 pub mod ipcache;
 pub mod maps;
+pub mod pod_range_guard;
 pub mod policy;
 pub mod service;
 pub mod verdict;

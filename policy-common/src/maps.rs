@@ -28,13 +28,13 @@ pub const SERVICES: &str = "SERVICES";
 /// [`crate::service::ServiceFlowKey`] → [`crate::service::ServiceFlow`]
 /// (LRU hash): clients' flows to frontends and the backends they reached.
 pub const SERVICE_FLOWS: &str = "SERVICE_FLOWS";
-/// [`crate::catchall::LocalAddr`] prefix → [`crate::catchall::POD_RANGE`]:
+/// [`crate::pod_range_guard::LocalAddr`] prefix → [`crate::pod_range_guard::POD_RANGE`]:
 /// the ranges the node hands to its own pods (`--pod-cidr`; LPM trie,
 /// both families).
 pub const POD_RANGES: &str = "POD_RANGES";
-/// [`crate::catchall::LocalAddr`] → ifindex (hash): the local addresses
+/// [`crate::pod_range_guard::LocalAddr`] → ifindex (hash): the local addresses
 /// that are enforced (a pod's once both classifiers are attached; node
-/// addresses inside the ranges with [`crate::catchall::ENFORCED_NODE`]).
+/// addresses inside the ranges with [`crate::pod_range_guard::ENFORCED_NODE`]).
 pub const ENFORCED: &str = "ENFORCED";
 /// Verdict counters, per CPU, indexed by [`crate::verdict::counter_index`].
 pub const COUNTERS: &str = "COUNTERS";

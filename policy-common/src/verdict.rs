@@ -41,7 +41,7 @@ pub enum Reason {
     DropSpoofed = 36,
     /// To or from an address in the node's pod ranges (`--pod-cidr`) that
     /// no enforced endpoint holds yet: a pod whose veth the agent has not
-    /// attached to (see `policy_common::catchall`).
+    /// attached to (see `policy_common::pod_range_guard`).
     DropUnenforced = 37,
     /// Not a verdict: a drop event lost because the ring buffer was full.
     EventLost = 48,

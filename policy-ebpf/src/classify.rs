@@ -573,7 +573,8 @@ pub fn uplink(ctx: &TcContext) -> i32 {
     };
     // SAFETY: this CPU's slot; programs do not nest on one CPU.
     let s = unsafe { &mut *scratch };
-    if !after_dnat(ctx, s, config_flags()) || crate::catchall::uplink_out_unenforced(ctx, s) {
+    if !after_dnat(ctx, s, config_flags()) || crate::pod_range_guard::uplink_out_unenforced(ctx, s)
+    {
         DROP
     } else {
         PASS
@@ -673,7 +674,7 @@ fn decide(
             return (Reason::AllowSelf, unknown);
         }
     }
-    if crate::catchall::peer_unenforced(pkt, dir) {
+    if crate::pod_range_guard::peer_unenforced(pkt, dir) {
         return (Reason::DropUnenforced, unknown);
     }
     if pkt.frag == FRAG_LATER {

@@ -9,13 +9,13 @@
 #![cfg_attr(target_arch = "bpf", no_main)]
 
 #[cfg(target_arch = "bpf")]
-mod catchall;
-#[cfg(target_arch = "bpf")]
 mod classify;
 #[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
 mod parse;
+#[cfg(target_arch = "bpf")]
+mod pod_range_guard;
 
 #[cfg(target_arch = "bpf")]
 mod programs {
@@ -50,7 +50,7 @@ mod programs {
     /// local address that is not enforced yet.
     #[classifier]
     pub fn from_uplink(ctx: TcContext) -> i32 {
-        crate::catchall::from_uplink(&ctx)
+        crate::pod_range_guard::from_uplink(&ctx)
     }
 }
 

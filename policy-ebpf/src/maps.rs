@@ -7,7 +7,6 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use policy_common::{
-    catchall::LocalAddr,
     config::Config,
     conntrack::{CtEntry, CtKey, FragEntry, FragKey},
     endpoint::{EndpointInfo, EndpointMeta},
@@ -15,6 +14,7 @@ use policy_common::{
     identity::IdentityName,
     ipcache::{IpcacheEntry, Ipv4Bytes, Ipv6Bytes},
     maps::capacity,
+    pod_range_guard::LocalAddr,
     policy::{PolicyEntry, PolicyKey},
     service::{ServiceAddr, ServiceEntry, ServiceFlow, ServiceFlowKey},
     verdict::COUNTER_SLOTS,
@@ -74,7 +74,7 @@ pub static SERVICE_FLOWS: LruHashMap<
 > = LruHashMap::new();
 
 /// The node's pod ranges (`--pod-cidr`) and its enforced local addresses:
-/// see `crate::catchall`.
+/// see `crate::pod_range_guard`.
 #[btf_map]
 pub static POD_RANGES: LpmTrie<LocalAddr, u32, { capacity::POD_RANGES as usize }> = LpmTrie::new();
 

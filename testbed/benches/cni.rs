@@ -29,7 +29,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use policy_agent::datapath::bpf::{BpfMaps, PinLayout};
+use policy_agent::datapath::bpf::{maps::BpfMaps, pins::PinLayout};
 use policy_common::endpoint::ATTACH_POD;
 use policy_testbed::{
     SimNode, cleanup_prefix,

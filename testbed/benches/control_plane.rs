@@ -17,7 +17,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use policy_agent::datapath::bpf::{BpfMaps, PinLayout};
+use policy_agent::datapath::bpf::{maps::BpfMaps, pins::PinLayout};
 use policy_common::endpoint::ENDPOINT_INGRESS_ISOLATED;
 use policy_testbed::{SimNode, SimPod, cleanup_prefix};
 use rand::{Rng, SeedableRng, rngs::StdRng};

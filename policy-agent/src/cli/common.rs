@@ -7,7 +7,11 @@ use policy_agent::{
     cluster::{ClusterState, Problem},
     datapath::{
         Choice, OpenOptions,
-        bpf::{DEFAULT_PIN_ROOT, LoadOptions, PinLayout, sizing::Sizing},
+        bpf::{
+            loader::LoadOptions,
+            pins::{DEFAULT_PIN_ROOT, PinLayout},
+            sizing::Sizing,
+        },
         iptables::Backend,
     },
     netlink, source,

@@ -3,7 +3,7 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::ValueEnum;
-use policy_agent::datapath::bpf::BpfMaps;
+use policy_agent::datapath::bpf::maps::BpfMaps;
 use policy_common::config::{CONFIG_DEBUG_LOG, CONFIG_NO_DROP_EVENTS};
 
 use super::common::PinArgs;

@@ -2,7 +2,9 @@
 use std::{process::ExitCode, time::Duration};
 
 use anyhow::Context as _;
-use policy_agent::datapath::bpf::{Classifiers, DropEventReader, Hook, follow_kernel_log};
+use policy_agent::datapath::bpf::{
+    events::DropEventReader, kernel_log::follow_kernel_log, loader::Classifiers, pins::Hook,
+};
 
 use super::common::PinArgs;
 

@@ -1,7 +1,7 @@
 //! `policy-agent reset`: remove what the agent installed, nothing else.
 use std::process::ExitCode;
 
-use policy_agent::datapath::{bpf::reset, iptables::Executor};
+use policy_agent::datapath::{bpf::reset::reset, iptables::Executor};
 
 use super::common::{IptablesChoice, PinArgs};
 

@@ -87,7 +87,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 }
 
 /// Without `--pod-cidr` in cluster mode: this node's `spec.podCIDRs`. If
-/// they cannot be read the agent runs without the catch-all (as before),
+/// they cannot be read the agent runs without the pod-range guard (as before),
 /// and says so.
 async fn node_pod_ranges(client: &kube::Client, node: &str) -> Vec<ipnet::IpNet> {
     match policy_agent::source::kube::node_pod_cidrs(client.clone(), node).await {

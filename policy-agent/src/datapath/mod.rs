@@ -1,7 +1,7 @@
 //! Datapaths: where compiled policy is enforced.
 //!
 //! One seam, [`Datapath`], with two drivers (the shape of netavark's
-//! firewall drivers): [`bpf::BpfDriver`] (pinned maps, tc classifiers) and
+//! firewall drivers): [`bpf::driver::BpfDriver`] (pinned maps, tc classifiers) and
 //! [`iptables::IptablesDriver`] (ipsets and chains rendered from the same
 //! maps). The worker owns the one compiler and hands a driver the compiled
 //! content ([`Desired`]) with the compiler's own ordered writes since the
@@ -65,7 +65,7 @@ pub struct SyncReport {
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error(transparent)]
-    Bpf(#[from] bpf::Error),
+    Bpf(#[from] bpf::error::Error),
     #[error(transparent)]
     Iptables(#[from] iptables::Error),
 }
@@ -147,8 +147,8 @@ pub enum Choice {
 #[derive(Clone, Debug)]
 pub struct OpenOptions {
     pub choice: Choice,
-    pub layout: bpf::PinLayout,
-    pub load: bpf::LoadOptions,
+    pub layout: bpf::pins::PinLayout,
+    pub load: bpf::loader::LoadOptions,
     pub iptables: iptables::Backend,
 }
 

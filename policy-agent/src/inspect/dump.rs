@@ -12,8 +12,10 @@ use policy_common::{
 use serde::Serialize;
 
 use crate::datapath::bpf::{
-    BpfMaps, Error, PinLayout,
-    names::{Names, address, endpoint_text, protocol_name},
+    error::Error,
+    maps::BpfMaps,
+    name_tables::{NameTables, address, endpoint_text, protocol_name},
+    pins::PinLayout,
 };
 
 #[derive(Debug, Serialize)]
@@ -26,10 +28,12 @@ pub struct Dump {
     pub policy: Vec<PolicyRow>,
     pub conntrack: Vec<CtRow>,
     pub counters: Vec<CounterRow>,
-    /// `--pod-cidr` (the catch-all: see docs/ARCHITECTURE.md), and whether
+    /// `--pod-cidr` (the pod-range guard: see docs/design/pod-range-guard.md), and whether
     /// the classifier checks it.
     pub pod_ranges: Vec<String>,
-    pub catchall_on: bool,
+    /// Named as before the pod-range guard had its name (scripts read it).
+    #[serde(rename = "catchall_on")]
+    pub guard_on: bool,
     /// Enforced local addresses and whose they are.
     pub enforced: Vec<EnforcedRow>,
 }
@@ -122,7 +126,7 @@ fn attach_text(bits: u32) -> String {
 pub fn dump(layout: &PinLayout) -> Result<Dump, Error> {
     let maps = BpfMaps::from_pins(layout)?;
     let state = maps.read_state()?;
-    let names = Names {
+    let names = NameTables {
         identities: state.identities.clone(),
         endpoints: maps.read_meta()?,
     };
@@ -209,13 +213,13 @@ pub fn dump(layout: &PinLayout) -> Result<Dump, Error> {
             packets,
         })
         .collect();
-    let (ranges, catchall_on, held) = maps.read_catchall()?;
+    let (ranges, guard_on, held) = maps.read_pod_range_guard()?;
     let enforced = held
         .into_iter()
         .map(|(ip, ifindex)| EnforcedRow {
             address: ip.to_string(),
             ifindex,
-            endpoint: if ifindex == policy_common::catchall::ENFORCED_NODE {
+            endpoint: if ifindex == policy_common::pod_range_guard::ENFORCED_NODE {
                 "(node)".into()
             } else {
                 names.endpoint(ifindex)
@@ -224,7 +228,7 @@ pub fn dump(layout: &PinLayout) -> Result<Dump, Error> {
         .collect();
     Ok(Dump {
         pod_ranges: ranges.iter().map(ToString::to_string).collect(),
-        catchall_on,
+        guard_on,
         enforced,
         pin_dir: layout.versioned().display().to_string(),
         debug_log: config.flags & CONFIG_DEBUG_LOG != 0,
@@ -296,9 +300,9 @@ impl fmt::Display for Dump {
         }
         writeln!(
             f,
-            "\nPOD RANGES ({}, catch-all {}): {}",
+            "\nPOD RANGES ({}, pod-range guard {}): {}",
             self.pod_ranges.len(),
-            if self.catchall_on { "on" } else { "off" },
+            if self.guard_on { "on" } else { "off" },
             self.pod_ranges.join(" ")
         )?;
         writeln!(f, "\nENFORCED ({})", self.enforced.len())?;

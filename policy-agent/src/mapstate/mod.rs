@@ -8,7 +8,7 @@
 //! keyed by ifindex, and applies [`diff`] of the pinned content and that.
 mod addresses;
 mod diff;
-mod names;
+mod identity_name;
 mod origin;
 
 use std::collections::BTreeMap;
@@ -23,11 +23,11 @@ use policy_common::{
     service::ServiceEntry,
 };
 
-pub(crate) use self::names::fnv1a64;
+pub(crate) use self::identity_name::fnv1a64;
 pub use self::{
     addresses::{AddressSet, identity_addresses},
     diff::{MapOp, Writes, assign_revisions, diff},
-    names::{identity_name, identity_name_str},
+    identity_name::{identity_name, identity_name_str},
     origin::RuleOrigin,
 };
 

@@ -16,7 +16,7 @@ use tracing::{info, warn};
 pub use self::enforcer::Enforcer;
 use self::reconcile::{Context, Trigger};
 use crate::{
-    datapath::{Choice, OpenOptions, bpf::PinLayout, iptables::Backend},
+    datapath::{Choice, OpenOptions, bpf::pins::PinLayout, iptables::Backend},
     metrics::{self, Metrics},
     netlink,
     source::{self, SourceId, SourceUpdate},

@@ -30,7 +30,7 @@ pub struct Maps {
     pub frontends_v4: BTreeMap<(u32, [u8; 4]), ServiceEntry>,
     pub frontends_v6: BTreeMap<(u32, [u8; 16]), ServiceEntry>,
     /// The node's pod ranges (`POD_RANGES`): (prefix length, masked
-    /// address), per family. See [`super::catchall`].
+    /// address), per family. See [`super::pod_range_guard`].
     pub pod_ranges_v4: BTreeSet<(u32, [u8; 4])>,
     pub pod_ranges_v6: BTreeSet<(u32, [u8; 16])>,
     /// The enforced local addresses (`ENFORCED`) → ifindex.

@@ -14,7 +14,7 @@
 //! 3. sent by the pod (egress) from an address that is not its own → drop
 //!    (spoofed); from its own address to itself → pass;
 //!    3a. the peer (destination at egress, source at ingress) in the node's
-//!    pod ranges and not enforced → drop (see [`catchall`]);
+//!    pod ranges and not enforced → drop (see [`pod_range_guard`]);
 //! 4. E isolated in no direction: judge (nothing is tracked);
 //! 5. an ICMP error travelling back to the sender of the packet it quotes,
 //!    which belongs to a flow tracked at E and still allowed → related;
@@ -35,9 +35,9 @@
 //! Service is a tracked flow of the client whose verdict that judgement
 //! gives ([`FlowState::pending`]).
 
-pub mod catchall;
 mod flows;
 mod maps;
+pub mod pod_range_guard;
 pub mod service;
 #[cfg(test)]
 mod tests;
@@ -99,7 +99,7 @@ pub struct Outcome {
     /// destination (counted as that client's egress).
     pub after_dnat: Option<Judgement>,
     /// The hook's own verdict on the packet: None when the verdict after
-    /// DNAT dropped it first, and at the uplinks unless the catch-all
+    /// DNAT dropped it first, and at the uplinks unless the pod-range guard
     /// drops it (they judge nothing else).
     pub judgement: Option<Judgement>,
     /// The `skb->mark` the packet leaves with.

@@ -90,7 +90,7 @@ impl Datapath {
             out.after_dnat = Some(self.after_dnat(client, pkt));
         }
         if out.passes() {
-            out.judgement = super::catchall::uplink_out(&self.maps, pkt);
+            out.judgement = super::pod_range_guard::uplink_out(&self.maps, pkt);
         }
         out
     }

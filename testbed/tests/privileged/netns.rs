@@ -10,7 +10,13 @@ use std::{net::IpAddr, time::Duration};
 use aya::programs::{LinkOrder, TcAttachType};
 use ipnet::IpNet;
 use policy_agent::{
-    datapath::bpf::{AttachMode, BpfDatapath, Hook, LoadOptions, PinLayout, probe, reset},
+    datapath::bpf::{
+        attach::AttachMode,
+        kernel_features,
+        loader::{LoadOptions, PinnedClassifier},
+        pins::{Hook, PinLayout},
+        reset::reset,
+    },
     mapstate::{MapState, diff},
 };
 use policy_common::{
@@ -153,7 +159,7 @@ fn enforce(node: &SimNode, layout: &PinLayout, tcx: bool) -> AttachMode {
     let layout = layout.clone();
     node.node
         .spawn(move || {
-            let mut dp = BpfDatapath::open(
+            let mut dp = PinnedClassifier::open(
                 &layout,
                 &LoadOptions {
                     tcx,
@@ -161,12 +167,12 @@ fn enforce(node: &SimNode, layout: &PinLayout, tcx: bool) -> AttachMode {
                 },
             )
             .unwrap();
-            let old = dp.maps.read_state().unwrap();
-            dp.maps.apply(&diff(&old, &state)).unwrap();
+            let old = dp.maps().read_state().unwrap();
+            dp.maps_mut().apply(&diff(&old, &state)).unwrap();
             for (ifindex, name) in ifaces {
                 dp.attach(ifindex, &name).unwrap();
             }
-            dp.mode
+            dp.mode()
         })
         .unwrap()
         .join()
@@ -322,7 +328,7 @@ fn assert_our_filter((pref, line): (u32, &str), hook: Hook, interface: &str) {
 
 #[test]
 fn the_kernel_offers_what_the_classifier_needs() {
-    let kernel = probe::probe();
+    let kernel = kernel_features::probe();
     assert_eq!(kernel.missing_line(), None, "{kernel:#?}");
     assert_eq!(kernel.tcx(), kernel_has_tcx(), "{kernel:#?}");
     assert!(kernel.has("LPM trie maps") && kernel.has("BPF ring buffers"));
@@ -348,7 +354,7 @@ fn ifindex_of(node: &SimNode, interface: &str) -> u32 {
     out.split(':').next().unwrap().trim().parse().unwrap()
 }
 
-/// Runs the agent's order check ([`BpfDatapath::check_order`]) on every
+/// Runs the agent's order check ([`PinnedClassifier::check_order`]) on every
 /// pod interface, from inside the node: how many moved to TCX, and how
 /// many hooks still have something foreign ahead of the classifier.
 fn order_check(node: &SimNode, layout: &PinLayout) -> (usize, usize) {
@@ -360,7 +366,7 @@ fn order_check(node: &SimNode, layout: &PinLayout) -> (usize, usize) {
         .collect();
     node.node
         .spawn(move || {
-            let mut dp = BpfDatapath::open(&layout, &LoadOptions::default()).unwrap();
+            let mut dp = PinnedClassifier::open(&layout, &LoadOptions::default()).unwrap();
             let mut counts = (0, 0);
             for i in ifindexes {
                 let check = dp.check_order(i);
@@ -400,7 +406,7 @@ fn the_classifier_runs_before_foreign_tcx_programs() {
     let foreign = node
         .node
         .spawn(move || {
-            let mut dp = policy_agent::datapath::bpf::Unpinned::load().unwrap();
+            let mut dp = policy_agent::datapath::bpf::loader::Unpinned::load().unwrap();
             tcx::attach_foreign(
                 &mut dp,
                 "foreign_pass",
@@ -492,7 +498,7 @@ fn the_uplink_classifier_is_order_checked_too() {
     let foreign = node
         .node
         .spawn(move || {
-            let mut dp = policy_agent::datapath::bpf::Unpinned::load().unwrap();
+            let mut dp = policy_agent::datapath::bpf::loader::Unpinned::load().unwrap();
             if tcx {
                 let egress = [TcAttachType::Egress];
                 tcx::attach_foreign(
@@ -511,7 +517,7 @@ fn the_uplink_classifier_is_order_checked_too() {
     let checked = node
         .node
         .spawn(move || {
-            let mut dp = BpfDatapath::open(&layout, &LoadOptions::default()).unwrap();
+            let mut dp = PinnedClassifier::open(&layout, &LoadOptions::default()).unwrap();
             dp.attach(both, "x/a").unwrap();
             dp.attach_uplink(both, "uplink a", &[Hook::Uplink, Hook::UplinkIngress])
                 .unwrap();
@@ -520,7 +526,7 @@ fn the_uplink_classifier_is_order_checked_too() {
                 .unwrap();
             let before = dp.foreign_ahead(uplink).len();
             let check = dp.check_order(uplink);
-            let bits = dp.maps.meta(uplink).unwrap().attach;
+            let bits = dp.maps().meta(uplink).unwrap().attach;
             (own, before, check, bits)
         })
         .unwrap()
@@ -610,7 +616,7 @@ fn foreign_filters_after_ours(prefix: &'static str, tcx: bool) {
     let foreign = node
         .node
         .spawn(move || {
-            let mut dp = policy_agent::datapath::bpf::Unpinned::load().unwrap();
+            let mut dp = policy_agent::datapath::bpf::loader::Unpinned::load().unwrap();
             let prog = dp.extra_program("foreign_pass").unwrap();
             for i in &ifaces {
                 tc::qdisc_add_clsact(i).unwrap();
@@ -723,20 +729,20 @@ fn a_hash_endpoint_shadowed_by_the_array_is_dropped_when_a_writer_opens() {
         ..LoadOptions::default()
     };
     {
-        let mut dp = BpfDatapath::open(&layout, &small).unwrap();
+        let mut dp = PinnedClassifier::open(&layout, &small).unwrap();
         let mut state = MapState::default();
         state.endpoints.insert(7, ep);
-        let old = dp.maps.read_state().unwrap();
-        dp.maps.apply(&diff(&old, &state)).unwrap();
-        let fill = dp.maps.fill();
+        let old = dp.maps().read_state().unwrap();
+        dp.maps_mut().apply(&diff(&old, &state)).unwrap();
+        let fill = dp.maps().fill();
         assert!(
             fill.contains(&(policy_common::maps::ENDPOINTS, 1, 4096)),
             "{fill:?}"
         );
     }
     std::fs::remove_file(layout.map(policy_common::maps::ENDPOINT_SLOTS)).unwrap();
-    let dp = BpfDatapath::open(&layout, &LoadOptions::default()).unwrap();
-    let fill = dp.maps.fill();
+    let dp = PinnedClassifier::open(&layout, &LoadOptions::default()).unwrap();
+    let fill = dp.maps().fill();
     assert!(
         fill.contains(&(policy_common::maps::ENDPOINTS, 0, 4096)),
         "{fill:?}"
@@ -745,6 +751,6 @@ fn a_hash_endpoint_shadowed_by_the_array_is_dropped_when_a_writer_opens() {
         fill.contains(&(policy_common::maps::ENDPOINT_SLOTS, 0, 16384)),
         "{fill:?}"
     );
-    assert_eq!(dp.maps.endpoint(7).unwrap(), None);
-    assert!(dp.maps.read_state().unwrap().endpoints.is_empty());
+    assert_eq!(dp.maps().endpoint(7).unwrap(), None);
+    assert!(dp.maps().read_state().unwrap().endpoints.is_empty());
 }

@@ -59,7 +59,7 @@ fn udp_round_trip(from_ns: &NetNs, to_ns: &NetNs, from: IpAddr, to: IpAddr) -> (
         .spawn(move || {
             let s = UdpSocket::bind(SocketAddr::new(from, 0)).unwrap();
             s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
-            let _ = s.send_to(b"catch-all", SocketAddr::new(to, 7777));
+            let _ = s.send_to(b"pod-range guard", SocketAddr::new(to, 7777));
             let mut buf = [0u8; 64];
             s.recv_from(&mut buf).is_ok()
         })

@@ -24,8 +24,8 @@ use tracing::debug;
 use crate::netlink;
 
 use super::{
-    Error, Hook, PinLayout,
-    pins::remove_pin,
+    error::Error,
+    pins::{Hook, PinLayout, remove_pin},
     sys::{self, current_netns, tc_type},
 };
 
@@ -75,7 +75,7 @@ impl AttachMode {
     /// TCX when asked for and the kernel has it (>= 6.6); netlink
     /// otherwise.
     pub fn detect(tcx: bool) -> Self {
-        if tcx && super::probe::kernel().tcx() {
+        if tcx && super::kernel_features::kernel().tcx() {
             Self::Tcx
         } else {
             Self::Netlink
@@ -322,7 +322,7 @@ impl<'a> Attachment<'a> {
         let tcx: Vec<u32> = match SchedClassifier::query_tcx(&name, tc_type(hook)) {
             Ok((_, progs)) => progs.iter().map(aya::programs::ProgramInfo::id).collect(),
             // An older kernel cannot be asked, and has no TCX: none.
-            Err(_) if !super::probe::kernel().tcx() => Vec::new(),
+            Err(_) if !super::kernel_features::kernel().tcx() => Vec::new(),
             Err(e) => {
                 ahead.unknown = Some(format!("TCX programs unknown: {e}"));
                 Vec::new()
@@ -361,7 +361,7 @@ impl<'a> Attachment<'a> {
     /// (with its ATTACH_CREATED_CLSACT record, for `reset`).
     pub fn move_to_tcx(
         &mut self,
-        programs: &mut super::Classifiers,
+        programs: &mut super::loader::Classifiers,
         errors: &mut Vec<Error>,
     ) -> Result<(), Error> {
         if self.bits & ATTACH_NETLINK == 0 {

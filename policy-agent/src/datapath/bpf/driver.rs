@@ -20,11 +20,13 @@ use policy_common::{
 };
 
 use super::{
-    BpfDatapath, Error, LoadOptions, PinLayout,
-    catchall::Enforcement,
-    endpoint_meta_name, observe,
-    order::{OrderWatch, check_order},
-    standing::Standing,
+    error::Error,
+    foreign_programs::{OrderWatch, check_order},
+    loader::{LoadOptions, PinnedClassifier, endpoint_meta_name},
+    observe,
+    pins::PinLayout,
+    pod_range_guard::Enforcement,
+    standing_problems::StandingProblems,
     uplinks::sync_uplinks,
 };
 use crate::{
@@ -38,7 +40,7 @@ use crate::{
 };
 
 pub struct BpfDriver {
-    pub dp: BpfDatapath,
+    pub(super) dp: PinnedClassifier,
     /// What the maps hold after the last sync (this agent is their only
     /// writer), so a sync diffs in memory instead of reading every map.
     last: Option<MapState<u32>>,
@@ -52,13 +54,13 @@ pub struct BpfDriver {
     /// What ran before the classifiers after the last full pass.
     order: OrderWatch,
     /// Problems found and not fixed since (see `standing.rs`).
-    standing: Standing,
+    standing: StandingProblems,
 }
 
 impl BpfDriver {
     /// Opens (or creates) the pinned datapath.
     pub fn open(layout: &PinLayout, opts: &LoadOptions) -> Result<Self, Error> {
-        let mut dp = BpfDatapath::open(layout, opts)?;
+        let mut dp = PinnedClassifier::open(layout, opts)?;
         let enforcement = Enforcement::open(&mut dp.maps, &opts.pod_ranges)?;
         Ok(Self {
             dp,
@@ -69,7 +71,7 @@ impl BpfDriver {
             kernel_log: false,
             service_ranges: opts.service_ranges.clone(),
             order: OrderWatch::default(),
-            standing: Standing::default(),
+            standing: StandingProblems::default(),
         })
     }
 
@@ -283,7 +285,7 @@ struct Compiled<'a> {
 
 /// Re-keys the whole state and writes its difference from the maps.
 fn sync_full(
-    dp: &mut BpfDatapath,
+    dp: &mut PinnedClassifier,
     last: &mut Option<MapState<u32>>,
     cache: &mut InterfaceCache,
     enforcement: &mut Enforcement,
@@ -375,7 +377,7 @@ fn sync_full(
 /// Writes the compiler's own ops, re-keyed by interface, with the revision
 /// bumps they imply appended last.
 fn sync_ops(
-    dp: &mut BpfDatapath,
+    dp: &mut PinnedClassifier,
     last: &mut Option<MapState<u32>>,
     cache: &mut InterfaceCache,
     enforcement: &mut Enforcement,
@@ -460,7 +462,7 @@ fn sync_ops(
             MapOp::DeleteService(k) => writes.push(MapOp::DeleteService(k)),
         }
     }
-    let shortfall = super::fit::fit(&state, &mut writes, &dp.capacities);
+    let shortfall = super::capacity_plan::fit(&state, &mut writes, &dp.capacities);
     fresh.retain(|(_, iface)| !shortfall.endpoints.contains(&iface.ifindex));
     for w in &writes {
         state.apply_op(w);
@@ -506,12 +508,12 @@ fn sync_ops(
 /// maps have room, failing closed for the rest (see `fit`). Returns the
 /// new endpoints (ifindexes) left unwritten: they must not be attached.
 fn write(
-    dp: &mut BpfDatapath,
+    dp: &mut PinnedClassifier,
     before: &MapState<u32>,
     ops: &mut Vec<MapOp<u32>>,
     report: &mut SyncReport,
 ) -> BTreeSet<u32> {
-    let shortfall = super::fit::fit(before, ops, &dp.capacities);
+    let shortfall = super::capacity_plan::fit(before, ops, &dp.capacities);
     report_shortfall(&shortfall, &dp.capacities, report);
     let mut unwritten = apply_all(dp, ops, report);
     unwritten.extend(shortfall.endpoints);
@@ -522,7 +524,11 @@ fn write(
 /// rest: each write keeps the state safe on its own); a failed ipcache
 /// write removes the entry, so an address never keeps an identity it lost.
 /// Returns the endpoints whose entry could not be written.
-fn apply_all(dp: &mut BpfDatapath, ops: &[MapOp<u32>], report: &mut SyncReport) -> BTreeSet<u32> {
+fn apply_all(
+    dp: &mut PinnedClassifier,
+    ops: &[MapOp<u32>],
+    report: &mut SyncReport,
+) -> BTreeSet<u32> {
     let mut unwritten = BTreeSet::new();
     for (op, e) in dp.maps.apply_all(ops) {
         error!(error = %e, op = ?op, "map write failed");
@@ -541,8 +547,8 @@ fn apply_all(dp: &mut BpfDatapath, ops: &[MapOp<u32>], report: &mut SyncReport) 
 
 /// Says loudly what did not fit.
 fn report_shortfall(
-    s: &super::fit::Shortfall,
-    caps: &super::fit::Capacities,
+    s: &super::capacity_plan::Shortfall,
+    caps: &super::capacity_plan::Capacities,
     report: &mut SyncReport,
 ) {
     if s.is_empty() {
@@ -583,7 +589,7 @@ fn report_shortfall(
 /// Makes sure a known interface still has both programs attached, and
 /// that nobody else's program runs before them. False: not attached.
 fn verify_attached(
-    dp: &mut BpfDatapath,
+    dp: &mut PinnedClassifier,
     pod: &PodRef,
     iface: &Interface,
     report: &mut SyncReport,
@@ -604,7 +610,7 @@ fn verify_attached(
 /// New interfaces, attached together (in parallel with TCX). Returns
 /// those that carry both classifiers now.
 fn attach_fresh(
-    dp: &mut BpfDatapath,
+    dp: &mut PinnedClassifier,
     fresh: &[(PodRef, Interface)],
     report: &mut SyncReport,
 ) -> BTreeSet<u32> {
@@ -637,7 +643,7 @@ fn attach_fresh(
     done
 }
 
-fn detach(dp: &mut BpfDatapath, ifindex: u32, name: &str, report: &mut SyncReport) {
+fn detach(dp: &mut PinnedClassifier, ifindex: u32, name: &str, report: &mut SyncReport) {
     match dp.detach(ifindex) {
         Ok(()) => {
             info!(endpoint = %name, ifindex, "detached");

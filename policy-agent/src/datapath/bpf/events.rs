@@ -7,8 +7,10 @@ use policy_common::{event::DropEvent, maps as names, verdict::Reason};
 use serde::Serialize;
 
 use super::{
-    BpfMaps, Error, PinLayout,
-    names::{Names, address, endpoint_text, protocol_name},
+    error::Error,
+    maps::BpfMaps,
+    name_tables::{NameTables, address, endpoint_text, protocol_name},
+    pins::PinLayout,
 };
 
 /// One dropped packet, named.
@@ -44,7 +46,7 @@ impl fmt::Display for DropRecord {
 pub struct DropEventReader {
     ring: RingBuf<MapData>,
     layout: PinLayout,
-    names: Names,
+    names: NameTables,
 }
 
 impl DropEventReader {
@@ -56,7 +58,7 @@ impl DropEventReader {
         let mut this = Self {
             ring,
             layout: layout.clone(),
-            names: Names::default(),
+            names: NameTables::default(),
         };
         this.refresh_names()?;
         Ok(this)
@@ -65,7 +67,7 @@ impl DropEventReader {
     /// Re-reads pod and identity names (they change as the agent syncs).
     pub fn refresh_names(&mut self) -> Result<(), Error> {
         let maps = BpfMaps::from_pins(&self.layout)?;
-        self.names = Names {
+        self.names = NameTables {
             identities: maps.read_identities()?,
             endpoints: maps.read_meta()?,
         };

@@ -8,14 +8,15 @@ use policy_common::{
 use tracing::{debug, info};
 
 use super::{
-    BpfMaps, Error, Hook, PinLayout,
     attach::{Ahead, AttachMode, Attachment, attach_error, hook_bit},
+    error::Error,
+    maps::BpfMaps,
     object::{OBJECT, object_hash},
-    pins::remove_pin,
+    pins::{Hook, PinLayout, remove_pin},
     sys::{current_netns, tcx_attach_and_pin},
 };
 
-/// What [`BpfDatapath::check_order`] found and did.
+/// What [`PinnedClassifier::check_order`] found and did.
 #[derive(Debug)]
 pub struct OrderCheck {
     /// Set when foreign TCX programs made the interface move from netlink
@@ -76,13 +77,13 @@ impl Classifiers {
 }
 
 /// The pinned BPF datapath: maps, programs, attachments.
-pub struct BpfDatapath {
-    pub layout: PinLayout,
-    pub maps: BpfMaps,
-    pub programs: Classifiers,
-    pub mode: AttachMode,
+pub struct PinnedClassifier {
+    pub(super) layout: PinLayout,
+    pub(super) maps: BpfMaps,
+    pub(super) programs: Classifiers,
+    pub(super) mode: AttachMode,
     /// What the maps hold at most (writes are planned within it).
-    pub capacities: super::fit::Capacities,
+    pub(super) capacities: super::capacity_plan::Capacities,
 }
 
 fn loader<'a>(
@@ -144,7 +145,23 @@ fn load_in_parallel(ebpf: &mut aya::Ebpf) -> Result<(), Error> {
     Ok(())
 }
 
-impl BpfDatapath {
+impl PinnedClassifier {
+    /// The pinned maps (the testbed writes chosen content through them).
+    pub fn maps(&self) -> &BpfMaps {
+        &self.maps
+    }
+
+    pub fn maps_mut(&mut self) -> &mut BpfMaps {
+        &mut self.maps
+    }
+
+    /// How the classifiers go on an interface.
+    pub fn mode(&self) -> AttachMode {
+        self.mode
+    }
+}
+
+impl PinnedClassifier {
     /// Opens the datapath pinned under `layout`, creating it if absent.
     ///
     /// Maps are reused when pinned (their content is the enforced state).
@@ -155,7 +172,7 @@ impl BpfDatapath {
         if OBJECT.is_empty() {
             return Err(Error::NoObject);
         }
-        let kernel = super::probe::kernel();
+        let kernel = super::kernel_features::kernel();
         if let Some(line) = kernel.missing_line() {
             return Err(Error::Unsupported(line));
         }
@@ -217,7 +234,7 @@ impl BpfDatapath {
     }
 }
 
-impl BpfDatapath {
+impl PinnedClassifier {
     /// Attaches both pod classifiers to the interface `ifindex` and
     /// records it (with `name`, e.g. "namespace/pod") in ENDPOINT_META.
     /// Write the endpoint's map entry first, so its first packet is
@@ -455,7 +472,7 @@ impl BpfDatapath {
 
 /// A pinned map keeps the size it was created with: say so when the
 /// configuration asks for another.
-fn warn_resized(asked: &[(&'static str, u32)], have: &super::fit::Capacities) {
+fn warn_resized(asked: &[(&'static str, u32)], have: &super::capacity_plan::Capacities) {
     for (name, entries) in asked {
         let current = match *name {
             names::POLICY => have.policy,
@@ -481,12 +498,12 @@ fn warn_resized(asked: &[(&'static str, u32)], have: &super::fit::Capacities) {
 /// The ENDPOINT_META name of an interface carrying the pod classifiers
 /// ahead of its pod.
 pub fn standby_label(ifindex: u32) -> String {
-    let name = super::if_name(ifindex).unwrap_or_else(|_| format!("ifindex {ifindex}"));
+    let name = super::attach::if_name(ifindex).unwrap_or_else(|_| format!("ifindex {ifindex}"));
     format!("standby {name}")
 }
 
 pub fn uplink_label(ifindex: u32) -> String {
-    let name = super::if_name(ifindex).unwrap_or_else(|_| format!("ifindex {ifindex}"));
+    let name = super::attach::if_name(ifindex).unwrap_or_else(|_| format!("ifindex {ifindex}"));
     format!("uplink {name}")
 }
 

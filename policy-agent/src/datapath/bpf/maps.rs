@@ -21,7 +21,7 @@ use policy_common::{
     verdict::{COUNTER_SLOTS, Reason, counter_index},
 };
 
-use super::{Error, PinLayout};
+use super::{error::Error, pins::PinLayout};
 use crate::mapstate::{MapOp, MapState};
 
 /// Every map the agent reads or writes (the drop-event ring is opened by
@@ -41,7 +41,7 @@ pub struct BpfMaps {
     pub conntrack: HashMap<MapData, CtKey, CtEntry>,
     pub fragments: HashMap<MapData, FragKey, FragEntry>,
     pub counters: PerCpuArray<MapData, u64>,
-    /// The catch-all's (see `super::catchall`).
+    /// The pod-range guard's (see `super::pod_range_guard`).
     pub pod_ranges: LpmTrie<MapData, ServiceAddr, u32>,
     pub enforced: HashMap<MapData, ServiceAddr, u32>,
 }
@@ -312,11 +312,11 @@ impl BpfMaps {
 
     /// The capacities writes are planned within (the maps as created; a
     /// pinned map keeps the size it was created with).
-    pub fn capacities(&self) -> super::fit::Capacities {
+    pub fn capacities(&self) -> super::capacity_plan::Capacities {
         fn cap(m: &MapData) -> usize {
             m.info().map(|i| i.max_entries() as usize).unwrap_or(0)
         }
-        super::fit::Capacities {
+        super::capacity_plan::Capacities {
             policy: cap(self.policy.map()),
             ipcache_v4: cap(self.ipcache_v4.map()),
             ipcache_v6: cap(self.ipcache_v6.map()),

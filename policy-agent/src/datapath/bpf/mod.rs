@@ -1,40 +1,28 @@
 //! The eBPF datapath: the classifier object, its pinned maps and programs,
-//! and attachments to pod interfaces.
-mod attach;
-mod catchall;
-mod driver;
-mod error;
-mod events;
-pub mod fit;
-mod kernel_log;
-mod loader;
-mod maps;
-pub mod names;
-mod object;
+//! and attachments to pod interfaces. Each file is one concern; siblings
+//! and users import by path (`bpf::maps::BpfMaps`). The two names
+//! re-exported here are the datapath's seam: [`BpfDriver`] (the
+//! [`crate::datapath::Datapath`] implementation) and its [`Error`].
+pub mod attach;
+mod capacity_plan;
+pub mod driver;
+pub mod error;
+pub mod events;
+mod foreign_programs;
+pub mod kernel_features;
+pub mod kernel_log;
+pub mod loader;
+pub mod maps;
+pub mod name_tables;
+pub mod object;
 mod observe;
-mod order;
-mod pins;
-pub mod probe;
-mod reset;
+pub mod pins;
+mod pod_range_guard;
+pub mod reset;
 pub mod sizing;
-mod standing;
-mod sys;
+mod standing_problems;
+pub mod sys;
 mod uplinks;
 mod verifier;
 
-pub use self::{
-    attach::{Ahead, AttachMode, Attachment, NETLINK_HANDLE, NETLINK_PRIORITY, if_name},
-    driver::BpfDriver,
-    error::Error,
-    events::{DropEventReader, DropRecord},
-    kernel_log::{KernelLog, follow_kernel_log},
-    loader::{
-        BpfDatapath, Classifiers, LoadOptions, OrderCheck, Unpinned, endpoint_meta,
-        endpoint_meta_name,
-    },
-    maps::BpfMaps,
-    object::{OBJECT, object_hash},
-    pins::{DEFAULT_PIN_ROOT, Hook, PinLayout},
-    reset::{ResetReport, reset},
-    sys::current_netns,
-};
+pub use self::{driver::BpfDriver, error::Error};

@@ -8,7 +8,13 @@ use std::{
 
 use tracing::{info, warn};
 
-use super::{BpfMaps, Classifiers, DropEventReader, Hook, PinLayout, follow_kernel_log as follow};
+use super::{
+    events::DropEventReader,
+    kernel_log::follow_kernel_log as follow,
+    loader::Classifiers,
+    maps::BpfMaps,
+    pins::{Hook, PinLayout},
+};
 
 /// Forwards the classifier's debug log (emitted only while switched on).
 pub(super) fn follow_kernel_log(layout: &PinLayout) {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use policy_common::LAYOUT_VERSION;
 
-use super::Error;
+use super::error::Error;
 
 /// Default pin root.
 pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/policy-agent";
@@ -26,7 +26,7 @@ pub enum Hook {
     Uplink,
     /// Ingress of such an interface (with `--pod-cidr`): nothing enters
     /// the node for a local address not enforced yet (see
-    /// `policy_common::catchall`).
+    /// `policy_common::pod_range_guard`).
     UplinkIngress,
 }
 

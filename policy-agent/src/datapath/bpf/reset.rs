@@ -6,7 +6,13 @@ use tracing::{info, warn};
 
 use crate::exec;
 
-use super::{Attachment, BpfMaps, Error, PinLayout, attach::if_name, sys::current_netns};
+use super::{
+    attach::{Attachment, if_name},
+    error::Error,
+    maps::BpfMaps,
+    pins::PinLayout,
+    sys::current_netns,
+};
 
 /// What `reset` removed.
 #[derive(Debug, Default)]

@@ -7,7 +7,7 @@ use std::{
 
 use aya::programs::TcAttachType;
 
-use super::Hook;
+use super::pins::Hook;
 
 const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;

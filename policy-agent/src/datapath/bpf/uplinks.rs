@@ -7,7 +7,7 @@
 //!
 //! With `--pod-cidr` the same interfaces also carry `from_uplink` at
 //! ingress, and `to_uplink` also drops what leaves from a local address
-//! that is not enforced yet (see `policy_common::catchall`).
+//! that is not enforced yet (see `policy_common::pod_range_guard`).
 //!
 //! A veth that appears while the agent runs also gets the pod classifiers,
 //! at once (standby, [`standby`]): without an endpoint entry they pass
@@ -18,8 +18,8 @@ use policy_common::endpoint::{ATTACH_STANDBY, ATTACH_UPLINK, ATTACH_UPLINK_INGRE
 use tracing::{info, warn};
 
 use super::{
-    BpfDatapath, Hook,
-    loader::{standby_label, uplink_label},
+    loader::{PinnedClassifier, standby_label, uplink_label},
+    pins::Hook,
 };
 use crate::{
     cluster::Problem,
@@ -43,7 +43,7 @@ pub fn uplink_candidates(links: Vec<Link>, pods: &BTreeSet<u32>) -> BTreeMap<u32
 /// `ingress`: pod ranges are configured), and removes them from interfaces
 /// that are no longer candidates (they became endpoints, or are gone).
 pub fn sync_uplinks(
-    dp: &mut BpfDatapath,
+    dp: &mut PinnedClassifier,
     pods: &BTreeSet<u32>,
     ingress: bool,
     verify: bool,
@@ -147,11 +147,11 @@ pub fn sync_uplinks(
     }
 }
 
-/// The order check of an uplink (see `BpfDatapath::check_order`): a
+/// The order check of an uplink (see `PinnedClassifier::check_order`): a
 /// foreign TCX program ahead of the netlink filters moves the interface to
 /// TCX links; what still runs ahead is a node problem (a pod's packet to a
 /// Service whose backend is reached through here would pass unjudged).
-fn check_order(dp: &mut BpfDatapath, ifindex: u32, name: &str, report: &mut SyncReport) {
+fn check_order(dp: &mut PinnedClassifier, ifindex: u32, name: &str, report: &mut SyncReport) {
     let check = dp.check_order(ifindex);
     match check.moved {
         Some(Ok(leftovers)) => {
@@ -180,7 +180,7 @@ fn check_order(dp: &mut BpfDatapath, ifindex: u32, name: &str, report: &mut Sync
 /// classifiers, which the next sync adds while no pod holds the veth), so
 /// the hand-off only writes the entry. False: not attached (nothing left
 /// behind).
-pub(super) fn standby(dp: &mut BpfDatapath, ifindex: u32, name: &str) -> bool {
+pub(super) fn standby(dp: &mut PinnedClassifier, ifindex: u32, name: &str) -> bool {
     match dp.attach_standby(ifindex) {
         Ok(()) => {
             info!(interface = %name, "pod classifiers attached ahead of the pod (standby)");

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use tracing::{debug, error};
 
-use super::Error;
+use super::error::Error;
 
 /// The line that says why: the last one before the verifier's statistics
 /// ("processed N insns ..."), which is where it states the violation.

@@ -8,7 +8,8 @@ use std::{
 use tracing::info;
 
 use super::{
-    Backend, DEFAULT_MARK, Error, Executor, NAME_BITS, RenderInput, Ruleset, catchall, render,
+    Backend, DEFAULT_MARK, Error, Executor, NAME_BITS, RenderInput, Ruleset, pod_range_guard,
+    render,
 };
 use crate::{
     cluster::{ObjectKind, PodRef, Problem},
@@ -82,7 +83,7 @@ impl IptablesDriver {
             .map(|(p, i)| (p.clone(), i.ifindex))
             .collect();
         let enforced = enforced_addresses(desired, &indexes, |_, _| true);
-        catchall::add(&mut ruleset, &self.pod_ranges, &enforced);
+        pod_range_guard::add(&mut ruleset, &self.pod_ranges, &enforced);
         (ruleset, problems, indexes)
     }
 }
@@ -131,7 +132,7 @@ impl Datapath for IptablesDriver {
         let mut first = None;
         if !self.pod_ranges.is_empty() {
             let mut r = ruleset.clone();
-            catchall::set_enforced(&mut r, &before);
+            pod_range_guard::set_enforced(&mut r, &before);
             if r != ruleset {
                 first = Some(r);
             }

@@ -3,9 +3,9 @@
 //! applied atomically with `ipset restore` and `iptables-restore --noflush`,
 //! touching only the agent's own chains and sets.
 mod apply;
-mod catchall;
 mod driver;
 mod error;
+mod pod_range_guard;
 mod render;
 mod ruleset;
 

@@ -11,7 +11,12 @@ use std::{
 };
 
 use aya::programs::LinkOrder;
-use policy_agent::datapath::bpf::{BpfMaps, Hook, NETLINK_PRIORITY, PinLayout, endpoint_meta_name};
+use policy_agent::datapath::bpf::{
+    attach::NETLINK_PRIORITY,
+    loader::endpoint_meta_name,
+    maps::BpfMaps,
+    pins::{Hook, PinLayout},
+};
 use policy_cni::protocol::code;
 use policy_common::endpoint::{ATTACH_NETLINK, ATTACH_POD, ATTACH_STANDBY, ATTACH_TCX};
 use policy_testbed::cni_runtime::{CniError, CniRuntime, Sandbox};

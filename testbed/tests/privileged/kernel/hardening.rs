@@ -3,7 +3,7 @@
 //! closing connections reused, conntrack pressure, odd IPv6 header chains.
 //! Every case here passed the classifier before it was hardened. Needs root.
 
-use policy_agent::datapath::bpf::Hook;
+use policy_agent::datapath::bpf::pins::Hook;
 use policy_common::{
     direction::{EGRESS, INGRESS},
     endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED},

@@ -1,10 +1,10 @@
-//! The catch-all (`--pod-cidr`) on the real kernel through
+//! The pod-range guard (`--pod-cidr`) on the real kernel through
 //! BPF_PROG_TEST_RUN, at every hook: an address in the node's pod ranges
 //! that is not enforced is unreachable from a pod, cannot reach one, and
 //! neither leaves nor enters the node. Needs root (CAP_BPF, CAP_NET_ADMIN).
 
 use aya::maps::RingBuf;
-use policy_agent::datapath::bpf::Hook;
+use policy_agent::datapath::bpf::pins::Hook;
 use policy_common::{
     direction::EGRESS,
     event::DropEvent,
@@ -21,7 +21,7 @@ const PEER: u32 = 301;
 /// the node's ranges 10.0.0.0/24 and fd00::/64 with the gateway 10.0.0.1
 /// (a node address) and an enforced neighbour 10.0.0.11 / fd00::11;
 /// 10.0.0.99 / fd00::99 are a new pod the agent does not enforce yet.
-fn node(catchall: bool) -> Harness {
+fn node(guard: bool) -> Harness {
     let mut h = Harness::new();
     h.endpoint(POD, 0, 1);
     h.ipcache("10.0.0.10/32", POD, WORLD);
@@ -33,7 +33,7 @@ fn node(catchall: bool) -> Harness {
     h.enforce("10.0.0.11", Some(7));
     h.enforce("fd00::11", Some(7));
     h.enforce("10.0.0.1", Some(0));
-    if catchall {
+    if guard {
         h.pod_range("10.0.0.0/24");
         h.pod_range("fd00::/64");
     }
@@ -165,7 +165,7 @@ fn without_the_config_bit_nothing_is_looked_up() {
     // The ranges and entries are there but the bit is clear (the agent
     // sets it only once ENFORCED is filled; without --pod-cidr never).
     let mut h = node(true);
-    h.catchall(false);
+    h.pod_range_guard(false);
     assert_eq!(
         h.run_reason(Hook::Ingress, &tcp("10.0.0.10", "10.0.0.99")),
         (Verdict::Pass, Reason::AllowNotIsolated)
@@ -201,12 +201,12 @@ fn a_drop_of_an_unenforced_peer_is_reported() {
     assert_eq!(&ev.dst[..4], &[10, 0, 0, 99]);
 }
 
-/// Prints the per-packet cost of the catch-all at a pod's hook (no
+/// Prints the per-packet cost of the pod-range guard at a pod's hook (no
 /// assertion: timings are printed, never asserted). Run with
 /// `-- --ignored --nocapture`.
 #[test]
 #[ignore]
-fn cost_of_the_catchall() {
+fn cost_of_the_pod_range_guard() {
     use aya::programs::{TestRun as _, TestRunOptions};
     let mut h = node(true);
     let ns = |h: &mut Harness, frame: &[u8]| -> f64 {
@@ -228,13 +228,13 @@ fn cost_of_the_catchall() {
     };
     let outside = tcp("10.0.0.10", "192.0.2.1");
     let inside = tcp("10.0.0.10", "10.0.0.11");
-    h.catchall(false);
+    h.pod_range_guard(false);
     let off_out = ns(&mut h, &outside);
     let off_in = ns(&mut h, &inside);
-    h.catchall(true);
+    h.pod_range_guard(true);
     let on_out = ns(&mut h, &outside);
     let on_in = ns(&mut h, &inside);
     println!(
-        "ns/packet at from_pod (pod isolated nowhere): catch-all off {off_out:.1} / {off_in:.1}; on, peer outside the ranges {on_out:.1}; on, peer inside and enforced {on_in:.1}"
+        "ns/packet at from_pod (pod isolated nowhere): pod-range guard off {off_out:.1} / {off_in:.1}; on, peer outside the ranges {on_out:.1}; on, peer inside and enforced {on_in:.1}"
     );
 }

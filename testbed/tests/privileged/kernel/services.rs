@@ -8,7 +8,7 @@
 use std::net::IpAddr;
 
 use aya::maps::{HashMap as BpfHashMap, RingBuf};
-use policy_agent::datapath::bpf::Hook;
+use policy_agent::datapath::bpf::pins::Hook;
 use policy_common::{
     conntrack::{CT_FLAG_PENDING, CT_FLAG_SERVICE, CT_FLAG_SYN_ONLY, CtEntry, CtKey},
     direction::{EGRESS, INGRESS},

@@ -2,7 +2,7 @@
 //! crafted packets for every branch. Needs root (CAP_BPF, CAP_NET_ADMIN).
 
 use aya::maps::RingBuf;
-use policy_agent::datapath::bpf::Hook;
+use policy_agent::datapath::bpf::pins::Hook;
 use policy_common::{
     direction::{EGRESS, INGRESS},
     endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED},

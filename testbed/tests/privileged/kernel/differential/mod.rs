@@ -7,7 +7,7 @@ mod services;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use policy_agent::datapath::bpf::Hook;
+use policy_agent::datapath::bpf::pins::Hook;
 use policy_common::{
     direction,
     endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED},
@@ -301,14 +301,14 @@ fn reply(p: &Packet, hook: Hook) -> (Packet, Hook) {
     (Packet::new(p.dst, p.src, l4), other)
 }
 
-/// The catch-all's content (`--pod-cidr`): ranges over the pod and some
+/// The pod-range guard's content (`--pod-cidr`): ranges over the pod and some
 /// peers, and which local addresses are enforced.
-struct CatchAll {
+struct PodRangeGuard {
     ranges: Vec<&'static str>,
     enforced: Vec<IpAddr>,
 }
 
-impl CatchAll {
+impl PodRangeGuard {
     fn random(rng: &mut StdRng) -> Self {
         let ranges = if rng.random_bool(0.5) {
             vec![
@@ -403,10 +403,10 @@ fn run_seed(seed: u64, seen: &mut Seen) -> usize {
         Harness::new()
     };
     random_state(&mut h, &mut rng);
-    let mut catchall = CatchAll::random(&mut rng);
-    catchall.write(&mut h);
+    let mut guard = PodRangeGuard::random(&mut rng);
+    guard.write(&mut h);
     let mut model = Datapath::new(h.state.to_model(|k| *k));
-    catchall.model(&mut model.maps);
+    guard.model(&mut model.maps);
     let mut sent: Vec<(Packet, Hook)> = Vec::new();
     let mut checked = 0;
     for i in 0..PACKETS_PER_ROUND {
@@ -422,10 +422,10 @@ fn run_seed(seed: u64, seen: &mut Seen) -> usize {
             ep.revision += 1;
             h.state.endpoints.insert(TEST_IFINDEX, ep);
             h.sync();
-            catchall.flip(&mut rng);
-            catchall.write(&mut h);
+            guard.flip(&mut rng);
+            guard.write(&mut h);
             model.maps = h.state.to_model(|k| *k);
-            catchall.model(&mut model.maps);
+            guard.model(&mut model.maps);
         }
         // Now and then a packet at an uplink (egress or ingress).
         if rng.random_bool(0.1) {

@@ -10,7 +10,7 @@
 //! and the mark it leaves with must equal the model's.
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use policy_agent::datapath::bpf::Hook;
+use policy_agent::datapath::bpf::pins::Hook;
 use policy_common::{
     direction,
     endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED},

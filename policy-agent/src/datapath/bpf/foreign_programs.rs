@@ -7,17 +7,22 @@ use std::collections::BTreeMap;
 use policy_common::endpoint::{ATTACH_POD, ATTACH_UPLINK, ATTACH_UPLINK_INGRESS};
 use tracing::warn;
 
-use super::{BpfDatapath, Error};
+use super::{error::Error, loader::PinnedClassifier};
 use crate::{
     cluster::{ObjectKind, PodRef, Problem},
     datapath::{Interface, SyncReport},
 };
 
 /// Runs the order check on a pod's interface (see
-/// [`BpfDatapath::check_order`]) and reports what it found: on every
+/// [`PinnedClassifier::check_order`]) and reports what it found: on every
 /// full pass, and right after a new pod's attach (a foreign TCX program
 /// already on the veth would run ahead of the netlink filters until then).
-pub fn check_order(dp: &mut BpfDatapath, pod: &PodRef, iface: &Interface, report: &mut SyncReport) {
+pub fn check_order(
+    dp: &mut PinnedClassifier,
+    pod: &PodRef,
+    iface: &Interface,
+    report: &mut SyncReport,
+) {
     let check = dp.check_order(iface.ifindex);
     match check.moved {
         Some(Ok(leftovers)) => {
@@ -56,7 +61,7 @@ pub type OrderSnapshot = BTreeMap<u32, Vec<String>>;
 
 /// What runs before the classifiers on every interface that carries a
 /// pod's or the uplink's: queries only, nothing is moved.
-pub fn snapshot(dp: &mut BpfDatapath) -> Result<OrderSnapshot, Error> {
+pub fn snapshot(dp: &mut PinnedClassifier) -> Result<OrderSnapshot, Error> {
     let meta = dp.maps.read_meta()?;
     let mut out = OrderSnapshot::new();
     for (ifindex, m) in meta {
@@ -86,7 +91,7 @@ pub struct OrderWatch {
 
 impl OrderWatch {
     /// Records the state a full pass left.
-    pub fn settle(&mut self, dp: &mut BpfDatapath) {
+    pub fn settle(&mut self, dp: &mut PinnedClassifier) {
         match snapshot(dp) {
             Ok(now) => self.seen = Some(now),
             Err(e) => {
@@ -97,7 +102,7 @@ impl OrderWatch {
     }
 
     /// True when what runs ahead differs from the last look.
-    pub fn changed(&mut self, dp: &mut BpfDatapath) -> bool {
+    pub fn changed(&mut self, dp: &mut PinnedClassifier) -> bool {
         match snapshot(dp) {
             Ok(now) => {
                 // Before any verifying full pass (a restarted agent

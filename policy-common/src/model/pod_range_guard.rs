@@ -1,4 +1,4 @@
-//! The catch-all (see [`crate::catchall`]): an address in the node's pod
+//! The pod-range guard (see [`crate::pod_range_guard`]): an address in the node's pod
 //! ranges that is not enforced is nobody traffic may reach or come from.
 //!
 //! - at a pod's hooks: its peer (step 3a of the verdict order);

@@ -8,17 +8,17 @@ use policy_common::{
     proto,
 };
 
-use super::endpoint_meta_name;
+use super::loader::endpoint_meta_name;
 use crate::mapstate::identity_name_str;
 
 /// Lookup tables read from the pinned metadata maps.
 #[derive(Clone, Debug, Default)]
-pub struct Names {
+pub struct NameTables {
     pub identities: BTreeMap<u32, IdentityName>,
     pub endpoints: BTreeMap<u32, EndpointMeta>,
 }
 
-impl Names {
+impl NameTables {
     pub fn identity(&self, id: u32) -> String {
         match id {
             identity::ANY => "any".to_owned(),

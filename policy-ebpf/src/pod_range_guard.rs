@@ -1,4 +1,4 @@
-//! The catch-all (see `policy_common::catchall`): an address in the
+//! The pod-range guard (see `policy_common::pod_range_guard`): an address in the
 //! node's pod ranges that is not enforced yet belongs to a pod whose veth
 //! carries no classifier, so nothing may reach it or come from it past
 //! the hooks that are there: the peer pod's veth and the uplinks.
@@ -7,9 +7,9 @@
 //! and one hash lookup for addresses inside a range.
 use aya_ebpf::{bindings::TC_ACT_SHOT, btf_maps::lpm_trie::Key, programs::TcContext};
 use policy_common::{
-    catchall::{local_addr, range_prefix_len},
     config::CONFIG_POD_RANGES,
     direction, family,
+    pod_range_guard::{local_addr, range_prefix_len},
     verdict::{Reason, counter_index},
 };
 

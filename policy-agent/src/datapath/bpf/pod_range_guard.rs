@@ -1,4 +1,4 @@
-//! The catch-all's maps (see `policy_common::catchall`): `POD_RANGES`, the
+//! The pod-range guard's maps (see `policy_common::pod_range_guard`): `POD_RANGES`, the
 //! node's pod ranges (`--pod-cidr`), and `ENFORCED`, every local address
 //! whose interface carries both pod classifiers (and the node's own).
 //!
@@ -20,17 +20,17 @@ use std::{
 use aya::maps::IterableMap as _;
 use ipnet::IpNet;
 use policy_common::{
-    catchall::{ENFORCED_NODE, LocalAddr, POD_RANGE, local_addr},
     config::CONFIG_POD_RANGES,
     family, identity,
     ipcache::IpcacheEntry,
     maps as names,
+    pod_range_guard::{ENFORCED_NODE, LocalAddr, POD_RANGE, local_addr},
 };
 use tracing::{error, info};
 
 use super::{
-    BpfMaps, Error,
-    maps::{insert, remove, service_key, service_net},
+    error::Error,
+    maps::{BpfMaps, insert, remove, service_key, service_net},
 };
 use crate::{
     cluster::{PodRef, Problem},
@@ -62,7 +62,7 @@ fn key_ip(key: &LocalAddr) -> Option<IpAddr> {
     }
 }
 
-/// The driver's side of the catch-all.
+/// The driver's side of the pod-range guard.
 #[derive(Debug, Default)]
 pub struct Enforcement {
     /// `--pod-cidr`.
@@ -89,7 +89,9 @@ impl Enforcement {
         if ranges.is_empty() && config.flags & CONFIG_POD_RANGES != 0 {
             config.flags &= !CONFIG_POD_RANGES;
             maps.set_config(config)?;
-            info!("--pod-cidr not given: the catch-all for unenforced local addresses is off");
+            info!(
+                "--pod-cidr not given: the pod-range guard for unenforced local addresses is off"
+            );
         }
         let present: Vec<_> = maps
             .pod_ranges
@@ -274,9 +276,9 @@ impl Enforcement {
             match armed {
                 Ok(()) => {
                     self.armed = true;
-                    info!(ranges = ?self.ranges, "catch-all on: unenforced local addresses are dropped");
+                    info!(ranges = ?self.ranges, "pod-range guard on: unenforced local addresses are dropped");
                 }
-                Err(e) => fail(report, format!("turning the catch-all on: {e}")),
+                Err(e) => fail(report, format!("turning the pod-range guard on: {e}")),
             }
         }
     }
@@ -297,10 +299,10 @@ fn fail(report: &mut SyncReport, msg: String) {
 }
 
 impl BpfMaps {
-    /// The catch-all's content (for `dump`): the pod ranges, whether the
+    /// The pod-range guard's content (for `dump`): the pod ranges, whether the
     /// kernel check is on, and the enforced addresses by ifindex.
     #[allow(clippy::type_complexity)] // three plain parts, read together
-    pub fn read_catchall(&self) -> Result<(Vec<IpNet>, bool, BTreeMap<IpAddr, u32>), Error> {
+    pub fn read_pod_range_guard(&self) -> Result<(Vec<IpNet>, bool, BTreeMap<IpAddr, u32>), Error> {
         let mut ranges = Vec::new();
         for key in self.pod_ranges.keys() {
             let key = key.map_err(Error::map(names::POD_RANGES))?;

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::cluster::{ObjectKind, PodRef, Problem, Subject};
 
 #[derive(Debug, Default)]
-pub struct Standing {
+pub struct StandingProblems {
     problems: BTreeSet<Problem>,
 }
 
@@ -28,7 +28,7 @@ fn pod_of(problem: &Problem) -> Option<&PodRef> {
     }
 }
 
-impl Standing {
+impl StandingProblems {
     /// After a full pass: exactly what it found.
     pub fn replace(&mut self, found: &[Problem]) -> Vec<Problem> {
         self.problems = found.iter().cloned().collect();
@@ -68,7 +68,7 @@ mod tests {
 
     #[test]
     fn what_an_incremental_sync_did_not_look_at_stands() {
-        let mut s = Standing::default();
+        let mut s = StandingProblems::default();
         let local: BTreeMap<PodRef, ()> = [pod("a"), pod("b"), pod("c")]
             .into_iter()
             .map(|p| (p, ()))

@@ -1,4 +1,4 @@
-//! The catch-all for pods the agent does not enforce yet.
+//! The pod-range guard for pods the agent does not enforce yet.
 //!
 //! The node's main CNI plugin creates and routes a new pod's veth before
 //! the agent attaches to it (the chained plugin tells it afterwards; the

@@ -1,5 +1,5 @@
-//! The catch-all on the iptables datapath (`--pod-cidr`; the BPF one is
-//! `policy_common::catchall`): per family a `hash:ip` set of the enforced
+//! The pod-range guard on the iptables datapath (`--pod-cidr`; the BPF one is
+//! `policy_common::pod_range_guard`): per family a `hash:ip` set of the enforced
 //! local addresses (pods whose chains are installed, and the node's own)
 //! and, first in the agent's FORWARD chain, a drop of whatever comes from
 //! or goes to an address in the pod ranges that is not in it:
