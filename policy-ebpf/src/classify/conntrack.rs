@@ -1,0 +1,175 @@
+//! Conntrack and fragment keys, what a conntrack hit allows, and ICMP
+//! errors related to a tracked flow.
+use aya_ebpf::programs::TcContext;
+use policy_common::{
+    addr_eq,
+    conntrack::{
+        CT_FLAG_CLOSING, CT_FLAG_PENDING, CT_FLAG_SERVICE, CT_FLAG_SYN_ONLY, CT_REFRESH_NS,
+        CtEntry, CtKey, FragKey,
+    },
+    direction,
+    endpoint::EndpointInfo,
+    family,
+    ipcache::IpcacheEntry,
+    proto,
+    verdict::Reason,
+};
+
+use super::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, policy::judge, service::rejudge_backend};
+use crate::{
+    maps::{CONNTRACK, Scratch},
+    parse::{IpPacket, quoted_flow},
+};
+
+/// A conntrack hit: still allowed under the endpoint's current revision?
+/// `orig_port` is the destination port of the packet that opened the flow.
+#[inline(always)]
+pub(super) fn on_ct_hit(
+    entry: &mut CtEntry,
+    key: &CtKey,
+    ep: &EndpointInfo,
+    pkt: &IpPacket,
+    peer_addr: &[u8; 16],
+    orig_port: u16,
+    now: u64,
+    hit: Reason,
+) -> (Reason, IpcacheEntry) {
+    let mut peer = IpcacheEntry::UNKNOWN;
+    if entry.revision != ep.revision {
+        let (reason, p) = judge(
+            ep,
+            entry.direction,
+            pkt.family,
+            peer_addr,
+            pkt.protocol,
+            proto::policy_port(pkt.protocol, orig_port),
+        );
+        peer = p;
+        if reason.is_drop() {
+            let _ = CONNTRACK.remove(key);
+            return (Reason::DropPolicyChanged, peer);
+        }
+        entry.revision = ep.revision;
+    }
+    if pkt.protocol == proto::TCP {
+        if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
+            entry.flags |= CT_FLAG_CLOSING;
+        }
+        if pkt.tcp_flags & TCP_ACK != 0 && entry.flags & CT_FLAG_SYN_ONLY != 0 {
+            entry.flags &= !CT_FLAG_SYN_ONLY;
+        }
+    }
+    if now.wrapping_sub(entry.last_seen_ns) > CT_REFRESH_NS {
+        entry.last_seen_ns = now;
+    }
+    (hit, peer)
+}
+
+#[inline(always)]
+pub(super) fn live(entry: &CtEntry, protocol: u8, now: u64) -> bool {
+    now.wrapping_sub(entry.last_seen_ns) <= entry.timeout_ns(protocol)
+}
+
+/// A TCP segment that opens a connection (SYN without ACK).
+#[inline(always)]
+pub(super) fn syn_only(pkt: &IpPacket) -> bool {
+    pkt.protocol == proto::TCP && pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+}
+
+/// Whether a packet may ride `entry`: it is live, and it is not a closing
+/// flow whose tuple a new SYN reuses (that connection is judged afresh).
+#[inline(always)]
+pub(super) fn usable(entry: &CtEntry, pkt: &IpPacket, now: u64) -> bool {
+    live(entry, pkt.protocol, now) && !(syn_only(pkt) && entry.flags & CT_FLAG_CLOSING != 0)
+}
+
+#[inline(always)]
+pub(crate) fn fill_ct_key(key: &mut CtKey, ifindex: u32, dir: u8, pkt: &IpPacket) {
+    key.ifindex = ifindex;
+    key.src = pkt.src;
+    key.dst = pkt.dst;
+    key.sport = pkt.sport;
+    key.dport = pkt.dport;
+    key.protocol = pkt.protocol;
+    key.family = pkt.family;
+    key.direction = dir;
+    key._pad = 0;
+}
+
+#[inline(always)]
+pub(super) fn fill_frag_key(key: &mut FragKey, ifindex: u32, pkt: &IpPacket) {
+    key.ifindex = ifindex;
+    key.src = pkt.src;
+    key.dst = pkt.dst;
+    key.id = pkt.frag_id;
+    key.protocol = pkt.frag_proto;
+    key.family = pkt.family;
+    key._pad = 0;
+}
+
+/// An ICMP error about a flow of this endpoint (its quoted header is in
+/// `s.pkt.quoted_off`): it must travel back to the quoted packet's sender,
+/// the quoted packet must belong to a flow tracked here (it went the other
+/// way: a flow opened that way, or a reply in one opened this way), and
+/// that flow must still be allowed under the endpoint's revision. None:
+/// not related, judge it as plain ICMP.
+#[inline(always)]
+pub(super) fn related(
+    ctx: &TcContext,
+    s: &mut Scratch,
+    ifindex: u32,
+    ep: &EndpointInfo,
+    dir: u8,
+    now: u64,
+) -> Option<Reason> {
+    s.ct.ifindex = ifindex;
+    s.ct.family = s.pkt.family;
+    s.ct._pad = 0;
+    let v6 = s.pkt.family == family::IPV6;
+    quoted_flow(ctx, s.pkt.quoted_off as usize, v6, &mut s.ct)?;
+    if !addr_eq(&s.pkt.dst, &s.ct.src) {
+        return None;
+    }
+    s.ct.direction = direction::opposite(dir);
+    let mut found = CONNTRACK.get_ptr_mut(&s.ct);
+    if found.is_none() {
+        s.ct = s.ct.reply();
+        found = CONNTRACK.get_ptr_mut(&s.ct);
+    }
+    let entry = found?;
+    // SAFETY: a pointer to the map value, valid for this program run.
+    let entry = unsafe { &mut *entry };
+    if !live(entry, s.ct.protocol, now) {
+        return None;
+    }
+    if entry.flags & CT_FLAG_SERVICE != 0 {
+        // Its peer is the backend, not the frontend in the key: judged as
+        // its packets are (pending: still to be judged after DNAT).
+        if entry.flags & CT_FLAG_PENDING == 0
+            && entry.revision != ep.revision
+            && let Some((Reason::DropPolicyChanged, _)) =
+                rejudge_backend(entry, &s.ct, &mut s.flow, ep)
+        {
+            return Some(Reason::DropPolicyChanged);
+        }
+        return Some(Reason::AllowRelated);
+    }
+    if entry.revision != ep.revision {
+        // Judged again as the flow's opener was: its direction, its peer,
+        // its destination port.
+        let opener = s.ct.direction;
+        let peer = if opener == direction::EGRESS {
+            s.ct.dst
+        } else {
+            s.ct.src
+        };
+        let port = proto::policy_port(s.ct.protocol, s.ct.dport);
+        let (reason, _) = judge(ep, opener, s.ct.family, &peer, s.ct.protocol, port);
+        if reason.is_drop() {
+            let _ = CONNTRACK.remove(&s.ct);
+            return Some(Reason::DropPolicyChanged);
+        }
+        entry.revision = ep.revision;
+    }
+    Some(Reason::AllowRelated)
+}

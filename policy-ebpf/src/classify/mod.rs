@@ -1,0 +1,384 @@
+//! The verdict. `policy_common::model` states the same procedure in plain
+//! Rust; the differential test holds the two together.
+//!
+//! The packet and the keys built from it live in a per-CPU scratch buffer
+//! (`SCRATCH`): the BPF stack is 512 bytes for the whole call chain.
+//!
+//! - this file: the entry ([`classify`]) and the decision ([`decide`]) in
+//!   its documented order, drop events and counters;
+//! - [`policy`]: the peer's identity and the policy lookup;
+//! - [`conntrack`]: conntrack and fragment keys, hits, related ICMP;
+//! - [`service`]: flows to Service frontends, judged after DNAT.
+mod conntrack;
+mod policy;
+mod service;
+
+pub(crate) use self::conntrack::fill_ct_key;
+pub use self::service::{dnat_hook, uplink};
+use aya_ebpf::{
+    bindings::{BPF_ANY, TC_ACT_SHOT, TC_ACT_UNSPEC},
+    helpers::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
+    programs::TcContext,
+};
+use aya_log_ebpf::debug;
+use policy_common::{
+    addr_eq,
+    config::{CONFIG_DEBUG_LOG, CONFIG_NO_DROP_EVENTS},
+    conntrack::{
+        CT_FLAG_CLOSING, CT_FLAG_SERVICE, CT_FLAG_SYN_ONLY, CT_LOOKUP_FORWARD, CT_LOOKUP_REPLY,
+        CtEntry, FragEntry, ct_lookups,
+    },
+    direction,
+    endpoint::{ENDPOINT_SLOT_USED, EndpointInfo},
+    event::DropEvent,
+    icmpv6_link_control,
+    ipcache::IpcacheEntry,
+    proto,
+    service::mark,
+    verdict::{Reason, counter_index},
+};
+
+use self::{
+    conntrack::{fill_frag_key, on_ct_hit, related, syn_only, usable},
+    policy::judge,
+    service::{defer, is_frontend, service_hit},
+};
+use crate::{
+    maps::{
+        CONFIG, CONNTRACK, COUNTERS, DROP_EVENTS, ENDPOINT_SLOTS, ENDPOINTS, FRAGMENTS, SCRATCH,
+        Scratch,
+    },
+    parse::{FRAG_FIRST, FRAG_LATER, IP, IpPacket, MALFORMED, parse},
+};
+
+/// Allowed: hand the packet on (TCX_NEXT / next tc filter), so programs
+/// after ours still see it.
+const PASS: i32 = TC_ACT_UNSPEC;
+pub const DROP: i32 = TC_ACT_SHOT;
+
+const TCP_FIN: u8 = 0x01;
+const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
+const TCP_ACK: u8 = 0x10;
+
+#[inline(always)]
+fn count(reason: Reason, dir: u8) {
+    if let Some(slot) = COUNTERS.get_ptr_mut(counter_index(reason, dir)) {
+        // SAFETY: per-CPU slot, only this CPU touches it while we run.
+        unsafe { *slot += 1 };
+    }
+}
+
+#[inline(always)]
+fn config_flags() -> u32 {
+    match CONFIG.get(0) {
+        Some(c) => c.flags,
+        None => 0,
+    }
+}
+
+/// The local endpoint behind `ifindex`: its array slot when the array
+/// reaches that far (the writer never puts such an ifindex in the hash),
+/// the overflow hash otherwise.
+#[inline(always)]
+fn endpoint(ifindex: u32) -> Option<&'static EndpointInfo> {
+    if let Some(slot) = ENDPOINT_SLOTS.get(ifindex) {
+        return if slot.flags & ENDPOINT_SLOT_USED != 0 {
+            Some(slot)
+        } else {
+            None
+        };
+    }
+    // SAFETY: a map value pointer, valid for this program run (the entry
+    // is read, never written, by the classifier; not copied: the stack is
+    // 512 bytes for the whole call chain).
+    ENDPOINTS.get_ptr(ifindex).map(|ep| unsafe { &*ep })
+}
+
+/// The decision for the parsed packet in `s.pkt` at endpoint `ep`.
+#[inline(always)]
+fn decide(
+    ctx: &TcContext,
+    s: &mut Scratch,
+    ifindex: u32,
+    ep: &EndpointInfo,
+    dir: u8,
+) -> (Reason, IpcacheEntry) {
+    let unknown = IpcacheEntry::UNKNOWN;
+    let pkt = &s.pkt;
+    if pkt.protocol == proto::ICMPV6
+        && pkt.frag != FRAG_LATER
+        && icmpv6_link_control(pkt.icmp_type, &pkt.src, pkt.hop_limit)
+    {
+        return (Reason::AllowNeighborDiscovery, unknown);
+    }
+    if dir == direction::EGRESS {
+        // The pod chooses every byte it sends: only its own source is it.
+        if !ep.owns(pkt.family, &pkt.src) {
+            return (Reason::DropSpoofed, unknown);
+        }
+        if addr_eq(&pkt.src, &pkt.dst) {
+            return (Reason::AllowSelf, unknown);
+        }
+    }
+    if crate::pod_range_guard::peer_unenforced(pkt, dir) {
+        return (Reason::DropUnenforced, unknown);
+    }
+    if pkt.frag == FRAG_LATER {
+        fill_frag_key(&mut s.frag, ifindex, pkt);
+        return if FRAGMENTS.get_ptr(&s.frag).is_some() {
+            (Reason::AllowFragment, unknown)
+        } else {
+            (Reason::DropFragmentUnknown, unknown)
+        };
+    }
+    let peer_addr = if dir == direction::EGRESS {
+        &pkt.dst
+    } else {
+        &pkt.src
+    };
+    let port = proto::policy_port(pkt.protocol, pkt.dport);
+    if !ep.tracks() {
+        // Isolated in no direction: nothing to track, nothing to deny.
+        return judge(ep, dir, pkt.family, peer_addr, pkt.protocol, port);
+    }
+    // SAFETY: a helper without preconditions.
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
+
+    if pkt.quoted_off != 0
+        && let Some(reason) = related(ctx, s, ifindex, ep, dir, now)
+    {
+        return (reason, unknown);
+    }
+    let pkt = &s.pkt;
+    let peer_addr = if dir == direction::EGRESS {
+        &pkt.dst
+    } else {
+        &pkt.src
+    };
+
+    let lookups = ct_lookups(pkt.protocol, pkt.icmp_type);
+    fill_ct_key(&mut s.ct, ifindex, dir, pkt);
+    if lookups & CT_LOOKUP_FORWARD != 0
+        && let Some(entry) = CONNTRACK.get_ptr_mut(&s.ct)
+    {
+        // SAFETY: a pointer to the map value, valid for this program run.
+        let entry = unsafe { &mut *entry };
+        if usable(entry, pkt, now) {
+            if entry.flags & CT_FLAG_SERVICE != 0 {
+                if let Some(verdict) = service_hit(entry, &s.ct, &mut s.flow, ep, pkt, now, true) {
+                    return verdict;
+                }
+            } else {
+                return on_ct_hit(
+                    entry,
+                    &s.ct,
+                    ep,
+                    pkt,
+                    peer_addr,
+                    pkt.dport,
+                    now,
+                    Reason::AllowEstablished,
+                );
+            }
+        }
+    }
+    s.ct = s.ct.reply();
+    if lookups & CT_LOOKUP_REPLY != 0
+        && let Some(entry) = CONNTRACK.get_ptr_mut(&s.ct)
+    {
+        // SAFETY: as above.
+        let entry = unsafe { &mut *entry };
+        if usable(entry, pkt, now) {
+            if entry.flags & CT_FLAG_SERVICE != 0 {
+                if let Some(verdict) = service_hit(entry, &s.ct, &mut s.flow, ep, pkt, now, false) {
+                    return verdict;
+                }
+            } else {
+                // A reply: judged again (if stale) as its opener was, with
+                // the opener's destination port, which is this packet's
+                // source.
+                return on_ct_hit(
+                    entry,
+                    &s.ct,
+                    ep,
+                    pkt,
+                    peer_addr,
+                    pkt.sport,
+                    now,
+                    Reason::AllowReply,
+                );
+            }
+        }
+    }
+    let midstream = pkt.protocol == proto::TCP && pkt.tcp_flags & TCP_SYN == 0;
+    if midstream {
+        count(Reason::CtMidstreamMiss, dir);
+    }
+    // To a Service frontend: the backend is chosen after us (DNAT), so the
+    // egress is judged there.
+    if dir == direction::EGRESS && ep.isolated(direction::EGRESS) && proto::has_ports(pkt.protocol)
+    {
+        if is_frontend(pkt.family, &pkt.dst) {
+            return (defer(s, ifindex, ep, now), unknown);
+        }
+    }
+    let pkt = &s.pkt;
+    let peer_addr = if dir == direction::EGRESS {
+        &pkt.dst
+    } else {
+        &pkt.src
+    };
+
+    let (reason, peer) = judge(ep, dir, pkt.family, peer_addr, pkt.protocol, port);
+    // Only a packet the pod sent (its source checked above) or one it
+    // receives at its own address opens an entry; never a TCP packet
+    // without SYN: mid-stream, who opened the connection is unknown, and a
+    // pod answering a connection a policy change just cut would reopen it
+    // in its own name (the peer's packets then pass as replies). Such a
+    // flow is judged packet by packet both ways.
+    let opens = dir == direction::EGRESS || ep.owns(pkt.family, &pkt.dst);
+    if (reason == Reason::AllowPolicy || reason == Reason::AllowNotIsolated)
+        && lookups != 0
+        && opens
+        && !midstream
+    {
+        let mut flags = 0;
+        if pkt.protocol == proto::TCP {
+            if syn_only(pkt) {
+                flags |= CT_FLAG_SYN_ONLY;
+            }
+            if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
+                flags |= CT_FLAG_CLOSING;
+            }
+        }
+        fill_ct_key(&mut s.ct, ifindex, dir, pkt);
+        let entry = CtEntry {
+            last_seen_ns: now,
+            revision: ep.revision,
+            direction: dir,
+            flags,
+            _pad: 0,
+        };
+        if CONNTRACK.insert(&s.ct, &entry, BPF_ANY as u64).is_err() {
+            count(Reason::CtCreateFailed, dir);
+        }
+    }
+    (reason, peer)
+}
+
+/// `meta` is ifindex << 16 | reason << 8 | direction (five arguments at
+/// most for a BPF-to-BPF call). `pkt` is None for unparsed packets.
+#[inline(never)]
+fn emit_drop(ep: &EndpointInfo, meta: u64, pkt: Option<&IpPacket>, peer: &IpcacheEntry) {
+    let ifindex = (meta >> 16) as u32;
+    let reason = (meta >> 8) as u8;
+    let dir = meta as u8;
+    let Some(mut slot) = DROP_EVENTS.reserve(0) else {
+        count(Reason::EventLost, dir);
+        return;
+    };
+    // Fill the reserved slot in place rather than copying a stack image.
+    let ev: &mut DropEvent = slot.write(DropEvent {
+        // SAFETY: a helper without preconditions.
+        timestamp_ns: unsafe { bpf_ktime_get_ns() },
+        ifindex,
+        endpoint_identity: ep.identity,
+        peer_identity: peer.identity,
+        peer_cidr_identity: peer.cidr_identity,
+        src: [0; 16],
+        dst: [0; 16],
+        sport: 0,
+        dport: 0,
+        protocol: 0,
+        family: 0,
+        direction: dir,
+        reason,
+    });
+    if let Some(p) = pkt {
+        ev.src = p.src;
+        ev.dst = p.dst;
+        ev.sport = p.sport;
+        ev.dport = p.dport;
+        ev.protocol = p.protocol;
+        ev.family = p.family;
+    }
+    slot.submit(0);
+}
+
+#[inline(never)]
+pub fn classify(ctx: &TcContext, dir: u8) -> i32 {
+    // SAFETY: the context pointer is the kernel's __sk_buff for this run.
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
+        // Cannot happen (a one-slot array); refuse rather than guess.
+        count(Reason::DropMalformed, dir);
+        return DROP;
+    };
+    // SAFETY: this CPU's slot; programs do not nest on one CPU.
+    let s = unsafe { &mut *scratch };
+    let flags = config_flags();
+    let Some(ep) = endpoint(ifindex) else {
+        count(Reason::PassNoEndpoint, dir);
+        return PASS;
+    };
+
+    let parsed = parse(ctx, &mut s.pkt);
+    let (reason, peer) = match parsed {
+        IP => {
+            let (reason, peer) = decide(ctx, s, ifindex, ep, dir);
+            if s.pkt.frag == FRAG_FIRST && !reason.is_drop() {
+                fill_frag_key(&mut s.frag, ifindex, &s.pkt);
+                let entry = FragEntry {
+                    sport: s.pkt.sport,
+                    dport: s.pkt.dport,
+                    _reserved: 0,
+                };
+                let _ = FRAGMENTS.insert(&s.frag, &entry, BPF_ANY as u64);
+            }
+            (reason, peer)
+        }
+        MALFORMED => (Reason::DropMalformed, IpcacheEntry::UNKNOWN),
+        _ => (Reason::AllowNonIp, IpcacheEntry::UNKNOWN),
+    };
+    count(reason, dir);
+    let pkt = if parsed == IP { Some(&s.pkt) } else { None };
+    if flags & CONFIG_DEBUG_LOG != 0 {
+        let (protocol, sport, dport) = match pkt {
+            Some(p) => (p.protocol, p.sport, p.dport),
+            None => (0, 0, 0),
+        };
+        debug!(
+            ctx,
+            "verdict ifindex={} dir={} proto={} sport={} dport={} peer_id={} peer_cidr={} reason={}",
+            ifindex,
+            dir,
+            protocol,
+            sport,
+            dport,
+            peer.identity,
+            peer.cidr_identity,
+            reason as u8
+        );
+    }
+    if reason == Reason::PassService
+        && let Some(m) = mark::pending(ifindex)
+    {
+        // SAFETY: the context pointer is the kernel's __sk_buff for this run.
+        let old = unsafe { (*ctx.skb.skb).mark };
+        ctx.set_mark((old & !mark::MASK) | m);
+    }
+    if reason.is_drop() {
+        if flags & CONFIG_NO_DROP_EVENTS == 0 {
+            emit_drop(
+                ep,
+                (u64::from(ifindex) << 16) | ((reason as u64) << 8) | u64::from(dir),
+                pkt,
+                &peer,
+            );
+        }
+        DROP
+    } else {
+        PASS
+    }
+}

@@ -1,0 +1,85 @@
+//! The peer's identity (the ipcache) and the policy lookup for one
+//! peer identity.
+use policy_common::{
+    endpoint::{EndpointInfo, lookups},
+    family, identity,
+    ipcache::IpcacheEntry,
+    policy::PolicyKey,
+    proto,
+    verdict::Reason,
+};
+
+use crate::maps::{IPCACHE_V4, IPCACHE_V6, POLICY};
+
+#[inline(always)]
+pub(super) fn ipcache_lookup(fam: u8, addr: &[u8; 16]) -> IpcacheEntry {
+    let hit = if fam == family::IPV4 {
+        let key = aya_ebpf::btf_maps::lpm_trie::Key::new(32, [addr[0], addr[1], addr[2], addr[3]]);
+        IPCACHE_V4.get(&key).copied()
+    } else {
+        let key = aya_ebpf::btf_maps::lpm_trie::Key::new(128, *addr);
+        IPCACHE_V6.get(&key).copied()
+    };
+    hit.unwrap_or(IpcacheEntry::UNKNOWN)
+}
+
+/// Probes the policy entries for one peer identity, in the documented
+/// order: port prefixes present for this endpoint, longest first, then
+/// the any-protocol entry. Out of line, so its key has a small frame of
+/// its own. `packed` is direction << 24 | protocol << 16 | port.
+#[inline(never)]
+pub(super) fn probe_peer(endpoint: u32, peer: u32, packed: u32, bits: u32) -> u32 {
+    let dir = (packed >> 24) as u8;
+    let protocol = (packed >> 16) as u8;
+    let port = packed as u16;
+    if proto::has_ports(protocol) {
+        let mut len: u8 = 17;
+        while len > 0 {
+            len -= 1;
+            if bits & lookups::port_prefix(len) != 0 {
+                let key = PolicyKey::new(endpoint, dir, peer, protocol, len, port);
+                if POLICY.get_ptr(&key).is_some() {
+                    return 1;
+                }
+            }
+        }
+    }
+    if bits & lookups::ANY_PROTOCOL != 0 {
+        let key = PolicyKey::new(endpoint, dir, peer, proto::ANY, 0, 0);
+        if POLICY.get_ptr(&key).is_some() {
+            return 1;
+        }
+    }
+    0
+}
+
+/// Judges a flow of `ep` with `peer_addr` in `dir` as if it were new.
+#[inline(always)]
+pub(super) fn judge(
+    ep: &EndpointInfo,
+    dir: u8,
+    fam: u8,
+    peer_addr: &[u8; 16],
+    protocol: u8,
+    port: u16,
+) -> (Reason, IpcacheEntry) {
+    let peer = ipcache_lookup(fam, peer_addr);
+    if peer.identity == identity::NODE {
+        return (Reason::AllowNode, peer);
+    }
+    if !ep.isolated(dir) {
+        return (Reason::AllowNotIsolated, peer);
+    }
+    let bits = ep.lookups(dir);
+    let packed = (u32::from(dir) << 24) | (u32::from(protocol) << 16) | u32::from(port);
+    if peer.identity != identity::ANY && probe_peer(ep.identity, peer.identity, packed, bits) != 0 {
+        return (Reason::AllowPolicy, peer);
+    }
+    if probe_peer(ep.identity, peer.cidr_identity, packed, bits) != 0 {
+        return (Reason::AllowPolicy, peer);
+    }
+    if bits & lookups::ANY_PEER != 0 && probe_peer(ep.identity, identity::ANY, packed, bits) != 0 {
+        return (Reason::AllowPolicy, peer);
+    }
+    (Reason::DropPolicy, peer)
+}
