@@ -21,6 +21,7 @@ mod pod_range_guard;
 pub mod reset;
 pub mod sizing;
 mod standing_problems;
+mod sync_pass;
 pub mod sys;
 mod uplinks;
 mod verifier;
