@@ -194,6 +194,22 @@ fn line(out: &mut String, words: &[&str]) {
     out.push('\n');
 }
 
+/// `-A <chain> [-m comment --comment <comment>] <rest>`: the shape of
+/// every rule kube-proxy writes (`rest` holds no quoted words).
+fn rule(out: &mut String, chain: &str, comment: Option<&str>, rest: &str) {
+    out.push_str("-A ");
+    out.push_str(chain);
+    if let Some(c) = comment {
+        out.push_str(" -m comment --comment ");
+        out.push_str(c);
+    }
+    if !rest.is_empty() {
+        out.push(' ');
+        out.push_str(rest);
+    }
+    out.push('\n');
+}
+
 fn quoted(s: &str) -> String {
     format!("\"{s}\"")
 }
@@ -207,485 +223,276 @@ pub fn render(
     cluster_cidr: Option<&IpNet>,
     stale: &BTreeSet<String>,
 ) -> Rendered {
-    let mut filter_chains = String::new();
-    let mut filter_rules = String::new();
-    let mut nat_chains = String::new();
-    let mut nat_rules = String::new();
-    let mut service_chains = BTreeSet::new();
+    let mut t = Tables::default();
     for c in FILTER_CHAINS {
-        line(&mut filter_chains, &[&format!(":{c} - [0:0]")]);
+        line(&mut t.filter_chains, &[&format!(":{c} - [0:0]")]);
     }
     for c in NAT_CHAINS {
-        line(&mut nat_chains, &[&format!(":{c} - [0:0]")]);
+        line(&mut t.nat_chains, &[&format!(":{c} - [0:0]")]);
     }
     let masq_test = format!("{MASQ_MARK}/{MASQ_MARK}");
-    line(
-        &mut nat_rules,
-        &[
-            "-A",
-            "KUBE-POSTROUTING",
-            "-m",
-            "mark",
-            "!",
-            "--mark",
-            &masq_test,
-            "-j",
-            "RETURN",
-        ],
+    let nat = &mut t.nat_rules;
+    rule(
+        nat,
+        "KUBE-POSTROUTING",
+        None,
+        &format!("-m mark ! --mark {masq_test} -j RETURN"),
     );
-    line(
-        &mut nat_rules,
-        &[
-            "-A",
-            "KUBE-POSTROUTING",
-            "-j",
-            "MARK",
-            "--xor-mark",
-            MASQ_MARK,
-        ],
+    rule(
+        nat,
+        "KUBE-POSTROUTING",
+        None,
+        &format!("-j MARK --xor-mark {MASQ_MARK}"),
     );
-    line(
-        &mut nat_rules,
-        &[
-            "-A",
-            "KUBE-POSTROUTING",
-            "-m",
-            "comment",
-            "--comment",
-            &quoted("kubernetes service traffic requiring SNAT"),
-            "-j",
-            "MASQUERADE",
-            "--random-fully",
-        ],
+    rule(
+        nat,
+        "KUBE-POSTROUTING",
+        Some(&quoted("kubernetes service traffic requiring SNAT")),
+        "-j MASQUERADE --random-fully",
     );
-    line(
-        &mut nat_rules,
-        &["-A", "KUBE-MARK-MASQ", "-j", "MARK", "--or-mark", MASQ_MARK],
+    rule(
+        nat,
+        "KUBE-MARK-MASQ",
+        None,
+        &format!("-j MARK --or-mark {MASQ_MARK}"),
     );
     let cidr = cluster_cidr.map(ToString::to_string);
-    let mut declare = |chains: &mut String, name: &str| {
-        if service_chains.insert(name.to_owned()) {
-            line(chains, &[&format!(":{name} - [0:0]")]);
-        }
-    };
-
     for p in ports {
-        let ch = Chains::of(p);
-        let proto = p.protocol;
-        let cip = p.cluster_ip.to_string();
-        let port = p.port.to_string();
-        let (internal_chain, external_policy_chain) = (
-            if p.internal_local { &ch.svl } else { &ch.svc },
-            if p.external_local { &ch.svl } else { &ch.svc },
-        );
-        let (filter_target, filter_comment) = if !p.has_any {
-            ("REJECT", quoted(&format!("{} has no endpoints", p.spn)))
-        } else {
-            ("DROP", quoted(&format!("{} has no local endpoints", p.spn)))
-        };
-        let cluster_ip_comment = quoted(&format!("{} cluster IP", p.spn));
-
-        // Capture the ClusterIP.
-        if p.has_internal() {
-            line(
-                &mut nat_rules,
-                &[
-                    "-A",
-                    "KUBE-SERVICES",
-                    "-m",
-                    "comment",
-                    "--comment",
-                    &cluster_ip_comment,
-                    "-m",
-                    proto,
-                    "-p",
-                    proto,
-                    "-d",
-                    &cip,
-                    "--dport",
-                    &port,
-                    "-j",
-                    internal_chain,
-                ],
-            );
-        } else {
-            line(
-                &mut filter_rules,
-                &[
-                    "-A",
-                    "KUBE-SERVICES",
-                    "-m",
-                    "comment",
-                    "--comment",
-                    &filter_comment,
-                    "-m",
-                    proto,
-                    "-p",
-                    proto,
-                    "-d",
-                    &cip,
-                    "--dport",
-                    &port,
-                    "-j",
-                    filter_target,
-                ],
-            );
-        }
-        // External IPs and load-balancer IPs.
-        for (ips, what) in [
-            (&p.external_ips, "external IP"),
-            (&p.lb_ips, "loadbalancer IP"),
-        ] {
-            for ip in ips {
-                let ip = ip.to_string();
-                if p.has_any {
-                    line(
-                        &mut nat_rules,
-                        &[
-                            "-A",
-                            "KUBE-SERVICES",
-                            "-m",
-                            "comment",
-                            "--comment",
-                            &quoted(&format!("{} {what}", p.spn)),
-                            "-m",
-                            proto,
-                            "-p",
-                            proto,
-                            "-d",
-                            &ip,
-                            "--dport",
-                            &port,
-                            "-j",
-                            &ch.ext,
-                        ],
-                    );
-                }
-                if !p.has_external() {
-                    line(
-                        &mut filter_rules,
-                        &[
-                            "-A",
-                            "KUBE-EXTERNAL-SERVICES",
-                            "-m",
-                            "comment",
-                            "--comment",
-                            &filter_comment,
-                            "-m",
-                            proto,
-                            "-p",
-                            proto,
-                            "-d",
-                            &ip,
-                            "--dport",
-                            &port,
-                            "-j",
-                            filter_target,
-                        ],
-                    );
-                }
-            }
-        }
-        // NodePort.
-        if let Some(np) = p.node_port {
-            let np = np.to_string();
-            if p.has_any {
-                line(
-                    &mut nat_rules,
-                    &[
-                        "-A",
-                        "KUBE-NODEPORTS",
-                        "-m",
-                        "comment",
-                        "--comment",
-                        &p.spn,
-                        "-m",
-                        proto,
-                        "-p",
-                        proto,
-                        "--dport",
-                        &np,
-                        "-j",
-                        &ch.ext,
-                    ],
-                );
-            }
-            if !p.has_external() {
-                line(
-                    &mut filter_rules,
-                    &[
-                        "-A",
-                        "KUBE-EXTERNAL-SERVICES",
-                        "-m",
-                        "comment",
-                        "--comment",
-                        &filter_comment,
-                        "-m",
-                        "addrtype",
-                        "--dst-type",
-                        "LOCAL",
-                        "-m",
-                        proto,
-                        "-p",
-                        proto,
-                        "--dport",
-                        &np,
-                        "-j",
-                        filter_target,
-                    ],
-                );
-            }
-        }
-        // Internal traffic: masquerade what does not come from a pod.
-        if p.has_internal()
-            && let Some(cidr) = &cidr
-        {
-            line(
-                &mut nat_rules,
-                &[
-                    "-A",
-                    internal_chain,
-                    "-m",
-                    "comment",
-                    "--comment",
-                    &cluster_ip_comment,
-                    "-m",
-                    proto,
-                    "-p",
-                    proto,
-                    "-d",
-                    &cip,
-                    "--dport",
-                    &port,
-                    "!",
-                    "-s",
-                    cidr,
-                    "-j",
-                    "KUBE-MARK-MASQ",
-                ],
-            );
-        }
-        // External traffic.
-        if p.uses_external_chain() {
-            declare(&mut nat_chains, &ch.ext);
-            if !p.external_local {
-                line(
-                    &mut nat_rules,
-                    &[
-                        "-A",
-                        &ch.ext,
-                        "-m",
-                        "comment",
-                        "--comment",
-                        &quoted(&format!(
-                            "masquerade traffic for {} external destinations",
-                            p.spn
-                        )),
-                        "-j",
-                        "KUBE-MARK-MASQ",
-                    ],
-                );
-            } else {
-                if let Some(cidr) = &cidr {
-                    line(
-                        &mut nat_rules,
-                        &[
-                            "-A",
-                            &ch.ext,
-                            "-m",
-                            "comment",
-                            "--comment",
-                            &quoted(&format!("pod traffic for {} external destinations", p.spn)),
-                            "-s",
-                            cidr,
-                            "-j",
-                            &ch.svc,
-                        ],
-                    );
-                }
-                line(
-                    &mut nat_rules,
-                    &[
-                        "-A",
-                        &ch.ext,
-                        "-m",
-                        "comment",
-                        "--comment",
-                        &quoted(&format!(
-                            "masquerade LOCAL traffic for {} external destinations",
-                            p.spn
-                        )),
-                        "-m",
-                        "addrtype",
-                        "--src-type",
-                        "LOCAL",
-                        "-j",
-                        "KUBE-MARK-MASQ",
-                    ],
-                );
-                line(
-                    &mut nat_rules,
-                    &[
-                        "-A",
-                        &ch.ext,
-                        "-m",
-                        "comment",
-                        "--comment",
-                        &quoted(&format!(
-                            "route LOCAL traffic for {} external destinations",
-                            p.spn
-                        )),
-                        "-m",
-                        "addrtype",
-                        "--src-type",
-                        "LOCAL",
-                        "-j",
-                        &ch.svc,
-                    ],
-                );
-            }
-            if p.has_external() {
-                line(
-                    &mut nat_rules,
-                    &["-A", &ch.ext, "-j", external_policy_chain],
-                );
-            }
-        }
-        // Load balancing across the endpoints.
-        if p.uses_cluster_chain() {
-            declare(&mut nat_chains, &ch.svc);
-            service_to_endpoints(&mut nat_rules, p, &ch.svc, &p.cluster);
-        }
-        if p.uses_local_chain() {
-            declare(&mut nat_chains, &ch.svl);
-            service_to_endpoints(&mut nat_rules, p, &ch.svl, &p.local);
-        }
-        // Endpoint chains.
-        for b in p.reachable() {
-            let sep = sep_chain(p, b);
-            declare(&mut nat_chains, &sep);
-            let ip = b.address.to_string();
-            let to = join_host_port(&b.address, b.port);
-            line(
-                &mut nat_rules,
-                &[
-                    "-A",
-                    &sep,
-                    "-m",
-                    "comment",
-                    "--comment",
-                    &p.spn,
-                    "-s",
-                    &ip,
-                    "-j",
-                    "KUBE-MARK-MASQ",
-                ],
-            );
-            line(
-                &mut nat_rules,
-                &[
-                    "-A",
-                    &sep,
-                    "-m",
-                    "comment",
-                    "--comment",
-                    &p.spn,
-                    "-m",
-                    proto,
-                    "-p",
-                    proto,
-                    "-j",
-                    "DNAT",
-                    "--to-destination",
-                    &to,
-                ],
-            );
-        }
+        service_port(&mut t, p, cidr.as_deref());
     }
 
     // Chains no longer in use: a chain line flushes, then -X deletes.
-    for chain in stale.difference(&service_chains) {
-        line(&mut nat_chains, &[&format!(":{chain} - [0:0]")]);
-        line(&mut nat_rules, &["-X", chain]);
+    for chain in stale.difference(&t.service_chains) {
+        line(&mut t.nat_chains, &[&format!(":{chain} - [0:0]")]);
+        line(&mut t.nat_rules, &["-X", chain]);
     }
 
     // The NodePort capture must be the last rule of KUBE-SERVICES
     // (nodePortAddresses unset; localhost NodePorts off).
-    let mut last = vec![
-        "-A",
+    let loopback = match family {
+        Family::V4 => "127.0.0.0/8",
+        Family::V6 => "::1/128",
+    };
+    rule(
+        &mut t.nat_rules,
         "KUBE-SERVICES",
-        "-m",
-        "comment",
-        "--comment",
-        "\"kubernetes service nodeports; NOTE: this must be the last rule in this chain\"",
-        "-m",
-        "addrtype",
-        "--dst-type",
-        "LOCAL",
-    ];
-    last.extend(match family {
-        Family::V4 => ["!", "-d", "127.0.0.0/8"],
-        Family::V6 => ["!", "-d", "::1/128"],
-    });
-    last.extend(["-j", "KUBE-NODEPORTS"]);
-    line(&mut nat_rules, &last);
+        Some("\"kubernetes service nodeports; NOTE: this must be the last rule in this chain\""),
+        &format!("-m addrtype --dst-type LOCAL ! -d {loopback} -j KUBE-NODEPORTS"),
+    );
 
-    line(
-        &mut filter_rules,
-        &[
-            "-A",
-            "KUBE-FORWARD",
-            "-m",
-            "conntrack",
-            "--ctstate",
-            "INVALID",
-            "-j",
-            "DROP",
-        ],
+    let filter = &mut t.filter_rules;
+    rule(
+        filter,
+        "KUBE-FORWARD",
+        None,
+        "-m conntrack --ctstate INVALID -j DROP",
     );
-    line(
-        &mut filter_rules,
-        &[
-            "-A",
-            "KUBE-FORWARD",
-            "-m",
-            "comment",
-            "--comment",
-            "\"kubernetes forwarding rules\"",
-            "-m",
-            "mark",
-            "--mark",
-            &masq_test,
-            "-j",
-            "ACCEPT",
-        ],
+    rule(
+        filter,
+        "KUBE-FORWARD",
+        Some("\"kubernetes forwarding rules\""),
+        &format!("-m mark --mark {masq_test} -j ACCEPT"),
     );
-    line(
-        &mut filter_rules,
-        &[
-            "-A",
-            "KUBE-FORWARD",
-            "-m",
-            "comment",
-            "--comment",
-            "\"kubernetes forwarding conntrack rule\"",
-            "-m",
-            "conntrack",
-            "--ctstate",
-            "RELATED,ESTABLISHED",
-            "-j",
-            "ACCEPT",
-        ],
+    rule(
+        filter,
+        "KUBE-FORWARD",
+        Some("\"kubernetes forwarding conntrack rule\""),
+        "-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
     );
 
     let mut restore = String::new();
     let _ = write!(
         restore,
-        "*filter\n{filter_chains}{filter_rules}COMMIT\n*nat\n{nat_chains}{nat_rules}COMMIT\n"
+        "*filter\n{}{}COMMIT\n*nat\n{}{}COMMIT\n",
+        t.filter_chains, t.filter_rules, t.nat_chains, t.nat_rules
     );
     Rendered {
         restore,
-        service_chains,
+        service_chains: t.service_chains,
+    }
+}
+
+/// The two tables being written, and the per-service chains declared.
+#[derive(Default)]
+struct Tables {
+    filter_chains: String,
+    filter_rules: String,
+    nat_chains: String,
+    nat_rules: String,
+    service_chains: BTreeSet<String>,
+}
+
+impl Tables {
+    /// Declares a per-service nat chain (once).
+    fn declare(&mut self, name: &str) {
+        if self.service_chains.insert(name.to_owned()) {
+            line(&mut self.nat_chains, &[&format!(":{name} - [0:0]")]);
+        }
+    }
+}
+
+/// Every rule of one service port: its captures (ClusterIP, external and
+/// load-balancer IPs, NodePort), the masquerade rules, the service chains
+/// balancing across the endpoints, and the endpoint chains.
+fn service_port(t: &mut Tables, p: &SvcPort, cidr: Option<&str>) {
+    let ch = Chains::of(p);
+    let proto = p.protocol;
+    let l4 = format!("-m {proto} -p {proto}");
+    let cip = p.cluster_ip.to_string();
+    let port = p.port;
+    let (internal_chain, external_policy_chain) = (
+        if p.internal_local { &ch.svl } else { &ch.svc },
+        if p.external_local { &ch.svl } else { &ch.svc },
+    );
+    let (filter_target, filter_comment) = if !p.has_any {
+        ("REJECT", quoted(&format!("{} has no endpoints", p.spn)))
+    } else {
+        ("DROP", quoted(&format!("{} has no local endpoints", p.spn)))
+    };
+    let cluster_ip_comment = quoted(&format!("{} cluster IP", p.spn));
+
+    // Capture the ClusterIP.
+    if p.has_internal() {
+        rule(
+            &mut t.nat_rules,
+            "KUBE-SERVICES",
+            Some(&cluster_ip_comment),
+            &format!("{l4} -d {cip} --dport {port} -j {internal_chain}"),
+        );
+    } else {
+        rule(
+            &mut t.filter_rules,
+            "KUBE-SERVICES",
+            Some(&filter_comment),
+            &format!("{l4} -d {cip} --dport {port} -j {filter_target}"),
+        );
+    }
+    // External IPs and load-balancer IPs.
+    for (ips, what) in [
+        (&p.external_ips, "external IP"),
+        (&p.lb_ips, "loadbalancer IP"),
+    ] {
+        for ip in ips {
+            if p.has_any {
+                rule(
+                    &mut t.nat_rules,
+                    "KUBE-SERVICES",
+                    Some(&quoted(&format!("{} {what}", p.spn))),
+                    &format!("{l4} -d {ip} --dport {port} -j {}", ch.ext),
+                );
+            }
+            if !p.has_external() {
+                rule(
+                    &mut t.filter_rules,
+                    "KUBE-EXTERNAL-SERVICES",
+                    Some(&filter_comment),
+                    &format!("{l4} -d {ip} --dport {port} -j {filter_target}"),
+                );
+            }
+        }
+    }
+    // NodePort.
+    if let Some(np) = p.node_port {
+        if p.has_any {
+            rule(
+                &mut t.nat_rules,
+                "KUBE-NODEPORTS",
+                Some(&p.spn),
+                &format!("{l4} --dport {np} -j {}", ch.ext),
+            );
+        }
+        if !p.has_external() {
+            rule(
+                &mut t.filter_rules,
+                "KUBE-EXTERNAL-SERVICES",
+                Some(&filter_comment),
+                &format!("-m addrtype --dst-type LOCAL {l4} --dport {np} -j {filter_target}"),
+            );
+        }
+    }
+    // Internal traffic: masquerade what does not come from a pod.
+    if p.has_internal()
+        && let Some(cidr) = cidr
+    {
+        rule(
+            &mut t.nat_rules,
+            internal_chain,
+            Some(&cluster_ip_comment),
+            &format!("{l4} -d {cip} --dport {port} ! -s {cidr} -j KUBE-MARK-MASQ"),
+        );
+    }
+    // External traffic.
+    if p.uses_external_chain() {
+        t.declare(&ch.ext);
+        let nat = &mut t.nat_rules;
+        let spn = &p.spn;
+        if !p.external_local {
+            rule(
+                nat,
+                &ch.ext,
+                Some(&quoted(&format!(
+                    "masquerade traffic for {spn} external destinations"
+                ))),
+                "-j KUBE-MARK-MASQ",
+            );
+        } else {
+            if let Some(cidr) = cidr {
+                rule(
+                    nat,
+                    &ch.ext,
+                    Some(&quoted(&format!(
+                        "pod traffic for {spn} external destinations"
+                    ))),
+                    &format!("-s {cidr} -j {}", ch.svc),
+                );
+            }
+            rule(
+                nat,
+                &ch.ext,
+                Some(&quoted(&format!(
+                    "masquerade LOCAL traffic for {spn} external destinations"
+                ))),
+                "-m addrtype --src-type LOCAL -j KUBE-MARK-MASQ",
+            );
+            rule(
+                nat,
+                &ch.ext,
+                Some(&quoted(&format!(
+                    "route LOCAL traffic for {spn} external destinations"
+                ))),
+                &format!("-m addrtype --src-type LOCAL -j {}", ch.svc),
+            );
+        }
+        if p.has_external() {
+            rule(nat, &ch.ext, None, &format!("-j {external_policy_chain}"));
+        }
+    }
+    // Load balancing across the endpoints.
+    if p.uses_cluster_chain() {
+        t.declare(&ch.svc);
+        service_to_endpoints(&mut t.nat_rules, p, &ch.svc, &p.cluster);
+    }
+    if p.uses_local_chain() {
+        t.declare(&ch.svl);
+        service_to_endpoints(&mut t.nat_rules, p, &ch.svl, &p.local);
+    }
+    // Endpoint chains.
+    for b in p.reachable() {
+        let sep = sep_chain(p, b);
+        t.declare(&sep);
+        let to = join_host_port(&b.address, b.port);
+        rule(
+            &mut t.nat_rules,
+            &sep,
+            Some(&p.spn),
+            &format!("-s {} -j KUBE-MARK-MASQ", b.address),
+        );
+        rule(
+            &mut t.nat_rules,
+            &sep,
+            Some(&p.spn),
+            &format!("{l4} -j DNAT --to-destination {to}"),
+        );
     }
 }
 
