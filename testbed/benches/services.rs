@@ -39,7 +39,7 @@ use policy_common::{
     service::{ServiceEntry, mark},
 };
 use policy_testbed::{
-    NetNs,
+    fixtures::testns::TestNs,
     packet::{Packet, TCP_ACK, TCP_SYN},
 };
 
@@ -309,28 +309,12 @@ fn measure() -> serde_json::Value {
 }
 
 fn main() {
-    let ns = NetNs::create("pa-bench-svc").unwrap();
-    // Devices at the ifindexes the runs name (veth: no dummy module needed).
-    for (name, index) in [("client", CLIENT_IF), ("uplink", UPLINK_IF)] {
-        let peer = format!("{name}-p");
-        ns.ip(&[
-            "link",
-            "add",
-            "name",
-            name,
-            "index",
-            &index.to_string(),
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &peer,
-            "index",
-            &(index + 1).to_string(),
-        ])
-        .unwrap();
-    }
-    let json = ns.spawn(measure).unwrap().join().unwrap().unwrap();
+    // Devices at the ifindexes the runs name, in a namespace this thread
+    // enters (removed when `ns` drops).
+    let ns = TestNs::enter("bench-svc");
+    ns.device("client", CLIENT_IF);
+    ns.device("uplink", UPLINK_IF);
+    let json = measure();
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-results");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(
