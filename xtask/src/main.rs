@@ -46,6 +46,10 @@ enum Task {
         /// Run only this suite in the guest (repeatable; default: all).
         #[arg(long = "vm-suite", value_name = "NAME")]
         vm_suites: Vec<String>,
+        /// Guests run side by side (each has two vCPUs; a guest waits
+        /// much of its time, so two fill this 2-core machine).
+        #[arg(long, default_value_t = 2)]
+        vm_jobs: usize,
         /// Extra arguments for the host's `cargo test` (after `--`).
         #[arg(last = true)]
         args: Vec<String>,
@@ -180,6 +184,7 @@ fn main() -> anyhow::Result<()> {
             no_vm,
             vm_only,
             vm_suites,
+            vm_jobs,
             args,
         } => {
             // The suite CI runs is always the whole suite: switches that
@@ -200,6 +205,7 @@ fn main() -> anyhow::Result<()> {
                     no_vm,
                     vm_only,
                     vm_suites,
+                    vm_jobs,
                     args,
                 },
             )

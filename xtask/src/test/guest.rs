@@ -1,7 +1,14 @@
 //! The kernel suites again, each in its own 6.1 guest (`crate::vm`): no
 //! TCX there, so the agent takes its netlink fallback and the tests
 //! assert that path.
-use std::{path::Path, time::Duration};
+use std::{
+    path::Path,
+    sync::{
+        Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
 
 use anyhow::{Context as _, bail};
 
@@ -39,8 +46,8 @@ pub struct Suite {
     pub timeout: Duration,
 }
 
-/// The suites the guest runs, in order: those that load or attach the
-/// classifier (what the older verifier and the missing TCX change), and
+/// The suites the guest runs, the longest first (see [`run_all`]): those
+/// that load or attach the classifier (what the older verifier and the missing TCX change), and
 /// SCTP and kube-proxy's IPVS mode (modules the host lacks), chosen to
 /// keep the guest part of `.ci/run` within budget under TCG on two cores.
 /// On the host only: `iptables_hardening`, most of `iptables`,
@@ -52,6 +59,48 @@ pub struct Suite {
 /// them under emulation would only stretch each other's deadlines.
 pub const SUITES: &[Suite] = &[
     Suite {
+        // kube-proxy's IPVS mode (the host has no ip_vs): its tests print
+        // SKIPPED there, and a skip here fails the suite, so the output is
+        // shown.
+        name: "ipvs",
+        prefixes: &["services::ipvs::"],
+        only: &[],
+        skip: &[],
+        nocapture: true,
+        subset: None,
+        timeout: Duration::from_secs(900),
+    },
+    Suite {
+        name: "attacker",
+        prefixes: &["attacker::"],
+        only: &[],
+        skip: &[],
+        nocapture: false,
+        subset: None,
+        timeout: Duration::from_secs(600),
+    },
+    Suite {
+        // The daemon attaching late pods and cutting established flows
+        // through the netlink filters; the whole suite takes ~23 minutes
+        // per datapath under TCG, past the budget.
+        name: "conformance",
+        prefixes: &[
+            "conformance::bpf::run_mode_attaches_a_pod_whose_interface_and_route_appear_later",
+            "conformance::bpf::established_connections_are_cut_when_a_policy_denies_them",
+            "conformance::iptables::established_connections_are_cut_when_a_policy_denies_them",
+        ],
+        only: &[],
+        skip: &[],
+        nocapture: false,
+        subset: Some(
+            "only three tests (BPF: the daemon attaching a late pod; both datapaths: \
+             established connections cut, on iptables through ctnetlink marks); the \
+             rest run on the host only (the whole suite takes ~23 min per datapath in \
+             the TCG guest)",
+        ),
+        timeout: Duration::from_secs(1800),
+    },
+    Suite {
         // One process: the classifier loaded once is reused by every
         // test of the same kind (the verifier is what a load costs).
         name: "kernel",
@@ -61,6 +110,16 @@ pub const SUITES: &[Suite] = &[
         nocapture: false,
         subset: None,
         timeout: Duration::from_secs(1800),
+    },
+    Suite {
+        // The skip line is printed by a passing test: shown, and checked.
+        name: "sctp",
+        prefixes: &["sctp::"],
+        only: &[],
+        skip: &[],
+        nocapture: true,
+        subset: None,
+        timeout: Duration::from_secs(600),
     },
     Suite {
         name: "netns",
@@ -91,17 +150,6 @@ pub const SUITES: &[Suite] = &[
         timeout: Duration::from_secs(600),
     },
     Suite {
-        // Conntrack marks set over ctnetlink, with the bit as its own mask
-        // (the kernel must keep the other bits).
-        name: "iptables",
-        prefixes: &["iptables::"],
-        only: &["revocation_marks_every_flow"],
-        skip: &[],
-        nocapture: false,
-        subset: Some("the conntrack revocation of a busy pod (ctnetlink marks)"),
-        timeout: Duration::from_secs(600),
-    },
-    Suite {
         name: "full_maps",
         prefixes: &["full_maps::"],
         only: &[],
@@ -111,56 +159,15 @@ pub const SUITES: &[Suite] = &[
         timeout: Duration::from_secs(600),
     },
     Suite {
-        name: "attacker",
-        prefixes: &["attacker::"],
-        only: &[],
+        // Conntrack marks set over ctnetlink, with the bit as its own mask
+        // (the kernel must keep the other bits).
+        name: "iptables",
+        prefixes: &["iptables::"],
+        only: &["revocation_marks_every_flow"],
         skip: &[],
         nocapture: false,
-        subset: None,
+        subset: Some("the conntrack revocation of a busy pod (ctnetlink marks)"),
         timeout: Duration::from_secs(600),
-    },
-    Suite {
-        // The skip line is printed by a passing test: shown, and checked.
-        name: "sctp",
-        prefixes: &["sctp::"],
-        only: &[],
-        skip: &[],
-        nocapture: true,
-        subset: None,
-        timeout: Duration::from_secs(600),
-    },
-    Suite {
-        // kube-proxy's IPVS mode (the host has no ip_vs): its tests print
-        // SKIPPED there, and a skip here fails the suite, so the output is
-        // shown.
-        name: "ipvs",
-        prefixes: &["services::ipvs::"],
-        only: &[],
-        skip: &[],
-        nocapture: true,
-        subset: None,
-        timeout: Duration::from_secs(900),
-    },
-    Suite {
-        // The daemon attaching late pods and cutting established flows
-        // through the netlink filters; the whole suite takes ~23 minutes
-        // per datapath under TCG, past the budget.
-        name: "conformance",
-        prefixes: &[
-            "conformance::bpf::run_mode_attaches_a_pod_whose_interface_and_route_appear_later",
-            "conformance::bpf::established_connections_are_cut_when_a_policy_denies_them",
-            "conformance::iptables::established_connections_are_cut_when_a_policy_denies_them",
-        ],
-        only: &[],
-        skip: &[],
-        nocapture: false,
-        subset: Some(
-            "only three tests (BPF: the daemon attaching a late pod; both datapaths: \
-             established connections cut, on iptables through ctnetlink marks); the \
-             rest run on the host only (the whole suite takes ~23 min per datapath in \
-             the TCG guest)",
-        ),
-        timeout: Duration::from_secs(1800),
     },
 ];
 
@@ -227,38 +234,65 @@ pub fn select(names: &[String]) -> anyhow::Result<Vec<&'static Suite>> {
         .collect())
 }
 
-/// Runs `suites`, each in its own guest, one after the other; a failing
-/// suite does not stop the others. Returns a row per suite.
-pub fn run_all(root: &Path, privileged: &Path, suites: &[&Suite]) -> anyhow::Result<Vec<Row>> {
+/// Runs `suites`, each in its own guest, `jobs` guests at a time (in the
+/// order given: the longest first keeps the last guest from running
+/// alone); a failing suite does not stop the others. Returns a row per
+/// suite, in the order given.
+///
+/// Guests side by side pay off because a guest spends much of its time
+/// waiting (for a reply that must not come, a deadline scaled for TCG);
+/// their lines are labelled with the suite.
+pub fn run_all(
+    root: &Path,
+    privileged: &Path,
+    suites: &[&Suite],
+    jobs: usize,
+) -> anyhow::Result<Vec<Row>> {
     let all = list(privileged)?;
     let accel = vm::accel();
     let scale = time_scale(accel);
+    let jobs = jobs.clamp(1, suites.len().max(1));
     // The choice is a budget (the guest part of `.ci/run`): said before
     // the run, not only in the summary.
-    eprintln!("\nthe 6.1 guest runs (one guest each, {accel:?}):");
+    eprintln!("\nthe 6.1 guest runs (one guest each, {jobs} at a time, {accel:?}):");
     for s in suites {
         eprintln!("  {} ({} tests)", s.name, s.tests(&all).len());
         if let Some(subset) = s.subset {
             eprintln!("    {subset}");
         }
     }
-    Ok(suites
-        .iter()
-        .map(
-            |suite| match run_suite(root, privileged, &all, suite, &scale) {
-                Ok(row) => row,
-                Err(e) => Row {
-                    suite: suite.name.to_owned(),
-                    kernel: "?".into(),
-                    accel: format!("{accel:?}").to_lowercase(),
-                    boot_seconds: None,
-                    run_seconds: 0.0,
-                    result: format!("ERROR: {}", first_line(&format!("{e:#}"))),
-                    ok: false,
-                },
-            },
-        )
-        .collect())
+    let next = AtomicUsize::new(0);
+    let rows: Mutex<Vec<Option<Row>>> = Mutex::new(suites.iter().map(|_| None).collect());
+    std::thread::scope(|scope| {
+        for _ in 0..jobs {
+            scope.spawn(|| {
+                while let Some(suite) = suites.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    let label = (jobs > 1).then_some(suite.name);
+                    let row = run_suite(root, privileged, &all, suite, &scale, label)
+                        .unwrap_or_else(|e| Row {
+                            suite: suite.name.to_owned(),
+                            kernel: "?".into(),
+                            accel: format!("{accel:?}").to_lowercase(),
+                            boot_seconds: None,
+                            run_seconds: 0.0,
+                            result: format!("ERROR: {}", first_line(&format!("{e:#}"))),
+                            ok: false,
+                        });
+                    let i = suites.iter().position(|s| s.name == suite.name);
+                    if let (Ok(mut rows), Some(i)) = (rows.lock(), i) {
+                        rows[i] = Some(row);
+                    }
+                }
+            });
+        }
+    });
+    let rows = rows
+        .into_inner()
+        .map_err(|_| anyhow::anyhow!("a guest runner panicked"))?;
+    rows.into_iter()
+        .zip(suites)
+        .map(|(r, s)| r.with_context(|| format!("suite {} did not run", s.name)))
+        .collect()
 }
 
 /// Every test of the privileged binary, by full name (`--list`).
@@ -291,6 +325,7 @@ fn run_suite(
     all: &[String],
     suite: &Suite,
     scale: &str,
+    label: Option<&str>,
 ) -> anyhow::Result<Row> {
     let tests = suite.tests(all);
     if tests.is_empty() {
@@ -317,6 +352,7 @@ fn run_suite(
     }
     spec.timeout = suite.timeout;
     spec.stream = true;
+    spec.label = label.map(str::to_owned);
     spec.env = vec![
         (TIME_SCALE_VAR.to_owned(), scale.to_owned()),
         ("RUST_BACKTRACE".to_owned(), "1".to_owned()),

@@ -18,6 +18,8 @@ pub struct Options {
     pub vm_only: bool,
     /// Only these guest suites (empty: all).
     pub vm_suites: Vec<String>,
+    /// Guests run side by side.
+    pub vm_jobs: usize,
     /// For the host's `cargo test` (after `--`).
     pub args: Vec<String>,
 }
@@ -57,7 +59,7 @@ pub fn run(root: &Path, opts: &Options) -> anyhow::Result<()> {
         eprintln!("the 6.1 guest was left out (--no-vm)");
         return Ok(());
     }
-    rows.extend(guest::run_all(root, &privileged, &suites)?);
+    rows.extend(guest::run_all(root, &privileged, &suites, opts.vm_jobs)?);
     eprintln!("\n{}", guest::render(&rows));
     let failed: Vec<&str> = rows
         .iter()

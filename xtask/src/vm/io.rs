@@ -59,11 +59,15 @@ fn remove_stale_io_dirs() {
     }
 }
 
-/// Streams what a guest file gained since the last call.
+/// Streams what a guest file gained since the last call, line by line,
+/// each line behind `label` when there is one (guests side by side).
 pub(super) struct Tail {
     pub path: PathBuf,
     pub pos: u64,
     pub stderr: bool,
+    pub label: Option<String>,
+    /// The start of a line not ended yet.
+    pub partial: Vec<u8>,
 }
 
 impl Tail {
@@ -77,14 +81,37 @@ impl Tail {
         let mut buf = Vec::new();
         if let Ok(n) = f.read_to_end(&mut buf) {
             self.pos += n as u64;
-            if n > 0 {
-                let _ = if self.stderr {
-                    std::io::stderr().write_all(&buf)
-                } else {
-                    std::io::stdout().write_all(&buf)
-                };
-            }
+            self.partial.extend_from_slice(&buf);
+            self.emit(false);
         }
+    }
+
+    /// Writes the complete lines gathered (and the rest with `all`).
+    pub fn emit(&mut self, all: bool) {
+        let end = if all {
+            self.partial.len()
+        } else {
+            match self.partial.iter().rposition(|b| *b == b'\n') {
+                Some(i) => i + 1,
+                None => return,
+            }
+        };
+        if end == 0 {
+            return;
+        }
+        let chunk: Vec<u8> = self.partial.drain(..end).collect();
+        let mut out = Vec::with_capacity(chunk.len());
+        for l in chunk.split_inclusive(|b| *b == b'\n') {
+            if let Some(label) = &self.label {
+                out.extend_from_slice(format!("[{label}] ").as_bytes());
+            }
+            out.extend_from_slice(l);
+        }
+        let _ = if self.stderr {
+            std::io::stderr().write_all(&out)
+        } else {
+            std::io::stdout().write_all(&out)
+        };
     }
 }
 

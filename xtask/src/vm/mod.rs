@@ -136,11 +136,15 @@ pub fn run(spec: &VmSpec) -> anyhow::Result<VmOutput> {
             path: io.join("stdout"),
             pos: 0,
             stderr: false,
+            label: spec.label.clone(),
+            partial: Vec::new(),
         },
         Tail {
             path: io.join("stderr"),
             pos: 0,
             stderr: true,
+            label: spec.label.clone(),
+            partial: Vec::new(),
         },
     ];
     let mut boot: Option<Duration> = None;
@@ -156,6 +160,12 @@ pub fn run(spec: &VmSpec) -> anyhow::Result<VmOutput> {
             tails.iter_mut().for_each(Tail::pump);
         }
         if let Some(s) = status {
+            if spec.stream {
+                for t in &mut tails {
+                    t.pump();
+                    t.emit(true);
+                }
+            }
             break s;
         }
         if start.elapsed() > spec.timeout {

@@ -21,6 +21,8 @@ pub struct VmSpec {
     pub writable: Vec<PathBuf>,
     /// Copy the command's stdout and stderr to ours as they come.
     pub stream: bool,
+    /// Put in front of every streamed line (guests that run side by side).
+    pub label: Option<String>,
     pub memory_mib: u32,
     pub cpus: u32,
 }
@@ -34,6 +36,7 @@ impl VmSpec {
             timeout: Duration::from_secs(600),
             writable: Vec::new(),
             stream: false,
+            label: None,
             memory_mib: 2048,
             cpus: 2,
         }
