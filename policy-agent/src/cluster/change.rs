@@ -41,55 +41,38 @@ pub trait Keyed: Clone + PartialEq {
     fn delete(key: Self::Key) -> Change;
 }
 
-impl Keyed for PodInfo {
-    type Key = PodRef;
-    fn upsert(key: PodRef, value: Self) -> Change {
-        Change::UpsertPod(key, value)
-    }
-    fn delete(key: PodRef) -> Change {
-        Change::DeletePod(key)
-    }
+/// `Keyed` for a value type: its key type and the two `Change` variants
+/// that carry it (`wrap` boxes the large ones).
+macro_rules! keyed {
+    ($value:ty, $key:ty, $upsert:ident, $delete:ident $(, $wrap:path)?) => {
+        impl Keyed for $value {
+            type Key = $key;
+            fn upsert(key: $key, value: Self) -> Change {
+                Change::$upsert(key, $($wrap)?(value))
+            }
+            fn delete(key: $key) -> Change {
+                Change::$delete(key)
+            }
+        }
+    };
 }
 
-impl Keyed for NamespaceInfo {
-    type Key = String;
-    fn upsert(key: String, value: Self) -> Change {
-        Change::UpsertNamespace(key, value)
-    }
-    fn delete(key: String) -> Change {
-        Change::DeleteNamespace(key)
-    }
-}
-
-impl Keyed for NetworkPolicy {
-    type Key = PolicyRef;
-    fn upsert(key: PolicyRef, value: Self) -> Change {
-        Change::UpsertPolicy(key, Box::new(value))
-    }
-    fn delete(key: PolicyRef) -> Change {
-        Change::DeletePolicy(key)
-    }
-}
-
-impl Keyed for ServiceInfo {
-    type Key = ServiceRef;
-    fn upsert(key: ServiceRef, value: Self) -> Change {
-        Change::UpsertService(key, value)
-    }
-    fn delete(key: ServiceRef) -> Change {
-        Change::DeleteService(key)
-    }
-}
-
-impl Keyed for EndpointSliceInfo {
-    type Key = ObjectRef;
-    fn upsert(key: ObjectRef, value: Self) -> Change {
-        Change::UpsertEndpointSlice(key, value)
-    }
-    fn delete(key: ObjectRef) -> Change {
-        Change::DeleteEndpointSlice(key)
-    }
-}
+keyed!(PodInfo, PodRef, UpsertPod, DeletePod);
+keyed!(NamespaceInfo, String, UpsertNamespace, DeleteNamespace);
+keyed!(
+    NetworkPolicy,
+    PolicyRef,
+    UpsertPolicy,
+    DeletePolicy,
+    Box::new
+);
+keyed!(ServiceInfo, ServiceRef, UpsertService, DeleteService);
+keyed!(
+    EndpointSliceInfo,
+    ObjectRef,
+    UpsertEndpointSlice,
+    DeleteEndpointSlice
+);
 
 /// Appends the changes that turn `old` into `new`: an upsert for every
 /// key that is new or differs, then a delete for every key that is gone.
