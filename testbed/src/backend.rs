@@ -7,7 +7,7 @@ use std::{
     collections::BTreeMap,
     io::{ErrorKind, Read, Write},
     net::{IpAddr, SocketAddr, TcpListener, UdpSocket},
-    os::fd::{AsRawFd, RawFd},
+    os::fd::AsRawFd,
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, Ordering},
@@ -287,61 +287,45 @@ pub fn ask_here(
     let mut state: Vec<Pending> = (0..count)
         .map(|_| start(to, l4))
         .collect::<std::io::Result<_>>()?;
-    let deadline = Instant::now() + timeout;
     let mut buf = [0u8; 256];
-    loop {
-        let waiting: Vec<(usize, i32, i16)> = state
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| match s {
-                Pending::Connecting(s) => Some((i, s.as_raw_fd(), libc::POLLOUT)),
-                Pending::Reading(s, _) => Some((i, s.as_raw_fd(), libc::POLLIN)),
-                Pending::Done(_) => None,
-            })
-            .collect();
-        let now = Instant::now();
-        if waiting.is_empty() || now >= deadline {
-            break;
-        }
-        let watch: Vec<(RawFd, i16)> = waiting.iter().map(|(_, fd, ev)| (*fd, *ev)).collect();
-        let ms = (deadline - now).as_millis().clamp(1, 1000) as i32;
-        for ((i, _, _), ready) in waiting.iter().zip(crate::poll::ready(&watch, ms)) {
-            if !ready {
-                continue;
-            }
-            let next = match std::mem::replace(&mut state[*i], Pending::Done(Reply::NoAnswer)) {
-                Pending::Connecting(s) => match s.take_error() {
-                    Ok(None) => Pending::Reading(s, Vec::new()),
-                    Ok(Some(e)) if e.kind() == ErrorKind::ConnectionRefused => {
-                        Pending::Done(Reply::Refused)
+    crate::poll::drive(
+        &mut state,
+        Instant::now() + timeout,
+        || Pending::Done(Reply::NoAnswer),
+        |s| match s {
+            Pending::Connecting(s) => Some((s.as_raw_fd(), libc::POLLOUT)),
+            Pending::Reading(s, _) => Some((s.as_raw_fd(), libc::POLLIN)),
+            Pending::Done(_) => None,
+        },
+        |item| match item {
+            Pending::Connecting(s) => match s.take_error() {
+                Ok(None) => Pending::Reading(s, Vec::new()),
+                Ok(Some(e)) if e.kind() == ErrorKind::ConnectionRefused => {
+                    Pending::Done(Reply::Refused)
+                }
+                // Unreachable and the like: nothing answered.
+                _ => Pending::Done(Reply::NoAnswer),
+            },
+            Pending::Reading(s, mut got) => match (&s).read(&mut buf) {
+                Ok(0) => Pending::Done(parse(&got).unwrap_or(Reply::NoAnswer)),
+                Ok(len) => {
+                    got.extend_from_slice(&buf[..len]);
+                    if got.ends_with(b"\n") || l4 == L4::Udp {
+                        Pending::Done(parse(&got).unwrap_or(Reply::NoAnswer))
+                    } else {
+                        Pending::Reading(s, got)
                     }
-                    // Unreachable and the like: nothing answered.
-                    _ => Pending::Done(Reply::NoAnswer),
-                },
-                Pending::Reading(s, mut got) => match (&s).read(&mut buf) {
-                    Ok(0) => Pending::Done(parse(&got).unwrap_or(Reply::NoAnswer)),
-                    Ok(len) => {
-                        got.extend_from_slice(&buf[..len]);
-                        if got.ends_with(b"\n") || l4 == L4::Udp {
-                            Pending::Done(parse(&got).unwrap_or(Reply::NoAnswer))
-                        } else {
-                            Pending::Reading(s, got)
-                        }
-                    }
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => Pending::Reading(s, got),
-                    Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
-                        Pending::Done(Reply::Refused)
-                    }
-                    Err(e) if e.kind() == ErrorKind::ConnectionReset && got.is_empty() => {
-                        Pending::Done(Reply::Refused)
-                    }
-                    Err(_) => Pending::Done(parse(&got).unwrap_or(Reply::NoAnswer)),
-                },
-                done @ Pending::Done(_) => done,
-            };
-            state[*i] = next;
-        }
-    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => Pending::Reading(s, got),
+                Err(e) if e.kind() == ErrorKind::ConnectionRefused => Pending::Done(Reply::Refused),
+                Err(e) if e.kind() == ErrorKind::ConnectionReset && got.is_empty() => {
+                    Pending::Done(Reply::Refused)
+                }
+                Err(_) => Pending::Done(parse(&got).unwrap_or(Reply::NoAnswer)),
+            },
+            done @ Pending::Done(_) => done,
+        },
+    );
     Ok(state
         .into_iter()
         .map(|s| match s {

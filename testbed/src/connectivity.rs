@@ -7,7 +7,7 @@ use std::{
     collections::BTreeMap,
     io::{ErrorKind, Read, Write},
     net::{IpAddr, SocketAddr},
-    os::fd::{AsRawFd, RawFd},
+    os::fd::AsRawFd,
     time::{Duration, Instant},
 };
 
@@ -130,64 +130,48 @@ pub fn run_probes(probes: &[Probe], timeout: Duration) -> std::io::Result<Vec<Se
         .collect::<std::io::Result<Vec<_>>>()?
         .into_iter()
         .unzip();
-    let deadline = Instant::now() + timeout;
     let mut buf = [0u8; 64];
-    loop {
-        let waiting: Vec<(usize, i32, i16)> = state
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| match s {
-                Pending::Connecting(s) => Some((i, s.as_raw_fd(), libc::POLLOUT)),
-                Pending::Greeting(s) | Pending::Waiting(s) => {
-                    Some((i, s.as_raw_fd(), libc::POLLIN))
+    crate::poll::drive(
+        &mut state,
+        Instant::now() + timeout,
+        || Pending::Done(Outcome::Blocked),
+        |s| match s {
+            Pending::Connecting(s) => Some((s.as_raw_fd(), libc::POLLOUT)),
+            Pending::Greeting(s) | Pending::Waiting(s) => Some((s.as_raw_fd(), libc::POLLIN)),
+            Pending::Done(_) => None,
+        },
+        |item| match item {
+            Pending::Connecting(s) => match s.take_error() {
+                Ok(None) => Pending::Greeting(s),
+                Ok(Some(e)) if e.kind() == ErrorKind::ConnectionRefused => {
+                    Pending::Done(Outcome::Refused)
                 }
-                Pending::Done(_) => None,
-            })
-            .collect();
-        let now = Instant::now();
-        if waiting.is_empty() || now >= deadline {
-            break;
-        }
-        let watch: Vec<(RawFd, i16)> = waiting.iter().map(|(_, fd, ev)| (*fd, *ev)).collect();
-        let ms = (deadline - now).as_millis().clamp(1, 1000) as i32;
-        for ((i, _, _), ready) in waiting.iter().zip(crate::poll::ready(&watch, ms)) {
-            if !ready {
-                continue;
-            }
-            let next = match std::mem::replace(&mut state[*i], Pending::Done(Outcome::Blocked)) {
-                Pending::Connecting(s) => match s.take_error() {
-                    Ok(None) => Pending::Greeting(s),
-                    Ok(Some(e)) if e.kind() == ErrorKind::ConnectionRefused => {
-                        Pending::Done(Outcome::Refused)
-                    }
-                    _ => Pending::Done(Outcome::Blocked),
-                },
-                Pending::Greeting(s) => match (&s).read(&mut buf) {
-                    Ok(n) if n >= GREETING.len() && &buf[..GREETING.len()] == GREETING => {
-                        Pending::Done(Outcome::Open)
-                    }
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => Pending::Greeting(s),
-                    Err(e)
-                        if e.kind() == ErrorKind::ConnectionRefused
-                            || e.kind() == ErrorKind::ConnectionReset =>
-                    {
-                        Pending::Done(Outcome::Refused)
-                    }
-                    _ => Pending::Done(Outcome::Blocked),
-                },
-                Pending::Waiting(s) => match (&s).read(&mut buf) {
-                    Ok(_) => Pending::Done(Outcome::Open),
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => Pending::Waiting(s),
-                    Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
-                        Pending::Done(Outcome::Refused)
-                    }
-                    Err(_) => Pending::Done(Outcome::Blocked),
-                },
-                done => done,
-            };
-            state[*i] = next;
-        }
-    }
+                _ => Pending::Done(Outcome::Blocked),
+            },
+            Pending::Greeting(s) => match (&s).read(&mut buf) {
+                Ok(n) if n >= GREETING.len() && &buf[..GREETING.len()] == GREETING => {
+                    Pending::Done(Outcome::Open)
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => Pending::Greeting(s),
+                Err(e)
+                    if e.kind() == ErrorKind::ConnectionRefused
+                        || e.kind() == ErrorKind::ConnectionReset =>
+                {
+                    Pending::Done(Outcome::Refused)
+                }
+                _ => Pending::Done(Outcome::Blocked),
+            },
+            Pending::Waiting(s) => match (&s).read(&mut buf) {
+                Ok(_) => Pending::Done(Outcome::Open),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => Pending::Waiting(s),
+                Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
+                    Pending::Done(Outcome::Refused)
+                }
+                Err(_) => Pending::Done(Outcome::Blocked),
+            },
+            done => done,
+        },
+    );
     Ok(state
         .into_iter()
         .zip(from)

@@ -1,6 +1,6 @@
 //! One `poll(2)` for the simulated servers and probes: which of the
 //! given descriptors are ready.
-use std::os::fd::RawFd;
+use std::{os::fd::RawFd, time::Instant};
 
 /// Waits up to `timeout_ms` for any of `watch` (descriptor, `POLLIN` or
 /// `POLLOUT`); returns, in `watch`'s order, whether each one is ready
@@ -28,4 +28,37 @@ pub(crate) fn readable(fds: impl IntoIterator<Item = RawFd>, timeout_ms: i32) ->
         .filter(|(_, r)| *r)
         .map(|((fd, _), _)| *fd)
         .collect()
+}
+
+/// Drives many sockets at once until each is done or `deadline` passes:
+/// every round polls what `wanted` names for each item still waiting
+/// (its descriptor and `POLLIN` or `POLLOUT`; None: done), and `step`
+/// moves each ready item on, taking it by value (`placeholder` stands in
+/// meanwhile).
+pub(crate) fn drive<S>(
+    state: &mut [S],
+    deadline: Instant,
+    placeholder: impl Fn() -> S,
+    wanted: impl Fn(&S) -> Option<(RawFd, i16)>,
+    mut step: impl FnMut(S) -> S,
+) {
+    loop {
+        let waiting: Vec<(usize, RawFd, i16)> = state
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| wanted(s).map(|(fd, ev)| (i, fd, ev)))
+            .collect();
+        let now = Instant::now();
+        if waiting.is_empty() || now >= deadline {
+            return;
+        }
+        let watch: Vec<(RawFd, i16)> = waiting.iter().map(|(_, fd, ev)| (*fd, *ev)).collect();
+        let ms = (deadline - now).as_millis().clamp(1, 1000) as i32;
+        for ((i, _, _), ready) in waiting.iter().zip(ready(&watch, ms)) {
+            if ready {
+                let item = std::mem::replace(&mut state[*i], placeholder());
+                state[*i] = step(item);
+            }
+        }
+    }
 }
