@@ -33,27 +33,7 @@ enum Task {
     /// Set up, check formatting and lints, run every test (the root
     /// kernel tests included), then the kernel suites again in a guest on
     /// Debian 12's 6.1 kernel, and print on which kernel each ran.
-    Test {
-        /// Skip `cargo fmt --check` and clippy.
-        #[arg(long)]
-        no_lint: bool,
-        /// Leave out the 6.1 guest (fast local runs; CI runs it).
-        #[arg(long, conflicts_with = "vm_only")]
-        no_vm: bool,
-        /// Only the kernel suites in the 6.1 guest (no lints, no host run).
-        #[arg(long)]
-        vm_only: bool,
-        /// Run only this suite in the guest (repeatable; default: all).
-        #[arg(long = "vm-suite", value_name = "NAME")]
-        vm_suites: Vec<String>,
-        /// Guests run side by side (each has two vCPUs; a guest waits
-        /// much of its time, so two fill this 2-core machine).
-        #[arg(long, default_value_t = 2)]
-        vm_jobs: usize,
-        /// Extra arguments for the host's `cargo test` (after `--`).
-        #[arg(last = true)]
-        args: Vec<String>,
-    },
+    Test(test::Options),
     /// Set up, build, and enforce the example manifests on a simulated
     /// two-node cluster (an agent per node, kube-proxy's rules for the
     /// Services), printing the connectivity before and after: the
@@ -179,14 +159,7 @@ fn main() -> anyhow::Result<()> {
                 "policy-cni",
             ]))
         }
-        Task::Test {
-            no_lint,
-            no_vm,
-            vm_only,
-            vm_suites,
-            vm_jobs,
-            args,
-        } => {
+        Task::Test(opts) => {
             // The suite CI runs is always the whole suite: switches that
             // rewrite golden files or replay one seed are for `cargo test`.
             for switch in ["UPDATE_GOLDEN", "DIFF_SEED"] {
@@ -198,17 +171,7 @@ fn main() -> anyhow::Result<()> {
             }
             setup()?;
             require_root("the kernel tests")?;
-            test::run(
-                &root(),
-                &test::Options {
-                    no_lint,
-                    no_vm,
-                    vm_only,
-                    vm_suites,
-                    vm_jobs,
-                    args,
-                },
-            )
+            test::run(&root(), &opts)
         }
         Task::Run { dry_run } => kind::run(&root(), dry_run),
         Task::Vm {
@@ -266,18 +229,17 @@ fn main() -> anyhow::Result<()> {
             require_root("the demo")?;
             // The demo (the testbed's binary) runs the agent beside it, as
             // built for a cluster.
-            run(cargo().args([
-                "build",
-                "--release",
-                "-p",
-                "policy-agent",
-                "-p",
-                "policy-testbed",
-                "--bin",
-                "policy-agent",
-                "--bin",
-                "policy-demo",
-            ]))?;
+            let bins = "--bin policy-agent --bin policy-demo";
+            run(cargo()
+                .args([
+                    "build",
+                    "--release",
+                    "-p",
+                    "policy-agent",
+                    "-p",
+                    "policy-testbed",
+                ])
+                .args(bins.split(' ')))?;
             let demo = root().join("target/release/policy-demo");
             run(Command::new(demo)
                 .current_dir(root())

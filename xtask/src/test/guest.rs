@@ -70,15 +70,7 @@ pub const SUITES: &[Suite] = &[
         subset: None,
         timeout: Duration::from_secs(900),
     },
-    Suite {
-        name: "attacker",
-        prefixes: &["attacker::"],
-        only: &[],
-        skip: &[],
-        nocapture: false,
-        subset: None,
-        timeout: Duration::from_secs(600),
-    },
+    Suite::module("attacker", &["attacker::"], 600),
     Suite {
         // The daemon attaching late pods and cutting established flows
         // through the netlink filters; the whole suite takes ~23 minutes
@@ -149,15 +141,7 @@ pub const SUITES: &[Suite] = &[
         subset: Some("the standby attachment and the first-packet test in manifests mode"),
         timeout: Duration::from_secs(600),
     },
-    Suite {
-        name: "full_maps",
-        prefixes: &["full_maps::"],
-        only: &[],
-        skip: &[],
-        nocapture: false,
-        subset: None,
-        timeout: Duration::from_secs(600),
-    },
+    Suite::module("full_maps", &["full_maps::"], 600),
     Suite {
         // Conntrack marks set over ctnetlink, with the bit as its own mask
         // (the kernel must keep the other bits).
@@ -172,6 +156,23 @@ pub const SUITES: &[Suite] = &[
 ];
 
 impl Suite {
+    /// A whole module of the privileged suite, no output shown.
+    const fn module(
+        name: &'static str,
+        prefixes: &'static [&'static str],
+        timeout_secs: u64,
+    ) -> Suite {
+        Suite {
+            name,
+            prefixes,
+            only: &[],
+            skip: &[],
+            nocapture: false,
+            subset: None,
+            timeout: Duration::from_secs(timeout_secs),
+        }
+    }
+
     /// The tests of `all` (full names) this suite runs, in order.
     pub fn tests<'a>(&self, all: &'a [String]) -> Vec<&'a str> {
         all.iter()

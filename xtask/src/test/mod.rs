@@ -10,17 +10,26 @@ use std::{path::Path, time::Instant};
 
 use anyhow::{Context as _, bail};
 
+#[derive(clap::Args)]
 pub struct Options {
+    /// Skip `cargo fmt --check` and clippy.
+    #[arg(long)]
     pub no_lint: bool,
-    /// Leave the guest out (fast local runs; CI runs it).
+    /// Leave out the 6.1 guest (fast local runs; CI runs it).
+    #[arg(long, conflicts_with = "vm_only")]
     pub no_vm: bool,
-    /// Only the guest: no lints, no host run.
+    /// Only the kernel suites in the 6.1 guest (no lints, no host run).
+    #[arg(long)]
     pub vm_only: bool,
-    /// Only these guest suites (empty: all).
+    /// Run only this suite in the guest (repeatable; default: all).
+    #[arg(long = "vm-suite", value_name = "NAME")]
     pub vm_suites: Vec<String>,
-    /// Guests run side by side.
+    /// Guests run side by side (each has two vCPUs; a guest waits much
+    /// of its time, so two fill this 2-core machine).
+    #[arg(long, default_value_t = 2)]
     pub vm_jobs: usize,
-    /// For the host's `cargo test` (after `--`).
+    /// Extra arguments for the host's `cargo test` (after `--`).
+    #[arg(last = true)]
     pub args: Vec<String>,
 }
 
