@@ -1,6 +1,6 @@
 //! Bad input is never a way to open what a policy closes.
 //!
-//! Manifests (issue 12, item 7): a document that does not decode, a YAML
+//! Manifests: a document that does not decode, a YAML
 //! syntax error, a file or directory that cannot be read are not
 //! deletions. The watcher's directory keeps the last good version (or a
 //! fail-closed stand-in for a new policy), reports each case on the
@@ -10,7 +10,7 @@
 //! than the last good version of every file would, and that it is exactly
 //! that state again once every file reads cleanly.
 //!
-//! iptables (items 9 and 1), through a small evaluator of the rendered
+//! iptables, through a small evaluator of the rendered
 //! rules: sets are named by the whole identity key, narrowed name hashes
 //! never merge two things into a rule that allows more than the maps, only
 //! names of the agent's exact shape are its own, and no pod passes with
@@ -884,7 +884,7 @@ mod fuzz {
     }
 }
 
-// --------------------------- iptables: names (item 9), forged sources (item 1)
+// ------------------------------------- iptables: names, forged sources
 
 mod iptables_render {
     use std::{collections::BTreeMap, net::IpAddr};

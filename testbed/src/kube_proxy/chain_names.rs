@@ -172,7 +172,7 @@ mod tests {
         assert_eq!(base32(b"f"), "MY");
     }
 
-    /// The hashes upstream's tests fix and the research note verified.
+    /// The hashes upstream's tests fix and kube-proxy itself produced.
     #[test]
     fn chain_hashes_are_upstreams() {
         assert_eq!(port_proto_hash("ns1/svc1:p80", "tcp"), "XPGD46QRK7WJZT7O");

@@ -1,5 +1,5 @@
-//! The stand-in's rules against the files the research note loaded into
-//! a kernel (docs: /work/notes/services.md §1.4 and §2.1), and the
+//! The stand-in's rules against kube-proxy's own output for the same
+//! Services, once loaded into a kernel (`testdata/`), and the
 //! traffic-policy cases against upstream's rule grammar.
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -107,27 +107,27 @@ fn restore_tables(text: &str) -> Tables {
 }
 
 #[test]
-fn iptables_rules_are_the_notes_verified_file() {
+fn iptables_rules_are_upstreams_own() {
     let s = state(&[
         ("10.244.1.2", "node-1"),
         ("10.244.2.7", "node-2"),
         ("10.244.1.10", "node-1"),
     ]);
     let ours = render(ProxyMode::Iptables, &config(), &s, Family::V4)
-        // upstream formats the mark with %#08x; the note wrote 0x4000.
+        // upstream formats the mark with %#08x; the upstream file has 0x4000.
         .replace("0x004000", "0x4000")
         // The stand-in runs with --iptables-localhost-nodeports=false;
-        // the note's file is the default without nfacct.
+        // the upstream file is the default without nfacct.
         .replace(" ! -d 127.0.0.0/8 -j KUBE-NODEPORTS", " -j KUBE-NODEPORTS");
-    let note = include_str!("testdata/note_iptables.txt");
-    assert_eq!(restore_tables(&ours), restore_tables(note), "\n{ours}");
+    let upstream = include_str!("testdata/upstream_iptables.txt");
+    assert_eq!(restore_tables(&ours), restore_tables(upstream), "\n{ours}");
 }
 
 #[test]
-fn nft_rules_are_the_notes_verified_file() {
+fn nft_rules_are_upstreams_own() {
     let s = state(&[("10.244.2.7", "node-2"), ("10.244.1.2", "node-1")]);
     let ours = render(ProxyMode::Nftables, &config(), &s, Family::V4).replace("0x004000", "0x4000");
-    let note = include_str!("testdata/note_nft.txt");
+    let upstream = include_str!("testdata/upstream_nft.txt");
     let lines = |t: &str, pred: &dyn Fn(&str) -> bool| -> Vec<String> {
         t.lines()
             .map(str::trim)
@@ -136,8 +136,8 @@ fn nft_rules_are_the_notes_verified_file() {
             .collect()
     };
     let ours_all: BTreeSet<String> = lines(&ours, &|l| !l.is_empty()).into_iter().collect();
-    // Every table, chain, set and map the note declares, as declared.
-    for l in lines(note, &|l| l.starts_with("add ")) {
+    // Every table, chain, set and map upstream declares, as declared.
+    for l in lines(upstream, &|l| l.starts_with("add ")) {
         assert!(ours_all.contains(&l), "missing {l:?} in\n{ours}");
     }
     // The same rules and elements, in the same order per chain.
@@ -160,7 +160,7 @@ fn nft_rules_are_the_notes_verified_file() {
         }
         per_chain
     };
-    assert_eq!(rules(&ours), rules(note), "\n{ours}");
+    assert_eq!(rules(&ours), rules(upstream), "\n{ours}");
     // Every chain exists before anything names it.
     let mut declared = BTreeSet::new();
     for l in ours.lines() {

@@ -191,7 +191,7 @@ fn an_upgrade_removes_the_earlier_naming_and_spares_foreign_pa_objects() {
     c.check("no policy: everything open", |_, _, _, _| true);
 }
 
-// ------------------------------------------- source validation (item 1)
+// ---------------------------------------------------- source validation
 
 mod spoofing {
     use std::{

@@ -461,7 +461,7 @@ pub fn render_cni(c: &Value) -> String {
     );
     let _ = writeln!(
         out,
-        "\nWithout the plugin the kubelet's status update (a second or more after the sandbox is up) comes on top of that window; with it, the pod's own containers start only after ADD returned, enforced — the packets ptp lets through before our ADD runs are the `--pod-cidr` pod-range guard's (see ARCHITECTURE, \"The CNI hand-off\").\n"
+        "\nWithout the plugin the kubelet's status update (a second or more after the sandbox is up) comes on top of that window; with it, the pod's own containers start only after ADD returned, enforced — the packets ptp lets through before our ADD runs are the `--pod-cidr` pod-range guard's (see docs/design/cni-handoff.md).\n"
     );
     let _ = writeln!(out, "{CNI_END}");
     out
