@@ -1,5 +1,5 @@
-//! prevResult shapes, taken from Debian 12's ptp 1.1.1 (verified outputs
-//! in the research note) and the spec's other shapes.
+//! prevResult shapes, taken from what Debian 12's ptp 1.1.1 prints, and
+//! the spec's other shapes.
 use serde_json::{Value, json};
 
 use super::*;
