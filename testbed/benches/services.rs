@@ -25,7 +25,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions};
 use ipnet::IpNet;
 use policy_agent::{
-    datapath::bpf::{loader::Unpinned, pins::Hook},
+    datapath::bpf::{pins::Hook, unpinned::Unpinned},
     mapstate::{MapState, diff},
 };
 use policy_common::{

@@ -406,7 +406,7 @@ fn the_classifier_runs_before_foreign_tcx_programs() {
     let foreign = node
         .node
         .spawn(move || {
-            let mut dp = policy_agent::datapath::bpf::loader::Unpinned::load().unwrap();
+            let mut dp = policy_agent::datapath::bpf::unpinned::Unpinned::load().unwrap();
             tcx::attach_foreign(
                 &mut dp,
                 "foreign_pass",
@@ -498,7 +498,7 @@ fn the_uplink_classifier_is_order_checked_too() {
     let foreign = node
         .node
         .spawn(move || {
-            let mut dp = policy_agent::datapath::bpf::loader::Unpinned::load().unwrap();
+            let mut dp = policy_agent::datapath::bpf::unpinned::Unpinned::load().unwrap();
             if tcx {
                 let egress = [TcAttachType::Egress];
                 tcx::attach_foreign(
@@ -616,7 +616,7 @@ fn foreign_filters_after_ours(prefix: &'static str, tcx: bool) {
     let foreign = node
         .node
         .spawn(move || {
-            let mut dp = policy_agent::datapath::bpf::loader::Unpinned::load().unwrap();
+            let mut dp = policy_agent::datapath::bpf::unpinned::Unpinned::load().unwrap();
             let prog = dp.extra_program("foreign_pass").unwrap();
             for i in &ifaces {
                 tc::qdisc_add_clsact(i).unwrap();

@@ -13,7 +13,7 @@ use std::{fmt::Write as _, path::Path, time::Duration};
 use anyhow::{Context as _, bail};
 use serde_json::Value;
 
-use super::f;
+use super::render::{f, host_kernel};
 use crate::{test::binaries, vm};
 
 pub const NAME: &str = "datapath-guest";
@@ -100,7 +100,7 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     let combined = serde_json::json!({
         "host": read(&host_out)?,
         "guest": read(&guest_out)?,
-        "host_kernel": super::host_kernel(),
+        "host_kernel": host_kernel(),
         "guest_kernel": out.kernel_release,
         "guest_accel": format!("{:?}", out.accel).to_lowercase(),
         "guest_seconds": out.boot_seconds + out.run_seconds,

@@ -23,6 +23,7 @@ pub mod sizing;
 mod standing_problems;
 mod sync_pass;
 pub mod sys;
+pub mod unpinned;
 mod uplinks;
 mod verifier;
 
