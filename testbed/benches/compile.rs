@@ -1,7 +1,7 @@
 //! Compiler benchmark: a full compile of a 10,000-pod, 1,000-policy,
 //! 100-namespace cluster, and the incremental diff of one pod relabel.
 //!
-//! `cargo bench -p policy-agent --bench compile`
+//! `cargo bench -p policy-testbed --bench compile`
 //!
 //! Before the timings it prints the size of the compiled state (entries,
 //! bytes by entry size, and live heap bytes measured by a counting

@@ -5,7 +5,7 @@
 //! holding the change (p50, p99 and the maximum; 200 samples leave two
 //! above the p99), and the agent's peak RSS. Needs root.
 //!
-//! `cargo bench -p policy-agent --bench control_plane` (figures printed and
+//! `cargo bench -p policy-testbed --bench control_plane` (figures printed and
 //! written to target/bench-results/control_plane.json).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 

@@ -1,6 +1,6 @@
 //! Per-packet cost of the classifier via BPF_PROG_TEST_RUN, as the number
 //! of policy entries grows (10 → 10,000) with 10,000 ipcache entries
-//! loaded. Needs root. `cargo bench -p policy-agent --bench datapath`
+//! loaded. Needs root. `cargo bench -p policy-testbed --bench datapath`
 //!
 //! Three paths: an established flow (a conntrack hit); a new flow denied
 //! with the typical shape (every entry of the endpoint TCP one-port, so

@@ -1,7 +1,7 @@
 //! Per-packet cost of a pod's flows to a Service address via
 //! BPF_PROG_TEST_RUN, as the number of Service frontends grows (10 →
 //! 10,000), beside a direct flow to the same backend. Needs root.
-//! `cargo bench -p policy-agent --bench services`
+//! `cargo bench -p policy-testbed --bench services`
 //!
 //! The client is egress-isolated and allowed to the backend on TCP 8080.
 //! Four paths, each at the interface where the kernel runs it:

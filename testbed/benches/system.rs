@@ -6,7 +6,7 @@
 //! ClusterIP: the node runs the kube-proxy stand-in (iptables mode, its
 //! rules in place for every configuration, as on a real node) and the
 //! client's egress is judged after its DNAT. Needs root and iperf3.
-//! `cargo bench -p policy-agent --bench system`.
+//! `cargo bench -p policy-testbed --bench system`.
 //!
 //! Measured in rounds: in every round, each configuration is measured
 //! right after a baseline with nothing installed (the same warm-up before

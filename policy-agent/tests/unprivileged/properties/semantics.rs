@@ -1,6 +1,6 @@
 //! Random clusters and policies: the compiled maps, judged as the kernel
 //! does (`policy_common::model::Maps::judge`), agree with an independent
-//! evaluator of the spec (tests/prop_oracle) on every flow.
+//! evaluator of the spec (`support::oracle`) on every flow.
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,

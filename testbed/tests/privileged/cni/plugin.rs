@@ -344,7 +344,7 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 /// the cost of `nsenter --net` running /bin/true, the runtime's own
 /// fork+exec. Run by hand (for the release binary, with
 /// `POLICY_CNI_BIN=target/release/policy-cni`):
-/// `cargo test -p policy-agent --test cni_plugin -- --ignored --nocapture`.
+/// `cargo test -p policy-testbed --test privileged -- cni::plugin --ignored --nocapture`.
 #[test]
 #[ignore = "a measurement, not a check"]
 fn add_overhead() {

@@ -4,8 +4,8 @@
 //! mode), and every verdict judged where it lands: who answered each
 //! connection, and what each backend's server saw. The same case runs on
 //! both datapaths and must give the same verdicts. Needs root; run with
-//! `flock /tmp/kernel-tests.lock cargo test -p policy-agent --test services`.
-//! (`services_changes.rs`: endpoints and policies changing under traffic.)
+//! `cargo test -p policy-testbed --test privileged -- services::basics`.
+//! (`services::changes`: endpoints and policies changing under traffic.)
 
 use std::{net::SocketAddr, time::Duration};
 

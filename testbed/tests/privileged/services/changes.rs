@@ -2,9 +2,9 @@
 //! Service's endpoints moving (scaled to zero, back to another pod, from
 //! an allowed to a denied pod) while connections and long-lived UDP flows
 //! are being made, and established connections through a ClusterIP cut by
-//! a policy change at either end. Same harness as `services.rs`; needs
+//! a policy change at either end. Same harness as `services::basics`; needs
 //! root; run with
-//! `flock /tmp/kernel-tests.lock cargo test -p policy-agent --test services_changes`.
+//! `cargo test -p policy-testbed --test privileged -- services::changes`.
 
 use std::{
     collections::BTreeMap,

@@ -2,7 +2,7 @@
 //! agent involved: a two-node simulated cluster, a kube-proxy stand-in on
 //! each node (iptables mode, then nftables mode), backends that answer
 //! with their pod's name, and a kube-dns stand-in. Needs root; run with
-//! `flock /tmp/kernel-tests.lock cargo test --test sim_services`.
+//! `cargo test -p policy-testbed --test privileged -- services::simulated`.
 use std::{
     collections::BTreeMap,
     net::{IpAddr, SocketAddr, UdpSocket},
