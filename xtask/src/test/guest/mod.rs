@@ -296,10 +296,21 @@ pub fn run_all(
         .collect()
 }
 
-/// Every test of the privileged binary, by full name (`--list`).
+/// Every test of the privileged binary that runs by default, by full
+/// name (`--list`, without the `#[ignore]`d ones: they run on request
+/// only, on the host too).
 fn list(privileged: &Path) -> anyhow::Result<Vec<String>> {
+    let ignored = list_with(privileged, &["--ignored"])?;
+    Ok(list_with(privileged, &[])?
+        .into_iter()
+        .filter(|t| !ignored.contains(t))
+        .collect())
+}
+
+fn list_with(privileged: &Path, extra: &[&str]) -> anyhow::Result<Vec<String>> {
     let out = std::process::Command::new(privileged)
         .args(["--list", "--format", "terse"])
+        .args(extra)
         .output()
         .with_context(|| format!("listing the tests of {}", privileged.display()))?;
     if !out.status.success() {
