@@ -127,11 +127,10 @@ fn run(ctx: &Context, rx: &Receiver<Trigger>) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        let Some(collected) = collect(ctx, rx, &mut state, wake) else {
-            return;
-        };
-        let Some(started) = collected else {
-            continue; // Only checks that found nothing to do.
+        let started = match collect(ctx, rx, &mut state, wake) {
+            Collected::Stop => return,
+            Collected::Nothing => continue,
+            Collected::Sync { started } => started,
         };
         if !ctx.sources.is_subset(&state.heard) {
             // The first sync waits for every source's first word; waiting
@@ -154,30 +153,52 @@ fn run(ctx: &Context, rx: &Receiver<Trigger>) {
     }
 }
 
-/// Waits for a trigger (or the pending retry), then lets the burst settle:
-/// until `debounce` passes quietly, at most `max_delay`. A CNI hand-off
-/// does not wait for quiet: a pod's start waits on it, so what has
-/// arrived by then is taken and the sync runs at once. None: stop;
-/// Some(None): nothing to sync (an order check that found no change).
+/// What a burst of triggers asks of the worker.
+#[derive(Debug)]
+enum Collected {
+    /// [`Trigger::Stop`], or every sender is gone.
+    Stop,
+    /// Only checks that found nothing to do (an order check that found no
+    /// change).
+    Nothing,
+    /// Sync now. The burst began at `started`; the sync's time counts from
+    /// there.
+    Sync { started: Instant },
+}
+
+/// Waits for a trigger (or the pending retry at `retry_at`), then lets the
+/// burst settle: until `debounce` passes quietly, at most `max_delay`. A
+/// CNI hand-off does not wait for quiet: a pod's start waits on it, so
+/// what has arrived by then is taken and the sync runs at once.
 fn collect(
     ctx: &Context,
     rx: &Receiver<Trigger>,
     state: &mut State,
     retry_at: Option<Instant>,
-) -> Option<Option<Instant>> {
+) -> Collected {
     let first = match retry_at {
         Some(at) => match rx.recv_timeout(at.saturating_duration_since(Instant::now())) {
             Ok(t) => Some(t),
             Err(RecvTimeoutError::Timeout) => None,
-            Err(RecvTimeoutError::Disconnected) => return None,
+            Err(RecvTimeoutError::Disconnected) => return Collected::Stop,
         },
-        None => Some(rx.recv().ok()?),
+        None => match rx.recv() {
+            Ok(t) => Some(t),
+            Err(_) => return Collected::Stop,
+        },
     };
     let started = Instant::now();
     // A due retry is work; so is every trigger but a quiet order check.
     let mut work = first.is_none();
     let mut next = first;
     let mut handoff = false;
+    let settled = |work: bool| {
+        if work {
+            Collected::Sync { started }
+        } else {
+            Collected::Nothing
+        }
+    };
     loop {
         work |= next
             .as_ref()
@@ -211,24 +232,24 @@ fn collect(
                     }
                 }
             }
-            Some(Trigger::Stop) => return None,
+            Some(Trigger::Stop) => return Collected::Stop,
             None => {}
         }
         if started.elapsed() >= ctx.config.max_delay {
-            return Some(work.then_some(started));
+            return settled(work);
         }
         if handoff {
             match rx.try_recv() {
                 Ok(t) => next = Some(t),
-                Err(TryRecvError::Empty) => return Some(work.then_some(started)),
-                Err(TryRecvError::Disconnected) => return None,
+                Err(TryRecvError::Empty) => return settled(work),
+                Err(TryRecvError::Disconnected) => return Collected::Stop,
             }
             continue;
         }
         match rx.recv_timeout(ctx.config.debounce) {
             Ok(t) => next = Some(t),
-            Err(RecvTimeoutError::Timeout) => return Some(work.then_some(started)),
-            Err(RecvTimeoutError::Disconnected) => return None,
+            Err(RecvTimeoutError::Timeout) => return settled(work),
+            Err(RecvTimeoutError::Disconnected) => return Collected::Stop,
         }
     }
 }
