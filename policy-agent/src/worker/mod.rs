@@ -6,6 +6,7 @@
 //! after each settled burst; an HTTP server exposes metrics and health.
 mod enforcer;
 mod handoff;
+mod inbox;
 mod reconcile;
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
@@ -14,7 +15,10 @@ use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 pub use self::enforcer::Enforcer;
-use self::reconcile::{Context, Trigger};
+use self::{
+    inbox::{Sink, Trigger},
+    reconcile::Context,
+};
 use crate::{
     datapath::{Choice, OpenOptions, bpf::PinLayout, iptables::Backend},
     metrics::{self, Metrics},
@@ -124,7 +128,7 @@ pub async fn run(
             source,
         })?;
 
-    let (tx, rx) = std::sync::mpsc::channel::<Trigger>();
+    let (inbox, sink) = inbox::new();
     // The CNI plugin's socket is bound before anything else can fail late:
     // a plugin finding no socket fails its ADD (fail closed) and retries.
     let cni = match &config.cni_socket {
@@ -134,7 +138,7 @@ pub async fn run(
                 source,
             })?;
             info!(socket = %path.display(), "accepting CNI hand-offs");
-            Some(tokio::spawn(handoff::serve(listener, tx.clone())))
+            Some(tokio::spawn(handoff::serve(listener, sink.clone())))
         }
         None => None,
     };
@@ -154,14 +158,14 @@ pub async fn run(
         events: events_task.as_ref().map(|_| problem_tx),
         sources: sources.ids().into_iter().collect(),
     };
-    let worker = reconcile::spawn(context, rx).map_err(Error::Worker)?;
+    let worker = reconcile::spawn(context, inbox).map_err(Error::Worker)?;
 
     // New interfaces and pod routes: look the interfaces up again at once,
     // so pods get their classifiers and every other interface the uplink
     // one.
     let (link_tx, link_rx) = std::sync::mpsc::channel();
     netlink::watch_links(link_tx)?;
-    let links_to_worker = tx.clone();
+    let links_to_worker = sink.clone();
     std::thread::Builder::new()
         .name("link-events".into())
         .spawn(move || {
@@ -172,7 +176,7 @@ pub async fn run(
                     }
                     _ => Trigger::Links,
                 };
-                if links_to_worker.send(trigger).is_err() {
+                if !links_to_worker.send(trigger) {
                     return;
                 }
             }
@@ -194,16 +198,16 @@ pub async fn run(
         )),
     };
     let node_task = tokio::spawn(source::node::watch(config.node.clone(), update_tx));
-    let forward = tx.clone();
+    let forward = sink.clone();
     let forward_task = tokio::spawn(async move {
         while let Some(update) = update_rx.recv().await {
-            if forward.send(Trigger::Update(update)).is_err() {
+            if !forward.send(Trigger::Update(update)) {
                 return;
             }
         }
     });
-    let resync_task = tokio::spawn(every(config.resync, tx.clone(), || Trigger::Resync));
-    let order_task = tokio::spawn(every(config.order_check, tx.clone(), || {
+    let resync_task = tokio::spawn(every(config.resync, sink.clone(), || Trigger::Resync));
+    let order_task = tokio::spawn(every(config.order_check, sink.clone(), || {
         Trigger::OrderCheck
     }));
 
@@ -225,7 +229,7 @@ pub async fn run(
     if let Some(t) = cni {
         t.abort();
     }
-    let _ = tx.send(Trigger::Stop);
+    sink.send(Trigger::Stop);
     if worker.join().is_err() {
         warn!("sync worker panicked");
     }
@@ -234,17 +238,13 @@ pub async fn run(
 
 /// Sends `trigger()` every `period` (the first after one period) until
 /// the worker is gone.
-async fn every(
-    period: Duration,
-    tx: std::sync::mpsc::Sender<Trigger>,
-    trigger: impl Fn() -> Trigger,
-) {
+async fn every(period: Duration, sink: Sink, trigger: impl Fn() -> Trigger) {
     let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
     loop {
         tick.tick().await;
-        if tx.send(trigger()).is_err() {
+        if !sink.send(trigger()) {
             return;
         }
     }

@@ -5,10 +5,7 @@
 //! enforcer (compiler and datapath).
 use std::{
     collections::{BTreeMap, BTreeSet},
-    sync::{
-        Arc,
-        mpsc::{Receiver, RecvTimeoutError, TryRecvError},
-    },
+    sync::Arc,
     thread::JoinHandle,
     time::{Duration, Instant},
 };
@@ -16,37 +13,20 @@ use std::{
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{error, info, warn};
 
-use super::{Config, Enforcer, handoff::Handoffs};
+use super::{
+    Config, Enforcer,
+    handoff::Handoffs,
+    inbox::{Inbox, Trigger},
+};
 use crate::{
     cluster::{Change, Problem},
     datapath::{self, SyncReport},
     metrics::Metrics,
-    source::{SourceId, SourceUpdate},
+    source::SourceId,
 };
 
 /// When to try again after a sync that could not write everything.
 const INCOMPLETE_RETRY: Duration = Duration::from_secs(10);
-
-/// What wakes the worker.
-pub enum Trigger {
-    Update(SourceUpdate),
-    /// The CNI plugin hands a sandbox over (answered on the channel).
-    Handoff(
-        Box<policy_cni::protocol::Request>,
-        tokio::sync::oneshot::Sender<policy_cni::protocol::Response>,
-    ),
-    /// A pod interface appeared or changed.
-    Links,
-    /// A veth appeared (ifindex, name): prepared at once (see
-    /// `Datapath::new_veth`), then looked up as any link change.
-    NewVeth(u32, String),
-    /// Periodic: read the installed state back and sync.
-    Resync,
-    /// Periodic, between resyncs: a full pass only if what runs before
-    /// the classifiers changed (see `Datapath::order_changed`).
-    OrderCheck,
-    Stop,
-}
 
 /// What every reconcile shares.
 pub struct Context {
@@ -113,13 +93,13 @@ impl Error {
 /// When to sync again after a sync that left something undone.
 const RETRY_UNFINISHED: Duration = Duration::from_secs(2);
 
-pub fn spawn(ctx: Context, rx: Receiver<Trigger>) -> std::io::Result<JoinHandle<()>> {
+pub fn spawn(ctx: Context, inbox: Inbox) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name("sync".into())
-        .spawn(move || run(&ctx, &rx))
+        .spawn(move || run(&ctx, &inbox))
 }
 
-fn run(ctx: &Context, rx: &Receiver<Trigger>) {
+fn run(ctx: &Context, inbox: &Inbox) {
     let mut state = State::new(&ctx.config);
     let mut retry_at: Option<Instant> = None;
     loop {
@@ -127,7 +107,7 @@ fn run(ctx: &Context, rx: &Receiver<Trigger>) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        let started = match collect(ctx, rx, &mut state, wake) {
+        let started = match collect(ctx, inbox, &mut state, wake) {
             Collected::Stop => return,
             Collected::Nothing => continue,
             Collected::Sync { started } => started,
@@ -156,7 +136,7 @@ fn run(ctx: &Context, rx: &Receiver<Trigger>) {
 /// What a burst of triggers asks of the worker.
 #[derive(Debug)]
 enum Collected {
-    /// [`Trigger::Stop`], or every sender is gone.
+    /// [`Trigger::Stop`], or every sink is gone.
     Stop,
     /// Only checks that found nothing to do (an order check that found no
     /// change).
@@ -172,21 +152,12 @@ enum Collected {
 /// what has arrived by then is taken and the sync runs at once.
 fn collect(
     ctx: &Context,
-    rx: &Receiver<Trigger>,
+    inbox: &Inbox,
     state: &mut State,
     retry_at: Option<Instant>,
 ) -> Collected {
-    let first = match retry_at {
-        Some(at) => match rx.recv_timeout(at.saturating_duration_since(Instant::now())) {
-            Ok(t) => Some(t),
-            Err(RecvTimeoutError::Timeout) => None,
-            Err(RecvTimeoutError::Disconnected) => return Collected::Stop,
-        },
-        None => match rx.recv() {
-            Ok(t) => Some(t),
-            Err(_) => return Collected::Stop,
-        },
-    };
+    // None: the retry is due.
+    let first = inbox.recv(retry_at);
     let started = Instant::now();
     // A due retry is work; so is every trigger but a quiet order check.
     let mut work = first.is_none();
@@ -238,18 +209,16 @@ fn collect(
         if started.elapsed() >= ctx.config.max_delay {
             return settled(work);
         }
-        if handoff {
-            match rx.try_recv() {
-                Ok(t) => next = Some(t),
-                Err(TryRecvError::Empty) => return settled(work),
-                Err(TryRecvError::Disconnected) => return Collected::Stop,
-            }
-            continue;
-        }
-        match rx.recv_timeout(ctx.config.debounce) {
-            Ok(t) => next = Some(t),
-            Err(RecvTimeoutError::Timeout) => return settled(work),
-            Err(RecvTimeoutError::Disconnected) => return Collected::Stop,
+        // After a hand-off, only what has already arrived.
+        let quiet = Instant::now()
+            + if handoff {
+                Duration::ZERO
+            } else {
+                ctx.config.debounce
+            };
+        next = inbox.recv(Some(quiet));
+        if next.is_none() {
+            return settled(work);
         }
     }
 }
