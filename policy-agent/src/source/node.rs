@@ -6,10 +6,9 @@
 //! always allowed, so these addresses are part of what is enforced.
 use std::{net::IpAddr, time::Duration};
 
-use tokio::sync::mpsc::UnboundedSender;
 use tracing::warn;
 
-use super::{SourceId, SourceUpdate};
+use super::{Sink, SourceId, SourceUpdate};
 use crate::{
     cluster::{Change, Problem},
     netlink,
@@ -30,9 +29,9 @@ fn update(node: &str, ips: Vec<IpAddr>) -> SourceUpdate {
 }
 
 /// Publishes the addresses of the calling thread's network namespace for
-/// `node`, and every change of them, until `tx` closes. A failed read is
-/// reported and the last known addresses stay.
-pub async fn watch(node: String, tx: UnboundedSender<SourceUpdate>) {
+/// `node`, and every change of them, until `sink` is closed. A failed read
+/// is reported and the last known addresses stay.
+pub async fn watch(node: String, sink: Sink) {
     let (event_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
     if let Err(e) = netlink::watch_addresses(event_tx) {
         warn!(error = %e, "address events unavailable; polling the node's addresses");
@@ -42,7 +41,7 @@ pub async fn watch(node: String, tx: UnboundedSender<SourceUpdate>) {
         match netlink::local_addresses() {
             Ok(ips) if last.as_ref() != Some(&ips) => {
                 last = Some(ips.clone());
-                if tx.send(update(&node, ips)).is_err() {
+                if !sink.send(update(&node, ips)) {
                     return;
                 }
             }
@@ -56,15 +55,15 @@ pub async fn watch(node: String, tx: UnboundedSender<SourceUpdate>) {
                     last = Some(Vec::new());
                     let mut u = update(&node, Vec::new());
                     u.problems.push(problem);
-                    tx.send(u)
+                    sink.send(u)
                 } else {
-                    tx.send(SourceUpdate {
+                    sink.send(SourceUpdate {
                         source: SourceId::Node,
                         changes: Vec::new(),
                         problems: vec![problem],
                     })
                 };
-                if sent.is_err() {
+                if !sent {
                     return;
                 }
             }

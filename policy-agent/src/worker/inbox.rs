@@ -1,12 +1,15 @@
-//! The sync worker's one inbox of triggers. Every producer (the CNI
-//! hand-off server, the timers, shutdown) holds a [`Sink`] into it and
-//! sends straight in.
+//! The sync worker's one inbox of triggers. Every producer (the sources,
+//! the CNI hand-off server, the timers, shutdown) holds a [`Sink`] into it
+//! and sends straight in: nothing relays.
+//!
+//! The sources never name [`Trigger`]: each gets a [`source::Sink`] made
+//! here, which wraps its updates into [`Trigger::Update`].
 use std::{
     sync::mpsc::{self, RecvTimeoutError, TryRecvError},
     time::Instant,
 };
 
-use crate::source::SourceUpdate;
+use crate::source::{self, SourceUpdate};
 
 /// What wakes the worker.
 pub enum Trigger {
@@ -74,6 +77,12 @@ impl Sink {
     pub fn send(&self, trigger: Trigger) -> bool {
         self.0.send(trigger).is_ok()
     }
+
+    /// A source's sink: each update becomes [`Trigger::Update`].
+    pub fn for_source(&self) -> source::Sink {
+        let sink = self.clone();
+        source::Sink::new(move |update| sink.send(Trigger::Update(update)))
+    }
 }
 
 #[cfg(test)]
@@ -95,5 +104,19 @@ mod tests {
         ));
         drop(sink);
         assert!(matches!(inbox.recv(None), Some(Trigger::Stop)));
+    }
+
+    #[test]
+    fn a_source_sink_wraps_updates() {
+        let (inbox, sink) = new();
+        let update = SourceUpdate {
+            source: source::SourceId::Node,
+            changes: Vec::new(),
+            problems: Vec::new(),
+        };
+        assert!(sink.for_source().send(update));
+        assert!(matches!(inbox.recv(None), Some(Trigger::Update(_))));
+        drop(inbox);
+        assert!(!sink.send(Trigger::Resync));
     }
 }

@@ -23,7 +23,7 @@ use crate::{
     datapath::{Choice, OpenOptions, bpf::PinLayout, iptables::Backend},
     metrics::{self, Metrics},
     netlink,
-    source::{self, SourceId, SourceUpdate},
+    source::{self, SourceId},
 };
 
 /// Settings of the daemon.
@@ -183,29 +183,20 @@ pub async fn run(
         })
         .map_err(Error::Worker)?;
 
-    let (update_tx, mut update_rx) = mpsc::unbounded_channel::<SourceUpdate>();
     let cluster_task = match sources {
         Sources::Manifests(dir) => tokio::spawn(source::manifests::watch(
             dir,
             config.settle,
             config.poll,
-            update_tx.clone(),
+            sink.for_source(),
         )),
         Sources::Cluster(client) => tokio::spawn(source::kube::watch(
             client,
             config.debounce,
-            update_tx.clone(),
+            sink.for_source(),
         )),
     };
-    let node_task = tokio::spawn(source::node::watch(config.node.clone(), update_tx));
-    let forward = sink.clone();
-    let forward_task = tokio::spawn(async move {
-        while let Some(update) = update_rx.recv().await {
-            if !forward.send(Trigger::Update(update)) {
-                return;
-            }
-        }
-    });
+    let node_task = tokio::spawn(source::node::watch(config.node.clone(), sink.for_source()));
     let resync_task = tokio::spawn(every(config.resync, sink.clone(), || Trigger::Resync));
     let order_task = tokio::spawn(every(config.order_check, sink.clone(), || {
         Trigger::OrderCheck
@@ -213,14 +204,7 @@ pub async fn run(
 
     shutdown.await;
     info!("shutting down; enforcement stays pinned");
-    for task in [
-        cluster_task,
-        node_task,
-        forward_task,
-        resync_task,
-        order_task,
-        http,
-    ] {
+    for task in [cluster_task, node_task, resync_task, order_task, http] {
         task.abort();
     }
     if let Some(t) = events_task {
