@@ -2,7 +2,9 @@
 //! RTNLGRP_IPV6_ROUTE), so a pod interface is attached as soon as it exists
 //! and its route does (a CNI plugin may add the route after the link is
 //! up), without polling.
-use std::sync::mpsc::Sender;
+//!
+//! Link events go to a closure the caller hands in: netlink is support
+//! below every layer and names none of them.
 
 use netlink_packet_core::NetlinkPayload;
 use netlink_packet_route::{
@@ -54,9 +56,12 @@ fn pod_route(route: &RouteMessage) -> Option<u32> {
         .map(|r| r.oif)
 }
 
-/// Subscribes (in the calling thread's namespace) and forwards events from
-/// a background thread until the receiver goes away.
-pub fn watch_links(tx: Sender<LinkEvent>) -> Result<std::thread::JoinHandle<()>, Error> {
+/// Subscribes (in the calling thread's namespace) and hands each event to
+/// `sink` from a background thread until `sink` answers false (its
+/// receiver is gone).
+pub fn watch_links(
+    sink: impl Fn(LinkEvent) -> bool + Send + 'static,
+) -> Result<std::thread::JoinHandle<()>, Error> {
     let socket = subscribe(RTMGRP_LINK | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE)?;
     spawn("netlink-links", move || {
         let mut rx = vec![0u8; 1 << 16];
@@ -85,7 +90,7 @@ pub fn watch_links(tx: Sender<LinkEvent>) -> Result<std::thread::JoinHandle<()>,
                     _ => None,
                 };
                 if let Some(e) = event
-                    && tx.send(e).is_err()
+                    && !sink(e)
                 {
                     return;
                 }

@@ -1,15 +1,21 @@
 //! The sync worker's one inbox of triggers. Every producer (the sources,
-//! the CNI hand-off server, the timers, shutdown) holds a [`Sink`] into it
-//! and sends straight in: nothing relays.
+//! netlink link events, the CNI hand-off server, the timers, shutdown)
+//! holds a [`Sink`] into it and sends straight in: nothing relays.
 //!
-//! The sources never name [`Trigger`]: each gets a [`source::Sink`] made
-//! here, which wraps its updates into [`Trigger::Update`].
+//! The layers below the worker never name [`Trigger`]: a source gets a
+//! [`source::Sink`] and netlink a closure, each made here, wrapping what
+//! they send into the trigger it stands for. A closure is the simplest
+//! shape that keeps the sources and netlink free of the worker's types and
+//! of generics.
 use std::{
     sync::mpsc::{self, RecvTimeoutError, TryRecvError},
     time::Instant,
 };
 
-use crate::source::{self, SourceUpdate};
+use crate::{
+    netlink::LinkEvent,
+    source::{self, SourceUpdate},
+};
 
 /// What wakes the worker.
 pub enum Trigger {
@@ -83,6 +89,22 @@ impl Sink {
         let sink = self.clone();
         source::Sink::new(move |update| sink.send(Trigger::Update(update)))
     }
+
+    /// Netlink's link-event sink. New interfaces and pod routes make the
+    /// worker look the interfaces up again at once, so pods get their
+    /// classifiers and every other interface the uplink one; a new veth is
+    /// also prepared at once.
+    pub fn for_links(&self) -> impl Fn(LinkEvent) -> bool + Send + 'static {
+        let sink = self.clone();
+        move |event| {
+            sink.send(match event {
+                LinkEvent::Created(link) if link.kind.as_deref() == Some("veth") => {
+                    Trigger::NewVeth(link.index, link.name)
+                }
+                _ => Trigger::Links,
+            })
+        }
+    }
 }
 
 #[cfg(test)]
@@ -107,7 +129,7 @@ mod tests {
     }
 
     #[test]
-    fn a_source_sink_wraps_updates() {
+    fn sinks_wrap_what_producers_send() {
         let (inbox, sink) = new();
         let update = SourceUpdate {
             source: source::SourceId::Node,
@@ -116,6 +138,23 @@ mod tests {
         };
         assert!(sink.for_source().send(update));
         assert!(matches!(inbox.recv(None), Some(Trigger::Update(_))));
+        let links = sink.for_links();
+        let link = |kind: &str| crate::netlink::Link {
+            index: 7,
+            name: "veth7".into(),
+            kind: Some(kind.into()),
+        };
+        assert!(links(LinkEvent::Created(link("veth"))));
+        assert!(matches!(
+            inbox.recv(None),
+            Some(Trigger::NewVeth(7, name)) if name == "veth7"
+        ));
+        assert!(links(LinkEvent::Created(link("bridge"))));
+        assert!(links(LinkEvent::Changed(link("veth"))));
+        assert!(links(LinkEvent::PodRoute { oif: 7 }));
+        for _ in 0..3 {
+            assert!(matches!(inbox.recv(None), Some(Trigger::Links)));
+        }
         drop(inbox);
         assert!(!sink.send(Trigger::Resync));
     }

@@ -160,29 +160,7 @@ pub async fn run(
     };
     let worker = reconcile::spawn(context, inbox).map_err(Error::Worker)?;
 
-    // New interfaces and pod routes: look the interfaces up again at once,
-    // so pods get their classifiers and every other interface the uplink
-    // one.
-    let (link_tx, link_rx) = std::sync::mpsc::channel();
-    netlink::watch_links(link_tx)?;
-    let links_to_worker = sink.clone();
-    std::thread::Builder::new()
-        .name("link-events".into())
-        .spawn(move || {
-            while let Ok(event) = link_rx.recv() {
-                let trigger = match event {
-                    netlink::LinkEvent::Created(link) if link.kind.as_deref() == Some("veth") => {
-                        Trigger::NewVeth(link.index, link.name)
-                    }
-                    _ => Trigger::Links,
-                };
-                if !links_to_worker.send(trigger) {
-                    return;
-                }
-            }
-        })
-        .map_err(Error::Worker)?;
-
+    netlink::watch_links(sink.for_links())?;
     let cluster_task = match sources {
         Sources::Manifests(dir) => tokio::spawn(source::manifests::watch(
             dir,
