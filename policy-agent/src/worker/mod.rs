@@ -1,9 +1,10 @@
 //! `policy-agent run`: keeps the datapath equal to the cluster state as it
 //! changes. The sources (a manifest directory or the API server, and the
 //! node's own addresses) publish changes; netlink link and pod-route
-//! events and a periodic resync are triggers too; one sync worker thread
-//! owns the [`Enforcer`] (the compiler and the datapath) and reconciles
-//! after each settled burst; an HTTP server exposes metrics and health.
+//! events, CNI hand-offs and the timers are triggers too; each sends
+//! straight into the one inbox of the sync worker thread, which owns the
+//! [`Enforcer`] (the compiler and the datapath) and reconciles after each
+//! settled burst; an HTTP server exposes metrics and health.
 mod enforcer;
 mod handoff;
 mod inbox;
@@ -106,6 +107,8 @@ pub enum Error {
     Netlink(#[from] netlink::Error),
     #[error("starting the sync worker: {0}")]
     Worker(#[source] std::io::Error),
+    #[error("starting the node-address source: {0}")]
+    NodeSource(#[source] std::io::Error),
     #[error("listening for the CNI plugin on {path}: {source}")]
     CniSocket {
         path: PathBuf,
@@ -174,7 +177,7 @@ pub async fn run(
             sink.for_source(),
         )),
     };
-    let node_task = tokio::spawn(source::node::watch(config.node.clone(), sink.for_source()));
+    source::node::watch(config.node.clone(), sink.for_source()).map_err(Error::NodeSource)?;
     let resync_task = tokio::spawn(every(config.resync, sink.clone(), || Trigger::Resync));
     let order_task = tokio::spawn(every(config.order_check, sink.clone(), || {
         Trigger::OrderCheck
@@ -182,7 +185,7 @@ pub async fn run(
 
     shutdown.await;
     info!("shutting down; enforcement stays pinned");
-    for task in [cluster_task, node_task, resync_task, order_task, http] {
+    for task in [cluster_task, resync_task, order_task, http] {
         task.abort();
     }
     if let Some(t) = events_task {
@@ -191,6 +194,8 @@ pub async fn run(
     if let Some(t) = cni {
         t.abort();
     }
+    // The link-event and node-address threads end at their next send,
+    // the inbox gone.
     sink.send(Trigger::Stop);
     if worker.join().is_err() {
         warn!("sync worker panicked");
