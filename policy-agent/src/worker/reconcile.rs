@@ -325,3 +325,106 @@ fn record(ctx: &Context, state: &mut State, result: &Result<SyncReport, Error>, 
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use policy_cni::protocol::{Command, PROTOCOL_VERSION, Request};
+
+    use super::*;
+    use crate::{datapath::bpf::PinLayout, source::SourceUpdate, worker::inbox};
+
+    fn context(debounce: Duration, max_delay: Duration) -> Context {
+        let mut config = Config::new("node".into(), PinLayout::new("/nonexistent"));
+        config.debounce = debounce;
+        config.max_delay = max_delay;
+        Context {
+            config,
+            metrics: Arc::new(Metrics::new()),
+            events: None,
+            sources: [SourceId::Node].into_iter().collect(),
+        }
+    }
+
+    fn node_update() -> Trigger {
+        Trigger::Update(SourceUpdate {
+            source: SourceId::Node,
+            changes: Vec::new(),
+            problems: Vec::new(),
+        })
+    }
+
+    #[test]
+    fn a_burst_is_one_sync_and_stop_stops() {
+        let ctx = context(Duration::from_millis(20), Duration::from_secs(5));
+        let mut state = State::new(&ctx.config);
+        let (inbox, sink) = inbox::new();
+        sink.send(node_update());
+        sink.send(Trigger::Links);
+        assert!(matches!(
+            collect(&ctx, &inbox, &mut state, None),
+            Collected::Sync { .. }
+        ));
+        assert!(state.heard.contains(&SourceId::Node) && state.links);
+        sink.send(Trigger::Stop);
+        assert!(matches!(
+            collect(&ctx, &inbox, &mut state, None),
+            Collected::Stop
+        ));
+        drop(sink);
+        assert!(matches!(
+            collect(&ctx, &inbox, &mut state, None),
+            Collected::Stop
+        ));
+    }
+
+    #[test]
+    fn a_quiet_order_check_is_nothing_and_a_due_retry_is_a_sync() {
+        let ctx = context(Duration::from_millis(5), Duration::from_secs(5));
+        let mut state = State::new(&ctx.config);
+        let (inbox, sink) = inbox::new();
+        sink.send(Trigger::OrderCheck);
+        assert!(matches!(
+            collect(&ctx, &inbox, &mut state, None),
+            Collected::Nothing
+        ));
+        assert!(matches!(
+            collect(&ctx, &inbox, &mut state, Some(Instant::now())),
+            Collected::Sync { .. }
+        ));
+    }
+
+    #[test]
+    fn a_handoff_does_not_wait_for_quiet_and_max_delay_ends_a_burst() {
+        let ctx = context(Duration::from_secs(60), Duration::from_millis(50));
+        let mut state = State::new(&ctx.config);
+        let (inbox, sink) = inbox::new();
+        let (reply, _answer) = tokio::sync::oneshot::channel();
+        let request = Request {
+            version: PROTOCOL_VERSION,
+            container_id: "c".into(),
+            command: Command::Del { pod: None },
+        };
+        sink.send(Trigger::Handoff(Box::new(request), reply));
+        let t = Instant::now();
+        assert!(matches!(
+            collect(&ctx, &inbox, &mut state, None),
+            Collected::Sync { .. }
+        ));
+        assert!(t.elapsed() < Duration::from_secs(5));
+
+        // A steady stream of triggers is cut at max_delay.
+        let producer = std::thread::spawn(move || {
+            while sink.send(Trigger::Links) {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        });
+        let t = Instant::now();
+        assert!(matches!(
+            collect(&ctx, &inbox, &mut state, None),
+            Collected::Sync { .. }
+        ));
+        assert!(t.elapsed() < Duration::from_secs(5));
+        drop(inbox);
+        assert!(producer.join().is_ok());
+    }
+}
