@@ -1,6 +1,6 @@
 //! rtnetlink queries the agent needs: the interface a pod IP routes to, an
 //! interface's name and kind, the node's own addresses, an interface's tc
-//! filters, conntrack marks, and link events.
+//! filters, conntrack marks, and link and address events.
 pub mod conntrack;
 mod filters;
 mod request;
@@ -18,7 +18,7 @@ use netlink_packet_route::{
 
 pub use self::filters::{Filter, clsact_filters};
 use self::request::request;
-pub use self::watch::{LinkEvent, watch_addresses, watch_links};
+pub use self::watch::{AddressEvents, LinkEvent, watch_links};
 
 /// Errors talking to the kernel over netlink.
 #[derive(Debug, thiserror::Error)]

@@ -1,8 +1,14 @@
 //! Link events (RTNLGRP_LINK) and pod-route events (RTNLGRP_IPV4_ROUTE,
 //! RTNLGRP_IPV6_ROUTE), so a pod interface is attached as soon as it exists
 //! and its route does (a CNI plugin may add the route after the link is
-//! up), without polling.
-use std::sync::mpsc::Sender;
+//! up), without polling; and address events (RTNLGRP_IPV4_IFADDR,
+//! RTNLGRP_IPV6_IFADDR), so the node's addresses are read again when they
+//! change.
+//!
+//! Events go to whatever the caller hands in: a closure for link events,
+//! a socket the caller waits on for address events. Netlink is support
+//! below every layer and names none of them.
+use std::{os::fd::AsRawFd as _, time::Duration};
 
 use netlink_packet_core::NetlinkPayload;
 use netlink_packet_route::{
@@ -54,9 +60,12 @@ fn pod_route(route: &RouteMessage) -> Option<u32> {
         .map(|r| r.oif)
 }
 
-/// Subscribes (in the calling thread's namespace) and forwards events from
-/// a background thread until the receiver goes away.
-pub fn watch_links(tx: Sender<LinkEvent>) -> Result<std::thread::JoinHandle<()>, Error> {
+/// Subscribes (in the calling thread's namespace) and hands each event to
+/// `sink` from a background thread until `sink` answers false (its
+/// receiver is gone).
+pub fn watch_links(
+    sink: impl Fn(LinkEvent) -> bool + Send + 'static,
+) -> Result<std::thread::JoinHandle<()>, Error> {
     let socket = subscribe(RTMGRP_LINK | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE)?;
     spawn("netlink-links", move || {
         let mut rx = vec![0u8; 1 << 16];
@@ -85,7 +94,7 @@ pub fn watch_links(tx: Sender<LinkEvent>) -> Result<std::thread::JoinHandle<()>,
                     _ => None,
                 };
                 if let Some(e) = event
-                    && tx.send(e).is_err()
+                    && !sink(e)
                 {
                     return;
                 }
@@ -94,23 +103,50 @@ pub fn watch_links(tx: Sender<LinkEvent>) -> Result<std::thread::JoinHandle<()>,
     })
 }
 
-/// Subscribes (in the calling thread's namespace) to address changes and
-/// signals each one (the receiver reads the addresses again) from a
-/// background thread until the receiver goes away.
-pub fn watch_addresses(
-    tx: tokio::sync::mpsc::UnboundedSender<()>,
-) -> Result<std::thread::JoinHandle<()>, Error> {
-    let socket = subscribe(RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR)?;
-    spawn("netlink-addrs", move || {
-        let mut rx = vec![0u8; 1 << 16];
-        loop {
-            // ENOBUFS after a burst is a change too: read them again.
-            let _ = socket.recv(&mut &mut rx[..], 0);
-            if tx.send(()).is_err() {
-                return;
-            }
+/// Address changes in the namespace of the thread that subscribed, read
+/// by the caller in its own thread (no relay: the reader waits on the
+/// socket itself).
+pub struct AddressEvents {
+    socket: Socket,
+    buf: Vec<u8>,
+}
+
+impl AddressEvents {
+    pub fn subscribe() -> Result<Self, Error> {
+        Ok(Self {
+            socket: subscribe(RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR)?,
+            buf: vec![0u8; 1 << 16],
+        })
+    }
+
+    /// Waits up to `timeout` for a change; true if one came (its message
+    /// is consumed).
+    pub fn wait(&mut self, timeout: Duration) -> bool {
+        if !readable(&self.socket, timeout) {
+            return false;
         }
-    })
+        // ENOBUFS after a burst is a change too: the caller reads again.
+        let _ = self.socket.recv(&mut &mut self.buf[..], 0);
+        true
+    }
+
+    /// Consumes the changes already queued.
+    pub fn drain(&mut self) {
+        while self.wait(Duration::ZERO) {}
+    }
+}
+
+/// Whether `socket` has something to read (or an error to report) within
+/// `timeout`. An interrupted wait counts as nothing.
+fn readable(socket: &Socket, timeout: Duration) -> bool {
+    let mut fd = libc::pollfd {
+        fd: socket.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+    // SAFETY: one valid pollfd for the duration of the call.
+    unsafe { libc::poll(&mut fd, 1, ms) > 0 }
 }
 
 /// A route-netlink socket in the calling thread's namespace, subscribed to

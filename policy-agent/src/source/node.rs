@@ -4,19 +4,24 @@
 //!
 //! Traffic between a pod and the node's own addresses (kubelet probes) is
 //! always allowed, so these addresses are part of what is enforced.
-use std::{net::IpAddr, time::Duration};
+//!
+//! One thread both waits on the netlink socket and reads the addresses:
+//! nothing relays the events.
+use std::{net::IpAddr, thread::JoinHandle, time::Duration};
 
-use tokio::sync::mpsc::UnboundedSender;
 use tracing::warn;
 
-use super::{SourceId, SourceUpdate};
+use super::{Sink, SourceId, SourceUpdate};
 use crate::{
     cluster::{Change, Problem},
-    netlink,
+    netlink::{self, AddressEvents},
 };
 
 /// How often the addresses are read without a netlink event.
 const POLL: Duration = Duration::from_secs(30);
+/// How long a burst of address events (an interface coming up) may
+/// settle before the addresses are read.
+const SETTLE: Duration = Duration::from_millis(20);
 
 fn update(node: &str, ips: Vec<IpAddr>) -> SourceUpdate {
     SourceUpdate {
@@ -30,19 +35,31 @@ fn update(node: &str, ips: Vec<IpAddr>) -> SourceUpdate {
 }
 
 /// Publishes the addresses of the calling thread's network namespace for
-/// `node`, and every change of them, until `tx` closes. A failed read is
-/// reported and the last known addresses stay.
-pub async fn watch(node: String, tx: UnboundedSender<SourceUpdate>) {
-    let (event_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
-    if let Err(e) = netlink::watch_addresses(event_tx) {
-        warn!(error = %e, "address events unavailable; polling the node's addresses");
-    }
+/// `node`, and every change of them, from a background thread until
+/// `sink` is closed. A failed read is reported and the last known
+/// addresses stay.
+pub fn watch(node: String, sink: Sink) -> std::io::Result<JoinHandle<()>> {
+    // Subscribed here, before the first read, so no change is missed; the
+    // thread inherits this thread's namespace.
+    let events = match AddressEvents::subscribe() {
+        Ok(events) => Some(events),
+        Err(e) => {
+            warn!(error = %e, "address events unavailable; polling the node's addresses");
+            None
+        }
+    };
+    std::thread::Builder::new()
+        .name("node-addresses".into())
+        .spawn(move || publish(&node, &sink, events))
+}
+
+fn publish(node: &str, sink: &Sink, mut events: Option<AddressEvents>) {
     let mut last: Option<Vec<IpAddr>> = None;
     loop {
         match netlink::local_addresses() {
             Ok(ips) if last.as_ref() != Some(&ips) => {
                 last = Some(ips.clone());
-                if tx.send(update(&node, ips)).is_err() {
+                if !sink.send(update(node, ips)) {
                     return;
                 }
             }
@@ -54,32 +71,29 @@ pub async fn watch(node: String, tx: UnboundedSender<SourceUpdate>) {
                 let sent = if first {
                     // Publish the node name now; addresses follow.
                     last = Some(Vec::new());
-                    let mut u = update(&node, Vec::new());
+                    let mut u = update(node, Vec::new());
                     u.problems.push(problem);
-                    tx.send(u)
+                    sink.send(u)
                 } else {
-                    tx.send(SourceUpdate {
+                    sink.send(SourceUpdate {
                         source: SourceId::Node,
                         changes: Vec::new(),
                         problems: vec![problem],
                     })
                 };
-                if sent.is_err() {
+                if !sent {
                     return;
                 }
             }
         }
-        tokio::select! {
-            event = events.recv() => {
-                if event.is_none() {
-                    // The watcher thread ended: poll only.
-                    tokio::time::sleep(POLL).await;
+        match events.as_mut() {
+            Some(events) => {
+                if events.wait(POLL) {
+                    std::thread::sleep(SETTLE);
+                    events.drain();
                 }
-                // A burst of address events (an interface coming up) settles first.
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                while events.try_recv().is_ok() {}
             }
-            () = tokio::time::sleep(POLL) => {}
+            None => std::thread::sleep(POLL),
         }
     }
 }

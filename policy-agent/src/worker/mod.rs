@@ -1,11 +1,13 @@
 //! `policy-agent run`: keeps the datapath equal to the cluster state as it
 //! changes. The sources (a manifest directory or the API server, and the
 //! node's own addresses) publish changes; netlink link and pod-route
-//! events and a periodic resync are triggers too; one sync worker thread
-//! owns the [`Enforcer`] (the compiler and the datapath) and reconciles
-//! after each settled burst; an HTTP server exposes metrics and health.
+//! events, CNI hand-offs and the timers are triggers too; each sends
+//! straight into the one inbox of the sync worker thread, which owns the
+//! [`Enforcer`] (the compiler and the datapath) and reconciles after each
+//! settled burst; an HTTP server exposes metrics and health.
 mod enforcer;
 mod handoff;
+mod inbox;
 mod reconcile;
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
@@ -14,12 +16,15 @@ use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 pub use self::enforcer::Enforcer;
-use self::reconcile::{Context, Trigger};
+use self::{
+    inbox::{Sink, Trigger},
+    reconcile::Context,
+};
 use crate::{
     datapath::{Choice, OpenOptions, bpf::pins::PinLayout, iptables::Backend},
     metrics::{self, Metrics},
     netlink,
-    source::{self, SourceId, SourceUpdate},
+    source::{self, SourceId},
 };
 
 /// Settings of the daemon.
@@ -102,6 +107,8 @@ pub enum Error {
     Netlink(#[from] netlink::Error),
     #[error("starting the sync worker: {0}")]
     Worker(#[source] std::io::Error),
+    #[error("starting the node-address source: {0}")]
+    NodeSource(#[source] std::io::Error),
     #[error("listening for the CNI plugin on {path}: {source}")]
     CniSocket {
         path: PathBuf,
@@ -124,7 +131,7 @@ pub async fn run(
             source,
         })?;
 
-    let (tx, rx) = std::sync::mpsc::channel::<Trigger>();
+    let (inbox, sink) = inbox::new();
     // The CNI plugin's socket is bound before anything else can fail late:
     // a plugin finding no socket fails its ADD (fail closed) and retries.
     let cni = match &config.cni_socket {
@@ -134,7 +141,7 @@ pub async fn run(
                 source,
             })?;
             info!(socket = %path.display(), "accepting CNI hand-offs");
-            Some(tokio::spawn(handoff::serve(listener, tx.clone())))
+            Some(tokio::spawn(handoff::serve(listener, sink.clone())))
         }
         None => None,
     };
@@ -154,69 +161,31 @@ pub async fn run(
         events: events_task.as_ref().map(|_| problem_tx),
         sources: sources.ids().into_iter().collect(),
     };
-    let worker = reconcile::spawn(context, rx).map_err(Error::Worker)?;
+    let worker = reconcile::spawn(context, inbox).map_err(Error::Worker)?;
 
-    // New interfaces and pod routes: look the interfaces up again at once,
-    // so pods get their classifiers and every other interface the uplink
-    // one.
-    let (link_tx, link_rx) = std::sync::mpsc::channel();
-    netlink::watch_links(link_tx)?;
-    let links_to_worker = tx.clone();
-    std::thread::Builder::new()
-        .name("link-events".into())
-        .spawn(move || {
-            while let Ok(event) = link_rx.recv() {
-                let trigger = match event {
-                    netlink::LinkEvent::Created(link) if link.kind.as_deref() == Some("veth") => {
-                        Trigger::NewVeth(link.index, link.name)
-                    }
-                    _ => Trigger::Links,
-                };
-                if links_to_worker.send(trigger).is_err() {
-                    return;
-                }
-            }
-        })
-        .map_err(Error::Worker)?;
-
-    let (update_tx, mut update_rx) = mpsc::unbounded_channel::<SourceUpdate>();
+    netlink::watch_links(sink.for_links())?;
     let cluster_task = match sources {
         Sources::Manifests(dir) => tokio::spawn(source::manifests::watch(
             dir,
             config.settle,
             config.poll,
-            update_tx.clone(),
+            sink.for_source(),
         )),
         Sources::Cluster(client) => tokio::spawn(source::kube::watch(
             client,
             config.debounce,
-            update_tx.clone(),
+            sink.for_source(),
         )),
     };
-    let node_task = tokio::spawn(source::node::watch(config.node.clone(), update_tx));
-    let forward = tx.clone();
-    let forward_task = tokio::spawn(async move {
-        while let Some(update) = update_rx.recv().await {
-            if forward.send(Trigger::Update(update)).is_err() {
-                return;
-            }
-        }
-    });
-    let resync_task = tokio::spawn(every(config.resync, tx.clone(), || Trigger::Resync));
-    let order_task = tokio::spawn(every(config.order_check, tx.clone(), || {
+    source::node::watch(config.node.clone(), sink.for_source()).map_err(Error::NodeSource)?;
+    let resync_task = tokio::spawn(every(config.resync, sink.clone(), || Trigger::Resync));
+    let order_task = tokio::spawn(every(config.order_check, sink.clone(), || {
         Trigger::OrderCheck
     }));
 
     shutdown.await;
     info!("shutting down; enforcement stays pinned");
-    for task in [
-        cluster_task,
-        node_task,
-        forward_task,
-        resync_task,
-        order_task,
-        http,
-    ] {
+    for task in [cluster_task, resync_task, order_task, http] {
         task.abort();
     }
     if let Some(t) = events_task {
@@ -225,7 +194,9 @@ pub async fn run(
     if let Some(t) = cni {
         t.abort();
     }
-    let _ = tx.send(Trigger::Stop);
+    // The link-event and node-address threads end at their next send,
+    // the inbox gone.
+    sink.send(Trigger::Stop);
     if worker.join().is_err() {
         warn!("sync worker panicked");
     }
@@ -234,17 +205,13 @@ pub async fn run(
 
 /// Sends `trigger()` every `period` (the first after one period) until
 /// the worker is gone.
-async fn every(
-    period: Duration,
-    tx: std::sync::mpsc::Sender<Trigger>,
-    trigger: impl Fn() -> Trigger,
-) {
+async fn every(period: Duration, sink: Sink, trigger: impl Fn() -> Trigger) {
     let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
     loop {
         tick.tick().await;
-        if tx.send(trigger()).is_err() {
+        if !sink.send(trigger()) {
             return;
         }
     }

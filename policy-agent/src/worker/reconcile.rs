@@ -5,10 +5,7 @@
 //! enforcer (compiler and datapath).
 use std::{
     collections::{BTreeMap, BTreeSet},
-    sync::{
-        Arc,
-        mpsc::{Receiver, RecvTimeoutError, TryRecvError},
-    },
+    sync::Arc,
     thread::JoinHandle,
     time::{Duration, Instant},
 };
@@ -16,37 +13,20 @@ use std::{
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{error, info, warn};
 
-use super::{Config, Enforcer, handoff::Handoffs};
+use super::{
+    Config, Enforcer,
+    handoff::Handoffs,
+    inbox::{Inbox, Trigger},
+};
 use crate::{
     cluster::{Change, Problem},
     datapath::{self, SyncReport},
     metrics::Metrics,
-    source::{SourceId, SourceUpdate},
+    source::SourceId,
 };
 
 /// When to try again after a sync that could not write everything.
 const INCOMPLETE_RETRY: Duration = Duration::from_secs(10);
-
-/// What wakes the worker.
-pub enum Trigger {
-    Update(SourceUpdate),
-    /// The CNI plugin hands a sandbox over (answered on the channel).
-    Handoff(
-        Box<policy_cni::protocol::Request>,
-        tokio::sync::oneshot::Sender<policy_cni::protocol::Response>,
-    ),
-    /// A pod interface appeared or changed.
-    Links,
-    /// A veth appeared (ifindex, name): prepared at once (see
-    /// `Datapath::new_veth`), then looked up as any link change.
-    NewVeth(u32, String),
-    /// Periodic: read the installed state back and sync.
-    Resync,
-    /// Periodic, between resyncs: a full pass only if what runs before
-    /// the classifiers changed (see `Datapath::order_changed`).
-    OrderCheck,
-    Stop,
-}
 
 /// What every reconcile shares.
 pub struct Context {
@@ -113,13 +93,13 @@ impl Error {
 /// When to sync again after a sync that left something undone.
 const RETRY_UNFINISHED: Duration = Duration::from_secs(2);
 
-pub fn spawn(ctx: Context, rx: Receiver<Trigger>) -> std::io::Result<JoinHandle<()>> {
+pub fn spawn(ctx: Context, inbox: Inbox) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name("sync".into())
-        .spawn(move || run(&ctx, &rx))
+        .spawn(move || run(&ctx, &inbox))
 }
 
-fn run(ctx: &Context, rx: &Receiver<Trigger>) {
+fn run(ctx: &Context, inbox: &Inbox) {
     let mut state = State::new(&ctx.config);
     let mut retry_at: Option<Instant> = None;
     loop {
@@ -127,11 +107,10 @@ fn run(ctx: &Context, rx: &Receiver<Trigger>) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        let Some(collected) = collect(ctx, rx, &mut state, wake) else {
-            return;
-        };
-        let Some(started) = collected else {
-            continue; // Only checks that found nothing to do.
+        let started = match collect(ctx, inbox, &mut state, wake) {
+            Collected::Stop => return,
+            Collected::Nothing => continue,
+            Collected::Sync { started } => started,
         };
         if !ctx.sources.is_subset(&state.heard) {
             // The first sync waits for every source's first word; waiting
@@ -154,30 +133,43 @@ fn run(ctx: &Context, rx: &Receiver<Trigger>) {
     }
 }
 
-/// Waits for a trigger (or the pending retry), then lets the burst settle:
-/// until `debounce` passes quietly, at most `max_delay`. A CNI hand-off
-/// does not wait for quiet: a pod's start waits on it, so what has
-/// arrived by then is taken and the sync runs at once. None: stop;
-/// Some(None): nothing to sync (an order check that found no change).
+/// What a burst of triggers asks of the worker.
+#[derive(Debug)]
+enum Collected {
+    /// [`Trigger::Stop`], or every sink is gone.
+    Stop,
+    /// Only checks that found nothing to do (an order check that found no
+    /// change).
+    Nothing,
+    /// Sync now. The burst began at `started`; the sync's time counts from
+    /// there.
+    Sync { started: Instant },
+}
+
+/// Waits for a trigger (or the pending retry at `retry_at`), then lets the
+/// burst settle: until `debounce` passes quietly, at most `max_delay`. A
+/// CNI hand-off does not wait for quiet: a pod's start waits on it, so
+/// what has arrived by then is taken and the sync runs at once.
 fn collect(
     ctx: &Context,
-    rx: &Receiver<Trigger>,
+    inbox: &Inbox,
     state: &mut State,
     retry_at: Option<Instant>,
-) -> Option<Option<Instant>> {
-    let first = match retry_at {
-        Some(at) => match rx.recv_timeout(at.saturating_duration_since(Instant::now())) {
-            Ok(t) => Some(t),
-            Err(RecvTimeoutError::Timeout) => None,
-            Err(RecvTimeoutError::Disconnected) => return None,
-        },
-        None => Some(rx.recv().ok()?),
-    };
+) -> Collected {
+    // None: the retry is due.
+    let first = inbox.recv(retry_at);
     let started = Instant::now();
     // A due retry is work; so is every trigger but a quiet order check.
     let mut work = first.is_none();
     let mut next = first;
     let mut handoff = false;
+    let settled = |work: bool| {
+        if work {
+            Collected::Sync { started }
+        } else {
+            Collected::Nothing
+        }
+    };
     loop {
         work |= next
             .as_ref()
@@ -211,24 +203,22 @@ fn collect(
                     }
                 }
             }
-            Some(Trigger::Stop) => return None,
+            Some(Trigger::Stop) => return Collected::Stop,
             None => {}
         }
         if started.elapsed() >= ctx.config.max_delay {
-            return Some(work.then_some(started));
+            return settled(work);
         }
-        if handoff {
-            match rx.try_recv() {
-                Ok(t) => next = Some(t),
-                Err(TryRecvError::Empty) => return Some(work.then_some(started)),
-                Err(TryRecvError::Disconnected) => return None,
-            }
-            continue;
-        }
-        match rx.recv_timeout(ctx.config.debounce) {
-            Ok(t) => next = Some(t),
-            Err(RecvTimeoutError::Timeout) => return Some(work.then_some(started)),
-            Err(RecvTimeoutError::Disconnected) => return None,
+        // After a hand-off, only what has already arrived.
+        let quiet = Instant::now()
+            + if handoff {
+                Duration::ZERO
+            } else {
+                ctx.config.debounce
+            };
+        next = inbox.recv(Some(quiet));
+        if next.is_none() {
+            return settled(work);
         }
     }
 }
@@ -333,5 +323,108 @@ fn record(ctx: &Context, state: &mut State, result: &Result<SyncReport, Error>, 
             }
             ctx.metrics.sync_failed(took, e.metric_label());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use policy_cni::protocol::{Command, PROTOCOL_VERSION, Request};
+
+    use super::*;
+    use crate::{datapath::bpf::PinLayout, source::SourceUpdate, worker::inbox};
+
+    fn context(debounce: Duration, max_delay: Duration) -> Context {
+        let mut config = Config::new("node".into(), PinLayout::new("/nonexistent"));
+        config.debounce = debounce;
+        config.max_delay = max_delay;
+        Context {
+            config,
+            metrics: Arc::new(Metrics::new()),
+            events: None,
+            sources: [SourceId::Node].into_iter().collect(),
+        }
+    }
+
+    fn node_update() -> Trigger {
+        Trigger::Update(SourceUpdate {
+            source: SourceId::Node,
+            changes: Vec::new(),
+            problems: Vec::new(),
+        })
+    }
+
+    #[test]
+    fn a_burst_is_one_sync_and_stop_stops() {
+        let ctx = context(Duration::from_millis(20), Duration::from_secs(5));
+        let mut state = State::new(&ctx.config);
+        let (inbox, sink) = inbox::new();
+        sink.send(node_update());
+        sink.send(Trigger::Links);
+        assert!(matches!(
+            collect(&ctx, &inbox, &mut state, None),
+            Collected::Sync { .. }
+        ));
+        assert!(state.heard.contains(&SourceId::Node) && state.links);
+        sink.send(Trigger::Stop);
+        assert!(matches!(
+            collect(&ctx, &inbox, &mut state, None),
+            Collected::Stop
+        ));
+        drop(sink);
+        assert!(matches!(
+            collect(&ctx, &inbox, &mut state, None),
+            Collected::Stop
+        ));
+    }
+
+    #[test]
+    fn a_quiet_order_check_is_nothing_and_a_due_retry_is_a_sync() {
+        let ctx = context(Duration::from_millis(5), Duration::from_secs(5));
+        let mut state = State::new(&ctx.config);
+        let (inbox, sink) = inbox::new();
+        sink.send(Trigger::OrderCheck);
+        assert!(matches!(
+            collect(&ctx, &inbox, &mut state, None),
+            Collected::Nothing
+        ));
+        assert!(matches!(
+            collect(&ctx, &inbox, &mut state, Some(Instant::now())),
+            Collected::Sync { .. }
+        ));
+    }
+
+    #[test]
+    fn a_handoff_does_not_wait_for_quiet_and_max_delay_ends_a_burst() {
+        let ctx = context(Duration::from_secs(60), Duration::from_millis(50));
+        let mut state = State::new(&ctx.config);
+        let (inbox, sink) = inbox::new();
+        let (reply, _answer) = tokio::sync::oneshot::channel();
+        let request = Request {
+            version: PROTOCOL_VERSION,
+            container_id: "c".into(),
+            command: Command::Del { pod: None },
+        };
+        sink.send(Trigger::Handoff(Box::new(request), reply));
+        let t = Instant::now();
+        assert!(matches!(
+            collect(&ctx, &inbox, &mut state, None),
+            Collected::Sync { .. }
+        ));
+        assert!(t.elapsed() < Duration::from_secs(5));
+
+        // A steady stream of triggers is cut at max_delay.
+        let producer = std::thread::spawn(move || {
+            while sink.send(Trigger::Links) {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        });
+        let t = Instant::now();
+        assert!(matches!(
+            collect(&ctx, &inbox, &mut state, None),
+            Collected::Sync { .. }
+        ));
+        assert!(t.elapsed() < Duration::from_secs(5));
+        drop(inbox);
+        assert!(producer.join().is_ok());
     }
 }

@@ -28,12 +28,11 @@ use kube::{
         watcher::{self, Event},
     },
 };
-use tokio::sync::mpsc::UnboundedSender;
 use tracing::{debug, info, warn};
 
 pub use self::events::publish_events;
 use self::store::{Converted, Pods, Store};
-use super::{SourceId, SourceUpdate};
+use super::{Sink, SourceId, SourceUpdate};
 use crate::cluster::{
     Change, EndpointSliceInfo, NamespaceInfo, ObjectKind, ObjectRef, Problem, ServiceInfo,
     endpoint_slice_info, namespace_info, service_info,
@@ -127,8 +126,9 @@ fn namespace_entry(n: &Namespace) -> Option<(String, NamespaceInfo)> {
 }
 
 /// Watches the cluster and publishes every object once each kind is
-/// listed, then what changed after each settled burst, until `tx` closes.
-pub async fn watch(client: Client, settle: Duration, tx: UnboundedSender<SourceUpdate>) {
+/// listed, then what changed after each settled burst, until `sink` is
+/// closed.
+pub async fn watch(client: Client, settle: Duration, sink: Sink) {
     let mut updates = futures::stream::select_all([
         stream(Api::<Pod>::all(client.clone()), "pods", |e| {
             Update::Pod(Box::new(e))
@@ -218,7 +218,7 @@ pub async fn watch(client: Client, settle: Duration, tx: UnboundedSender<SourceU
                     changes: std::mem::take(&mut changes),
                     problems,
                 };
-                if tx.send(update).is_err() {
+                if !sink.send(update) {
                     return;
                 }
             }

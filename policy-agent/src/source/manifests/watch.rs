@@ -8,11 +8,11 @@ use std::{
     time::Duration,
 };
 
-use tokio::{io::unix::AsyncFd, sync::mpsc::UnboundedSender};
+use tokio::io::unix::AsyncFd;
 use tracing::{info, warn};
 
 use super::directory::Directory;
-use crate::source::{SourceId, SourceUpdate};
+use crate::source::{Sink, SourceId, SourceUpdate};
 
 /// An inotify instance watching `dir`, or None where inotify is missing.
 fn inotify(dir: &Path) -> Option<AsyncFd<OwnedFd>> {
@@ -57,13 +57,8 @@ async fn next_event(fd: &AsyncFd<OwnedFd>) {
 }
 
 /// Publishes the directory's state at start and its changes after every
-/// settled burst of file events.
-pub async fn watch(
-    dir: PathBuf,
-    settle: Duration,
-    poll: Duration,
-    tx: UnboundedSender<SourceUpdate>,
-) {
+/// settled burst of file events, until `sink` is closed.
+pub async fn watch(dir: PathBuf, settle: Duration, poll: Duration, sink: Sink) {
     let mut directory = Directory::default();
     // None: an empty directory, still the source's first word.
     let (changes, problems) = directory.refresh(&dir).unwrap_or_default();
@@ -72,7 +67,7 @@ pub async fn watch(
         changes,
         problems,
     };
-    if tx.send(first).is_err() {
+    if !sink.send(first) {
         return;
     }
     let notify = inotify(&dir);
@@ -102,14 +97,11 @@ pub async fn watch(
         let t = std::time::Instant::now();
         if let Some((changes, problems)) = directory.refresh(&dir) {
             info!(dir = %dir.display(), changes = changes.len(), read_us = t.elapsed().as_micros() as u64, "manifests changed");
-            if tx
-                .send(SourceUpdate {
-                    source: SourceId::Manifests,
-                    changes,
-                    problems,
-                })
-                .is_err()
-            {
+            if !sink.send(SourceUpdate {
+                source: SourceId::Manifests,
+                changes,
+                problems,
+            }) {
                 return;
             }
         }

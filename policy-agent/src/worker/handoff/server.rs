@@ -11,7 +11,7 @@ use tokio::{
 };
 use tracing::{debug, warn};
 
-use super::super::reconcile::Trigger;
+use super::super::inbox::{Sink, Trigger};
 
 /// Longest request line read.
 const MAX_REQUEST: u64 = 64 * 1024;
@@ -35,13 +35,13 @@ pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
 }
 
 /// Serves connections until the task is aborted.
-pub async fn serve(listener: UnixListener, tx: std::sync::mpsc::Sender<Trigger>) {
+pub async fn serve(listener: UnixListener, sink: Sink) {
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
-                let tx = tx.clone();
+                let sink = sink.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = answer(stream, tx).await {
+                    if let Err(e) = answer(stream, sink).await {
                         debug!(error = %e, "CNI hand-off connection");
                     }
                 });
@@ -54,7 +54,7 @@ pub async fn serve(listener: UnixListener, tx: std::sync::mpsc::Sender<Trigger>)
     }
 }
 
-async fn answer(stream: UnixStream, tx: std::sync::mpsc::Sender<Trigger>) -> std::io::Result<()> {
+async fn answer(stream: UnixStream, sink: Sink) -> std::io::Result<()> {
     let (read, mut write) = stream.into_split();
     let mut line = String::new();
     let mut reader = BufReader::new(read.take(MAX_REQUEST));
@@ -63,7 +63,7 @@ async fn answer(stream: UnixStream, tx: std::sync::mpsc::Sender<Trigger>) -> std
         Ok(Ok(_)) => match serde_json::from_str::<Request>(&line) {
             Ok(req) if req.version == PROTOCOL_VERSION => {
                 let (reply, wait) = oneshot::channel();
-                if tx.send(Trigger::Handoff(Box::new(req), reply)).is_err() {
+                if !sink.send(Trigger::Handoff(Box::new(req), reply)) {
                     Response::error(code::TRY_AGAIN, "the agent is shutting down")
                 } else {
                     wait.await.unwrap_or_else(|_| {
