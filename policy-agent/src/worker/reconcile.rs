@@ -331,7 +331,7 @@ mod tests {
     use policy_cni::protocol::{Command, PROTOCOL_VERSION, Request};
 
     use super::*;
-    use crate::{datapath::bpf::PinLayout, source::SourceUpdate, worker::inbox};
+    use crate::{datapath::bpf::pins::PinLayout, source::SourceUpdate, worker::inbox};
 
     fn context(debounce: Duration, max_delay: Duration) -> Context {
         let mut config = Config::new("node".into(), PinLayout::new("/nonexistent"));
