@@ -120,9 +120,25 @@ pub struct CtEntry {
     pub direction: u8,
     /// `CT_FLAG_*`.
     pub flags: u8,
-    pub _pad: u16,
+    /// Who the flow's peer is, when it was opened towards the pod
+    /// ([`ORIGIN_SOURCE`], [`ORIGIN_FORWARDED`], or the local pod
+    /// interface it came from): a flow is judged again as it was first.
+    pub origin: u16,
 }
 assert_size!(CtEntry, 16);
+
+/// [`CtEntry::origin`]: the peer is the packet's address (every flow a pod
+/// opens, and what the node itself sends to a pod).
+pub const ORIGIN_SOURCE: u16 = 0;
+/// [`CtEntry::origin`]: the flow entered the node at an interface that is
+/// no local pod's (an uplink, a tunnel): its peer is its address, but a
+/// node address does not make it node traffic (the node only forwarded
+/// it, after masquerading it or not).
+pub const ORIGIN_FORWARDED: u16 = 0xffff;
+// Any other value: the local pod interface the flow entered the node at,
+// whose source something on the way rewrote (kube-proxy's masquerade for
+// a NodePort, an external IP, `--masquerade-all`, hostPort): the peer is
+// that pod, as if its packet had arrived unchanged.
 
 impl CtEntry {
     /// Lifetime of an idle entry.

@@ -88,6 +88,23 @@ impl EndpointInfo {
         }
     }
 
+    /// The pod's address of family `fam` in the 16-byte form (IPv4 in its
+    /// first 4 bytes), if it has one.
+    #[inline(always)]
+    pub const fn address(&self, fam: u8) -> Option<[u8; 16]> {
+        if fam == crate::family::IPV4 {
+            if self.flags & ENDPOINT_HAS_V4 == 0 {
+                return None;
+            }
+            let a = self.ipv4;
+            Some([a[0], a[1], a[2], a[3], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0])
+        } else if self.flags & ENDPOINT_HAS_V6 != 0 {
+            Some(self.ipv6)
+        } else {
+            None
+        }
+    }
+
     /// Whether connections of this endpoint are tracked: only where an
     /// entry decides something (the pod is isolated in some direction).
     #[inline(always)]

@@ -84,19 +84,83 @@ pub mod proto {
     }
 }
 
-/// ICMPv6 link control that passes without policy, as RFC 4861 and 3810
-/// have nodes send it: neighbour discovery (133-137) only with hop limit
-/// 255 (so it cannot have been routed), MLD (130-132, 143) only from a
-/// link-local or the unspecified source with hop limit 1. Anything else
-/// of these types is judged as ordinary ICMPv6.
+/// ICMPv6 link control that passes without policy at a pod's ingress, as
+/// RFC 4861 and 3810 have nodes send it: neighbour discovery (133-137)
+/// only with hop limit 255 (so it cannot have been routed: the node itself
+/// sent it, e.g. its unreachability probes to the pod's global address),
+/// MLD (130-132, 143) only from a link-local or the unspecified source
+/// with hop limit 1. Anything else of these types is judged as ordinary
+/// ICMPv6.
 #[inline(always)]
 pub fn icmpv6_link_control(icmp_type: u8, src: &[u8; 16], hop_limit: u8) -> bool {
-    let link_local = src[0] == 0xfe && src[1] & 0xc0 == 0x80;
-    let unspecified = addr_eq(src, &[0; 16]);
     match icmp_type {
         133..=137 => hop_limit == 255,
-        130..=132 | 143 => hop_limit == 1 && (link_local || unspecified),
+        130..=132 | 143 => hop_limit == 1 && (ipv6_link_local(src) || addr_eq(src, &[0; 16])),
         _ => false,
+    }
+}
+
+/// The same link control at a pod's egress, where a hop limit proves
+/// nothing (the node is about to forward the packet): it passes only
+/// towards a destination that cannot leave the link ([`ipv6_link_scoped`]:
+/// what the pod's own address resolution and unreachability detection
+/// use), from the pod's own address (`own_src`), its link-local one or the
+/// unspecified one (duplicate address detection). Anything else of these
+/// types is judged as ordinary ICMPv6, after the source check.
+#[inline(always)]
+pub fn icmpv6_link_control_from_pod(
+    icmp_type: u8,
+    src: &[u8; 16],
+    dst: &[u8; 16],
+    hop_limit: u8,
+    own_src: bool,
+) -> bool {
+    icmpv6_link_control(icmp_type, src, hop_limit)
+        && ipv6_link_scoped(dst)
+        && (own_src || ipv6_link_local(src) || addr_eq(src, &[0; 16]))
+}
+
+/// Whether an IPv6 address is link-local unicast (fe80::/10).
+#[inline(always)]
+pub fn ipv6_link_local(a: &[u8; 16]) -> bool {
+    a[0] == 0xfe && a[1] & 0xc0 == 0x80
+}
+
+/// Whether an IPv6 destination cannot leave the link: link-local unicast
+/// (fe80::/10), or multicast of interface- or link-local scope (ff01::/16,
+/// ff02::/16: all-nodes, all-routers, solicited-node). A router forwards
+/// neither.
+#[inline(always)]
+pub fn ipv6_link_scoped(a: &[u8; 16]) -> bool {
+    ipv6_link_local(a) || (a[0] == 0xff && (a[1] & 0x0f) <= 2)
+}
+
+/// Encapsulations a node may decapsulate (IP-in-IP, IPv6-in-IPv4, GRE,
+/// EtherIP, MPLS-in-IP; VXLAN on IANA's port and Linux's old default
+/// (flannel's), GENEVE). A pod's packet of these to a node address is not
+/// node traffic: decapsulated, its inner packet would travel on with a
+/// source the pod chose.
+pub mod encapsulation {
+    use crate::proto;
+
+    pub const IPIP: u8 = 4;
+    pub const IPV6_IN_IP: u8 = 41;
+    pub const GRE: u8 = 47;
+    pub const ETHERIP: u8 = 97;
+    pub const MPLS_IN_IP: u8 = 137;
+    pub const VXLAN_PORT: u16 = 4789;
+    pub const VXLAN_LINUX_PORT: u16 = 8472;
+    pub const GENEVE_PORT: u16 = 6081;
+
+    /// Whether a packet of `protocol` to destination port `dport` (0 for
+    /// protocols without ports) is one of them.
+    #[inline(always)]
+    pub const fn is(protocol: u8, dport: u16) -> bool {
+        match protocol {
+            IPIP | IPV6_IN_IP | GRE | ETHERIP | MPLS_IN_IP => true,
+            proto::UDP => matches!(dport, VXLAN_PORT | VXLAN_LINUX_PORT | GENEVE_PORT),
+            _ => false,
+        }
     }
 }
 

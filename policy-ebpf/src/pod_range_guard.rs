@@ -5,11 +5,14 @@
 //!
 //! Cost: one array load when no range is configured; else one LPM lookup,
 //! and one hash lookup for addresses inside a range.
+//!
+//! `ENFORCED` also says where a local pod's address may enter the node:
+//! only at its own interface ([`held_elsewhere`]).
 use aya_ebpf::{bindings::TC_ACT_SHOT, btf_maps::lpm_trie::Key, programs::TcContext};
 use policy_common::{
     config::CONFIG_POD_RANGES,
     direction, family,
-    pod_range_guard::{local_addr, range_prefix_len},
+    pod_range_guard::{ENFORCED_NODE, local_addr, range_prefix_len},
     verdict::{Reason, counter_index},
 };
 
@@ -32,6 +35,21 @@ fn unenforced(fam: u8, addr: &[u8; 16]) -> bool {
     }
     // SAFETY: the pointer is only tested, never dereferenced.
     ENFORCED.get_ptr(&data).is_none()
+}
+
+/// Whether `addr` is a local pod's (enforced at an interface) other than
+/// `iif`. Out of line: its key gets a frame of its own.
+#[inline(never)]
+pub fn held_elsewhere(fam: u8, addr: &[u8; 16], iif: u32) -> bool {
+    let data = local_addr(fam, addr);
+    match ENFORCED.get_ptr(&data) {
+        // SAFETY: a pointer to the map value, valid for this program run.
+        Some(ifindex) => {
+            let ifindex = unsafe { *ifindex };
+            ifindex != ENFORCED_NODE && ifindex != iif
+        }
+        None => false,
+    }
 }
 
 #[inline(always)]

@@ -34,6 +34,19 @@ pub enum L4 {
     Icmp {
         kind: u8,
     },
+    /// `inner` carried as a node decapsulates it: IP-in-IP (protocol 4 for
+    /// an IPv4 inner packet, 41 for IPv6) or GRE (47).
+    Tunnel {
+        gre: bool,
+        inner: Box<Packet>,
+    },
+    /// `inner` as an Ethernet frame in VXLAN (UDP to `dport`, VNI `vni`).
+    Vxlan {
+        sport: u16,
+        dport: u16,
+        vni: u32,
+        inner: Box<Packet>,
+    },
 }
 
 /// Fragmentation of the IP packet.
@@ -100,7 +113,10 @@ impl Packet {
         let v6 = self.src.is_ipv6();
         match &self.l4 {
             L4::Tcp { .. } => proto::TCP,
-            L4::Udp { .. } => proto::UDP,
+            L4::Udp { .. } | L4::Vxlan { .. } => proto::UDP,
+            L4::Tunnel { gre: true, .. } => 47,
+            L4::Tunnel { inner, .. } if inner.src.is_ipv6() => 41,
+            L4::Tunnel { .. } => 4,
             L4::Sctp { .. } => proto::SCTP,
             L4::Echo { .. } | L4::Unreachable { .. } | L4::Icmp { .. } if v6 => proto::ICMPV6,
             L4::Echo { .. } | L4::Unreachable { .. } | L4::Icmp { .. } => proto::ICMP,
@@ -118,7 +134,24 @@ impl Packet {
             L4::Unreachable { .. } if v6 => 1,
             L4::Unreachable { .. } => 3,
             L4::Icmp { kind } => *kind,
-            L4::Tcp { .. } | L4::Udp { .. } | L4::Sctp { .. } => 0,
+            L4::Tcp { .. }
+            | L4::Udp { .. }
+            | L4::Sctp { .. }
+            | L4::Tunnel { .. }
+            | L4::Vxlan { .. } => 0,
+        }
+    }
+
+    /// The transport ports a policy sees (0 for protocols without them;
+    /// an ICMP echo's identifier in both).
+    pub fn ports(&self) -> (u16, u16) {
+        match &self.l4 {
+            L4::Tcp { sport, dport, .. }
+            | L4::Udp { sport, dport }
+            | L4::Sctp { sport, dport }
+            | L4::Vxlan { sport, dport, .. } => (*sport, *dport),
+            L4::Echo { id, .. } => (*id, *id),
+            L4::Unreachable { .. } | L4::Icmp { .. } | L4::Tunnel { .. } => (0, 0),
         }
     }
 
@@ -168,6 +201,32 @@ impl Packet {
                 b
             }
             L4::Icmp { kind } => vec![*kind, 0, 0, 0, 0, 0, 0, 0],
+            L4::Tunnel { gre: false, inner } => inner.ip_bytes(),
+            L4::Tunnel { gre: true, inner } => {
+                // No checksum, key or sequence: flags and version 0.
+                let ether_type: u16 = if inner.src.is_ipv6() { 0x86dd } else { 0x0800 };
+                let mut b = vec![0, 0];
+                b.extend_from_slice(&ether_type.to_be_bytes());
+                b.extend_from_slice(&inner.ip_bytes());
+                b
+            }
+            L4::Vxlan {
+                sport,
+                dport,
+                vni,
+                inner,
+            } => {
+                let frame = inner.frame();
+                let mut b = vec![0u8; 16];
+                b[0..2].copy_from_slice(&sport.to_be_bytes());
+                b[2..4].copy_from_slice(&dport.to_be_bytes());
+                b[4..6].copy_from_slice(&((16 + frame.len()) as u16).to_be_bytes());
+                // VXLAN: the I flag, the VNI in bytes 4..7.
+                b[8] = 0x08;
+                b[12..15].copy_from_slice(&vni.to_be_bytes()[1..]);
+                b.extend_from_slice(&frame);
+                b
+            }
         }
     }
 

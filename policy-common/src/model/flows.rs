@@ -4,12 +4,13 @@
 use std::{collections::HashMap, net::IpAddr};
 
 use crate::{
-    direction, endpoint::EndpointInfo, ipcache::IpcacheEntry, proto, service::mark, verdict::Reason,
+    direction, endpoint::EndpointInfo, ipcache::IpcacheEntry, pod_range_guard::ENFORCED_NODE,
+    proto, service::mark, verdict::Reason,
 };
 
 use super::{
-    Judgement, Maps, Outcome, Packet, Quoted, ServiceKey, ServiceState, TCP_ACK, TCP_FIN, TCP_RST,
-    TCP_SYN, addr_bytes,
+    Judgement, Maps, Outcome, Packet, PeerOf, Quoted, ServiceKey, ServiceState, TCP_ACK, TCP_FIN,
+    TCP_RST, TCP_SYN, addr_bytes,
 };
 
 /// A tracked flow, named as its first packet travelled: at which
@@ -76,6 +77,9 @@ pub struct FlowState {
     /// Of a Service flow: not judged yet (the verdict after DNAT has not
     /// come back, or the revision moved and the backend is not known).
     pub pending: bool,
+    /// Who its far side is (see [`PeerOf`]), kept to judge it again as it
+    /// was first.
+    pub peer_of: PeerOf,
 }
 
 impl FlowState {
@@ -86,6 +90,7 @@ impl FlowState {
             closing,
             service: false,
             pending: false,
+            peer_of: PeerOf::Address,
         }
     }
 }
@@ -167,29 +172,74 @@ impl Datapath {
         let Some(ep) = self.maps.endpoints.get(&pkt.ifindex).copied() else {
             return verdict(Reason::PassNoEndpoint);
         };
-        // Neighbour discovery and MLD as RFC 4861/3810 send them pass.
+        // Neighbour discovery and MLD as RFC 4861/3810 send them pass. At
+        // the pod's ingress a hop limit of 255 proves the node sent it; at
+        // its egress it proves nothing (the node would forward it), so
+        // only what cannot leave the link passes, from an address the pod
+        // may use there.
         if pkt.protocol == proto::ICMPV6 {
-            let (src, _) = addr_bytes(pkt.src);
-            let link_local = pkt.src.is_ipv6() && src[0] == 0xfe && (src[1] & 0xc0) == 0x80;
-            let unspecified = pkt.src.is_unspecified();
+            let link_local = |a: IpAddr| match a {
+                IpAddr::V6(v6) => v6.segments()[0] & 0xffc0 == 0xfe80,
+                IpAddr::V4(_) => false,
+            };
             let ok = match pkt.icmp_type {
                 133..=137 => pkt.hop_limit == 255,
-                130..=132 | 143 => pkt.hop_limit == 1 && (link_local || unspecified),
+                130..=132 | 143 => {
+                    pkt.hop_limit == 1 && (link_local(pkt.src) || pkt.src.is_unspecified())
+                }
                 _ => false,
             };
-            if ok {
+            let stays_on_link = match pkt.dst {
+                IpAddr::V6(v6) => {
+                    link_local(pkt.dst) || (v6.is_multicast() && v6.octets()[1] & 0x0f <= 2)
+                }
+                IpAddr::V4(_) => false,
+            };
+            let pods_own =
+                pod_holds(&ep, pkt.src) || link_local(pkt.src) || pkt.src.is_unspecified();
+            if ok && (pkt.direction == direction::INGRESS || (stays_on_link && pods_own)) {
                 return verdict(Reason::AllowNeighborDiscovery);
             }
         }
-        // What a pod sends must come from its own address.
-        if pkt.direction == direction::EGRESS {
+        // What a pod sends must come from its own address. What reaches
+        // it was sent by whoever the interface it entered the node at
+        // says.
+        let peer_of = if pkt.direction == direction::EGRESS {
             if !pod_holds(&ep, pkt.src) {
                 return verdict(Reason::DropSpoofed);
             }
             if pkt.src == pkt.dst {
                 return verdict(Reason::AllowSelf);
             }
-        }
+            PeerOf::Address
+        } else if pkt.ingress_ifindex == 0 {
+            // The node itself sent it.
+            PeerOf::Address
+        } else if pkt.ingress_ifindex == pkt.ifindex {
+            // The pod's own packet, back through the node.
+            return verdict(Reason::AllowSelf);
+        } else {
+            match self.maps.endpoints.get(&pkt.ingress_ifindex) {
+                // A local pod's address enters the node only at its own
+                // interface.
+                None if self
+                    .maps
+                    .enforced
+                    .get(&pkt.src)
+                    .is_some_and(|at| *at != ENFORCED_NODE && *at != pkt.ingress_ifindex) =>
+                {
+                    return verdict(Reason::DropSpoofed);
+                }
+                None => PeerOf::Forwarded,
+                Some(sender) if pod_holds(sender, pkt.src) => PeerOf::Address,
+                // A flow's entry names the pod in 16 bits: one beyond
+                // them is refused, not judged by the address it wears.
+                Some(_) if pkt.ingress_ifindex >= 0xffff => {
+                    return verdict(Reason::DropPolicy);
+                }
+                Some(_) => PeerOf::Pod(pkt.ingress_ifindex),
+            }
+        };
         if self.maps.unenforced(pkt.peer()) {
             return verdict(Reason::DropUnenforced);
         }
@@ -198,7 +248,7 @@ impl Datapath {
         if !ep.tracks() {
             return self
                 .maps
-                .judge(&ep, pkt.direction, pkt.peer(), pkt.protocol, port);
+                .judge_as(&ep, pkt.direction, pkt.peer(), pkt.protocol, port, peer_of);
         }
         if let Some(q) = pkt.quoted
             && let Some(reason) = self.related(&ep, pkt, &q)
@@ -253,9 +303,9 @@ impl Datapath {
         {
             return self.defer(&ep, pkt);
         }
-        let judged = self
-            .maps
-            .judge(&ep, pkt.direction, pkt.peer(), pkt.protocol, port);
+        let judged =
+            self.maps
+                .judge_as(&ep, pkt.direction, pkt.peer(), pkt.protocol, port, peer_of);
         let allowed = matches!(
             judged.reason,
             Reason::AllowPolicy | Reason::AllowNotIsolated
@@ -268,8 +318,13 @@ impl Datapath {
         let opens = pkt.direction == direction::EGRESS || pod_holds(&ep, pkt.dst);
         let midstream = pkt.protocol == proto::TCP && pkt.tcp_flags & TCP_SYN == 0;
         if allowed && trackable && opens && !midstream {
-            self.flows
-                .insert(Flow::of(pkt), FlowState::judged(ep.revision, closing));
+            self.flows.insert(
+                Flow::of(pkt),
+                FlowState {
+                    peer_of,
+                    ..FlowState::judged(ep.revision, closing)
+                },
+            );
         }
         judged
     }
@@ -300,9 +355,14 @@ impl Datapath {
         }
         if st.revision != ep.revision {
             let port = proto::policy_port(flow.protocol, flow.dport);
-            let judged = self
-                .maps
-                .judge(ep, flow.opened, flow.peer(), flow.protocol, port);
+            let judged = self.maps.judge_as(
+                ep,
+                flow.opened,
+                flow.peer(),
+                flow.protocol,
+                port,
+                st.peer_of,
+            );
             if judged.reason.is_drop() {
                 self.flows.remove(&flow);
                 return Some(Reason::DropPolicyChanged);
@@ -337,9 +397,14 @@ impl Datapath {
         };
         if st.revision != ep.revision {
             let port = proto::policy_port(flow.protocol, port);
-            let judged = self
-                .maps
-                .judge(ep, flow.opened, flow.peer(), flow.protocol, port);
+            let judged = self.maps.judge_as(
+                ep,
+                flow.opened,
+                flow.peer(),
+                flow.protocol,
+                port,
+                st.peer_of,
+            );
             out.peer = judged.peer;
             out.matched = judged.matched;
             if judged.reason.is_drop() {

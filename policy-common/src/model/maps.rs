@@ -6,7 +6,8 @@ use std::{
 };
 
 use crate::{
-    endpoint::{EndpointInfo, lookups},
+    direction,
+    endpoint::{ENDPOINT_HAS_V4, ENDPOINT_HAS_V6, EndpointInfo, lookups},
     identity,
     ipcache::IpcacheEntry,
     policy::{PolicyEntry, PolicyKey},
@@ -15,7 +16,7 @@ use crate::{
     verdict::Reason,
 };
 
-use super::has_ports;
+use super::{PeerOf, has_ports};
 
 /// The content of the datapath maps the verdict depends on.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -156,7 +157,8 @@ impl Maps {
         out
     }
 
-    /// Judges a new flow of endpoint `ep` with `peer_addr` in `dir`.
+    /// Judges a new flow of endpoint `ep` with `peer_addr` in `dir`, the
+    /// peer being what the address says.
     pub fn judge(
         &self,
         ep: &EndpointInfo,
@@ -165,15 +167,71 @@ impl Maps {
         protocol: u8,
         port: u16,
     ) -> Judgement {
-        let peer = self.ipcache_lookup(peer_addr);
+        self.judge_as(ep, dir, peer_addr, protocol, port, PeerOf::Address)
+    }
+
+    /// The identities the far side of a flow is judged by.
+    fn peer_entry(&self, peer_addr: IpAddr, peer_of: PeerOf) -> IpcacheEntry {
+        match peer_of {
+            PeerOf::Address => self.ipcache_lookup(peer_addr),
+            PeerOf::Forwarded => {
+                let mut peer = self.ipcache_lookup(peer_addr);
+                if peer.identity == identity::NODE {
+                    peer.identity = identity::ANY;
+                }
+                peer
+            }
+            // The pod's own address of the same family, as if its packet
+            // had arrived unchanged; a pod gone is nobody.
+            PeerOf::Pod(ifindex) => self
+                .endpoints
+                .get(&ifindex)
+                .and_then(|client| {
+                    let addr = if peer_addr.is_ipv4() {
+                        (client.flags & ENDPOINT_HAS_V4 != 0).then(|| IpAddr::from(client.ipv4))
+                    } else {
+                        (client.flags & ENDPOINT_HAS_V6 != 0).then(|| IpAddr::from(client.ipv6))
+                    };
+                    addr.map(|a| self.ipcache_lookup(a))
+                })
+                .unwrap_or(IpcacheEntry::UNKNOWN),
+        }
+    }
+
+    /// Judges a new flow of endpoint `ep` in `dir`, its far side
+    /// `peer_addr` as `peer_of` says. The node's own addresses are always
+    /// allowed, but for what a pod sends to them encapsulated (IP-in-IP,
+    /// IPv6-in-IPv4, GRE, EtherIP, MPLS-in-IP, VXLAN on UDP 4789 or 8472,
+    /// GENEVE on UDP 6081): a node that decapsulates it sends its inner
+    /// packet on with a source the pod chose, so it is judged by the
+    /// address's class as any other peer.
+    pub fn judge_as(
+        &self,
+        ep: &EndpointInfo,
+        dir: u8,
+        peer_addr: IpAddr,
+        protocol: u8,
+        port: u16,
+        peer_of: PeerOf,
+    ) -> Judgement {
+        let mut peer = self.peer_entry(peer_addr, peer_of);
+        if peer.identity == identity::NODE {
+            let encapsulated = matches!(protocol, 4 | 41 | 47 | 97 | 137)
+                || (protocol == proto::UDP && matches!(port, 4789 | 8472 | 6081));
+            if dir == direction::INGRESS || !encapsulated {
+                return Judgement {
+                    reason: Reason::AllowNode,
+                    matched: None,
+                    peer,
+                };
+            }
+            peer.identity = identity::ANY;
+        }
         let verdict = |reason, matched| Judgement {
             reason,
             matched,
             peer,
         };
-        if peer.identity == identity::NODE {
-            return verdict(Reason::AllowNode, None);
-        }
         if !ep.isolated(dir) {
             return verdict(Reason::AllowNotIsolated, None);
         }

@@ -10,9 +10,13 @@
 //! Order of a verdict, for a packet at endpoint E in direction D:
 //! 1. no endpoint for the ifindex → pass;
 //! 2. ICMPv6 neighbour discovery with hop limit 255, MLD from a link-local
-//!    (or unspecified) source with hop limit 1 → pass;
+//!    (or unspecified) source with hop limit 1 → pass; at a pod's egress
+//!    only towards a destination that cannot leave the link, from the
+//!    pod's own, a link-local or the unspecified address;
 //! 3. sent by the pod (egress) from an address that is not its own → drop
-//!    (spoofed); from its own address to itself → pass;
+//!    (spoofed); from its own address to itself → pass; reaching the pod
+//!    (ingress): who sent it, by the interface it entered the node at
+//!    ([`PeerOf`]; its own packet back through a Service → pass);
 //!    3a. the peer (destination at egress, source at ingress) in the node's
 //!    pod ranges and not enforced → drop (see [`pod_range_guard`]);
 //! 4. E isolated in no direction: judge (nothing is tracked);
@@ -89,6 +93,27 @@ pub struct Packet {
     pub quoted: Option<Quoted>,
     /// `skb->mark` as the packet reaches the hook.
     pub mark: u32,
+    /// The interface the packet entered the node at (`ingress_ifindex`; 0:
+    /// the node itself sent it). It says who sent a packet reaching a pod
+    /// (see [`PeerOf`]).
+    pub ingress_ifindex: u32,
+}
+
+/// Who the far side of a flow towards a pod is, for its verdict.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum PeerOf {
+    /// The packet's address says (every flow a pod opens, and what the
+    /// node itself sends).
+    #[default]
+    Address,
+    /// The packet entered the node at an interface that is no local pod's:
+    /// its address says, but a node address does not make it the node's
+    /// traffic (the node only forwarded it).
+    Forwarded,
+    /// The packet entered the node at this local pod's interface and
+    /// something on the way rewrote its source (a masquerade): it is that
+    /// pod's.
+    Pod(u32),
 }
 
 /// What one hook did with a packet.

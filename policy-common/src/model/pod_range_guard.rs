@@ -104,6 +104,7 @@ mod tests {
             hop_limit: 64,
             quoted: None,
             mark: 0,
+            ingress_ifindex: 0,
         }
     }
 

@@ -181,6 +181,7 @@ impl Datapath {
                 closing: false,
                 service: true,
                 pending: true,
+                peer_of: super::PeerOf::Address,
             },
         );
         self.services.insert(

@@ -115,6 +115,7 @@ fn reply_passes_and_is_rejudged_after_revision_change() {
         hop_limit: 64,
         quoted: None,
         mark: 0,
+        ingress_ifindex: 0,
     };
     let reply = Packet {
         ifindex: 7,
@@ -129,6 +130,7 @@ fn reply_passes_and_is_rejudged_after_revision_change() {
         hop_limit: 64,
         quoted: None,
         mark: 0,
+        ingress_ifindex: 0,
     };
     assert_eq!(dp.classify(&syn).reason(), Some(Reason::AllowPolicy));
     assert_eq!(dp.classify(&reply).reason(), Some(Reason::AllowReply));
@@ -170,6 +172,7 @@ fn a_forged_source_opens_nothing() {
         hop_limit: 64,
         quoted: None,
         mark: 0,
+        ingress_ifindex: 0,
     };
     // Sent by the pod with X's source, to itself: spoofed, no flow.
     assert_eq!(

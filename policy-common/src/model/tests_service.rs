@@ -91,6 +91,7 @@ fn tcp(ifindex: u32, dir: u8, src: (IpAddr, u16), dst: (IpAddr, u16), flags: u8)
         hop_limit: 64,
         quoted: None,
         mark: 0,
+        ingress_ifindex: 0,
     }
 }
 
@@ -360,6 +361,7 @@ fn foreign_mark_bits_survive_every_hook() {
     let stray = FOREIGN | mark::pending(mark::IFINDEX_MASK).unwrap();
     let out = dp.classify(&Packet {
         mark: stray,
+        ingress_ifindex: 0,
         ..sent(40000, TCP_SYN)
     });
     assert_eq!(out.mark, FOREIGN | pending_mark());
@@ -368,6 +370,7 @@ fn foreign_mark_bits_survive_every_hook() {
     // Unmarked, nothing changes.
     let out = dp.classify(&Packet {
         mark: FOREIGN,
+        ingress_ifindex: 0,
         ..reply(40000)
     });
     assert_eq!(out.mark, FOREIGN);
@@ -400,6 +403,7 @@ fn a_second_frontend_on_one_source_port_is_refused_while_the_first_lives() {
             closing: false,
             service: true,
             pending: true,
+            peer_of: PeerOf::Address,
         },
     );
     assert_eq!(dp.classify(&first).reason(), Some(Reason::DropPolicy));

@@ -43,6 +43,7 @@ pub(super) fn on_ct_hit(
             peer_addr,
             pkt.protocol,
             proto::policy_port(pkt.protocol, orig_port),
+            entry.origin,
         );
         peer = p;
         if reason.is_drop() {
@@ -164,7 +165,15 @@ pub(super) fn related(
             s.ct.src
         };
         let port = proto::policy_port(s.ct.protocol, s.ct.dport);
-        let (reason, _) = judge(ep, opener, s.ct.family, &peer, s.ct.protocol, port);
+        let (reason, _) = judge(
+            ep,
+            opener,
+            s.ct.family,
+            &peer,
+            s.ct.protocol,
+            port,
+            entry.origin,
+        );
         if reason.is_drop() {
             let _ = CONNTRACK.remove(&s.ct);
             return Some(Reason::DropPolicyChanged);

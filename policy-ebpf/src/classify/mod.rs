@@ -26,12 +26,12 @@ use policy_common::{
     config::{CONFIG_DEBUG_LOG, CONFIG_NO_DROP_EVENTS},
     conntrack::{
         CT_FLAG_CLOSING, CT_FLAG_SERVICE, CT_FLAG_SYN_ONLY, CT_LOOKUP_FORWARD, CT_LOOKUP_REPLY,
-        CtEntry, FragEntry, ct_lookups,
+        CtEntry, FragEntry, ORIGIN_FORWARDED, ORIGIN_SOURCE, ct_lookups,
     },
     direction,
     endpoint::{ENDPOINT_SLOT_USED, EndpointInfo},
     event::DropEvent,
-    icmpv6_link_control,
+    icmpv6_link_control, icmpv6_link_control_from_pod,
     ipcache::IpcacheEntry,
     proto,
     service::mark,
@@ -95,6 +95,55 @@ fn endpoint(ifindex: u32) -> Option<&'static EndpointInfo> {
     ENDPOINTS.get_ptr(ifindex).map(|ep| unsafe { &*ep })
 }
 
+/// What the interface a packet reaching the pod entered the node at says
+/// about its peer.
+enum Arrival {
+    /// Decided already.
+    Judged(Reason),
+    /// Judged by its peer as [`CtEntry::origin`] says.
+    Origin(u16),
+}
+
+/// At the pod's ingress: who sent the packet, by the interface it entered
+/// the node at (`ingress_ifindex`; 0: the node sent it). A pod's packet
+/// is still that pod's when something on the way rewrote its source: a
+/// packet from a local pod's interface not from that pod's address was
+/// masqueraded (kube-proxy for a NodePort, an external IP,
+/// `--masquerade-all`, hostPort) and is judged as the pod's; the pod's
+/// own, hairpinned through a Service, is allowed. A packet that entered
+/// at any other interface is never node traffic, whatever its source
+/// says, nor a local pod's.
+#[inline(always)]
+fn arrival(ctx: &TcContext, ifindex: u32, pkt: &IpPacket) -> Arrival {
+    // SAFETY: the context pointer is the kernel's __sk_buff for this run.
+    let iif = unsafe { (*ctx.skb.skb).ingress_ifindex };
+    if iif == 0 {
+        return Arrival::Origin(ORIGIN_SOURCE);
+    }
+    if iif == ifindex {
+        // Its own packet, back through the node (a Service hairpin).
+        return Arrival::Judged(Reason::AllowSelf);
+    }
+    let Some(client) = endpoint(iif) else {
+        // A local pod's address never enters the node elsewhere than at
+        // its own interface: a decapsulated inner packet, or a spoof from
+        // outside.
+        if crate::pod_range_guard::held_elsewhere(pkt.family, &pkt.src, iif) {
+            return Arrival::Judged(Reason::DropSpoofed);
+        }
+        return Arrival::Origin(ORIGIN_FORWARDED);
+    };
+    if client.owns(pkt.family, &pkt.src) {
+        return Arrival::Origin(ORIGIN_SOURCE);
+    }
+    if iif >= u32::from(ORIGIN_FORWARDED) {
+        // The entry could not name the client: refused, never judged by
+        // the address it wears (stay closed where unsure).
+        return Arrival::Judged(Reason::DropPolicy);
+    }
+    Arrival::Origin(iif as u16)
+}
+
 /// The decision for the parsed packet in `s.pkt` at endpoint `ep`.
 #[inline(always)]
 fn decide(
@@ -106,13 +155,23 @@ fn decide(
 ) -> (Reason, IpcacheEntry) {
     let unknown = IpcacheEntry::UNKNOWN;
     let pkt = &s.pkt;
-    if pkt.protocol == proto::ICMPV6
-        && pkt.frag != FRAG_LATER
-        && icmpv6_link_control(pkt.icmp_type, &pkt.src, pkt.hop_limit)
-    {
-        return (Reason::AllowNeighborDiscovery, unknown);
+    if pkt.protocol == proto::ICMPV6 && pkt.frag != FRAG_LATER {
+        let link_control = if dir == direction::INGRESS {
+            icmpv6_link_control(pkt.icmp_type, &pkt.src, pkt.hop_limit)
+        } else {
+            icmpv6_link_control_from_pod(
+                pkt.icmp_type,
+                &pkt.src,
+                &pkt.dst,
+                pkt.hop_limit,
+                ep.owns(pkt.family, &pkt.src),
+            )
+        };
+        if link_control {
+            return (Reason::AllowNeighborDiscovery, unknown);
+        }
     }
-    if dir == direction::EGRESS {
+    let origin = if dir == direction::EGRESS {
         // The pod chooses every byte it sends: only its own source is it.
         if !ep.owns(pkt.family, &pkt.src) {
             return (Reason::DropSpoofed, unknown);
@@ -120,7 +179,13 @@ fn decide(
         if addr_eq(&pkt.src, &pkt.dst) {
             return (Reason::AllowSelf, unknown);
         }
-    }
+        ORIGIN_SOURCE
+    } else {
+        match arrival(ctx, ifindex, pkt) {
+            Arrival::Judged(reason) => return (reason, unknown),
+            Arrival::Origin(origin) => origin,
+        }
+    };
     if crate::pod_range_guard::peer_unenforced(pkt, dir) {
         return (Reason::DropUnenforced, unknown);
     }
@@ -140,7 +205,7 @@ fn decide(
     let port = proto::policy_port(pkt.protocol, pkt.dport);
     if !ep.tracks() {
         // Isolated in no direction: nothing to track, nothing to deny.
-        return judge(ep, dir, pkt.family, peer_addr, pkt.protocol, port);
+        return judge(ep, dir, pkt.family, peer_addr, pkt.protocol, port, origin);
     }
     // SAFETY: a helper without preconditions.
     let now = unsafe { bpf_ktime_get_coarse_ns() };
@@ -230,7 +295,7 @@ fn decide(
         &pkt.src
     };
 
-    let (reason, peer) = judge(ep, dir, pkt.family, peer_addr, pkt.protocol, port);
+    let (reason, peer) = judge(ep, dir, pkt.family, peer_addr, pkt.protocol, port, origin);
     // Only a packet the pod sent (its source checked above) or one it
     // receives at its own address opens an entry; never a TCP packet
     // without SYN: mid-stream, who opened the connection is unknown, and a
@@ -258,7 +323,7 @@ fn decide(
             revision: ep.revision,
             direction: dir,
             flags,
-            _pad: 0,
+            origin,
         };
         if CONNTRACK.insert(&s.ct, &entry, BPF_ANY as u64).is_err() {
             count(Reason::CtCreateFailed, dir);

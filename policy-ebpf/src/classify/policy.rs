@@ -1,6 +1,8 @@
 //! The peer's identity (the ipcache) and the policy lookup for one
 //! peer identity.
 use policy_common::{
+    conntrack::{ORIGIN_FORWARDED, ORIGIN_SOURCE},
+    direction, encapsulation,
     endpoint::{EndpointInfo, lookups},
     family, identity,
     ipcache::IpcacheEntry,
@@ -9,6 +11,7 @@ use policy_common::{
     verdict::Reason,
 };
 
+use super::endpoint;
 use crate::maps::{IPCACHE_V4, IPCACHE_V6, POLICY};
 
 #[inline(always)]
@@ -53,7 +56,34 @@ pub(super) fn probe_peer(endpoint: u32, peer: u32, packed: u32, bits: u32) -> u3
     0
 }
 
-/// Judges a flow of `ep` with `peer_addr` in `dir` as if it were new.
+/// The peer a flow is judged by (see `CtEntry::origin`): the address's
+/// identities; for a forwarded flow the same, except that a node address
+/// does not make it the node; for a pod's flow something rewrote, that
+/// pod's own (unknown, judged as an address nobody claims, once the pod is
+/// gone).
+#[inline(always)]
+fn peer_of(origin: u16, fam: u8, peer_addr: &[u8; 16]) -> IpcacheEntry {
+    if origin == ORIGIN_SOURCE || origin == ORIGIN_FORWARDED {
+        let mut peer = ipcache_lookup(fam, peer_addr);
+        if origin == ORIGIN_FORWARDED && peer.identity == identity::NODE {
+            peer.identity = identity::ANY;
+        }
+        return peer;
+    }
+    match endpoint(u32::from(origin)).and_then(|client| client.address(fam)) {
+        Some(addr) => ipcache_lookup(fam, &addr),
+        None => IpcacheEntry::UNKNOWN,
+    }
+}
+
+/// Judges a flow of `ep` with `peer_addr` in `dir` as if it were new, its
+/// peer as `origin` says.
+///
+/// Node traffic (the peer is one of the node's own addresses, and the
+/// node itself sent it or the pod sends it to the node) is always
+/// allowed, but for an encapsulation a pod sends to the node: decapsulated
+/// there, its inner packet would travel on with a source the pod chose, so
+/// it is judged by the address's class as any other peer.
 #[inline(always)]
 pub(super) fn judge(
     ep: &EndpointInfo,
@@ -62,10 +92,14 @@ pub(super) fn judge(
     peer_addr: &[u8; 16],
     protocol: u8,
     port: u16,
+    origin: u16,
 ) -> (Reason, IpcacheEntry) {
-    let peer = ipcache_lookup(fam, peer_addr);
+    let mut peer = peer_of(origin, fam, peer_addr);
     if peer.identity == identity::NODE {
-        return (Reason::AllowNode, peer);
+        if dir == direction::INGRESS || !encapsulation::is(protocol, port) {
+            return (Reason::AllowNode, peer);
+        }
+        peer.identity = identity::ANY;
     }
     if !ep.isolated(dir) {
         return (Reason::AllowNotIsolated, peer);

@@ -6,7 +6,7 @@ use policy_common::{
     config::CONFIG_NO_DROP_EVENTS,
     conntrack::{
         CT_FLAG_CLOSING, CT_FLAG_PENDING, CT_FLAG_SERVICE, CT_FLAG_SYN_ONLY, CT_REFRESH_NS,
-        CtEntry, CtKey,
+        CtEntry, CtKey, ORIGIN_SOURCE,
     },
     direction,
     endpoint::EndpointInfo,
@@ -91,6 +91,7 @@ pub(super) fn rejudge_backend(
             &f.backend,
             key.protocol,
             port,
+            ORIGIN_SOURCE,
         )
     };
     if reason.is_drop() {
@@ -220,7 +221,7 @@ pub(super) fn defer(s: &mut Scratch, ifindex: u32, ep: &EndpointInfo, now: u64) 
         revision: ep.revision,
         direction: direction::EGRESS,
         flags,
-        _pad: 0,
+        origin: ORIGIN_SOURCE,
     };
     if CONNTRACK.insert(&s.ct, &entry, BPF_ANY as u64).is_err() {
         count(Reason::CtCreateFailed, direction::EGRESS);
@@ -278,6 +279,7 @@ pub(super) fn judge_service(s: &mut Scratch, client: u32, flags: u32) -> u32 {
             &pkt.dst,
             pkt.protocol,
             proto::policy_port(pkt.protocol, pkt.dport),
+            ORIGIN_SOURCE,
         )
     };
     if let Some(f) = SERVICE_FLOWS.get_ptr_mut(&s.flow) {

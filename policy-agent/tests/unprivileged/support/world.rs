@@ -307,6 +307,7 @@ impl Run {
                 hop_limit: 64,
                 quoted: None,
                 mark: 0,
+                ingress_ifindex: 0,
             })
             .judgement
             .expect("an unmarked packet at a pod's hook is judged")

@@ -26,6 +26,33 @@ const ROUNDS: u64 = 6;
 const IDENTITIES: [u32; 5] = [300, 301, 302, 303, 304];
 const CLASSES: [u32; 4] = [FIRST_CIDR, FIRST_CIDR + 1, FIRST_CIDR + 2, WORLD];
 const PORTS: [u16; 10] = [53, 80, 81, 443, 8000, 8003, 8007, 8008, 1, 65535];
+/// Another local pod, holding the first peer addresses: what reaches the
+/// pod from its interface came from it (masqueraded or not).
+const CLIENT_IFINDEX: u32 = 7;
+/// A local pod at an interface a flow's entry cannot name (16 bits).
+const FAR_CLIENT_IFINDEX: u32 = 70_000;
+/// An interface that is no pod's (an uplink, a tunnel).
+const UPLINK_IFINDEX: u32 = 30;
+/// Where a packet reaching the pod entered the node (0: the node sent it).
+const ARRIVALS: [u32; 6] = [
+    0,
+    0,
+    CLIENT_IFINDEX,
+    FAR_CLIENT_IFINDEX,
+    UPLINK_IFINDEX,
+    TEST_IFINDEX,
+];
+
+fn client_v4() -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(10, 0, 1, 1))
+}
+fn client_v6() -> IpAddr {
+    IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 1, 0, 0, 0, 1))
+}
+/// The node's own address (always the node's identity).
+fn node_v4() -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(192, 168, 0, 1))
+}
 
 fn pod_v4() -> IpAddr {
     IpAddr::V4(Ipv4Addr::new(10, 0, 0, 10))
@@ -64,6 +91,20 @@ fn random_state(h: &mut Harness, rng: &mut StdRng) {
     h.endpoint(me, *flags.choose(rng).unwrap(), 1);
     h.ipcache("10.0.0.10/32", me, WORLD);
     h.ipcache("fd00::10/128", me, WORLD);
+    h.endpoint_at(
+        CLIENT_IFINDEX,
+        *IDENTITIES.choose(rng).unwrap(),
+        *flags.choose(rng).unwrap(),
+        1,
+        &[client_v4(), client_v6()],
+    );
+    h.endpoint_at(
+        FAR_CLIENT_IFINDEX,
+        *IDENTITIES.choose(rng).unwrap(),
+        0,
+        1,
+        &[IpAddr::V4(Ipv4Addr::new(10, 0, 1, 2))],
+    );
     // Prefixes of several lengths over the peer addresses.
     for net in [
         "10.0.0.0/8",
@@ -85,6 +126,10 @@ fn random_state(h: &mut Harness, rng: &mut StdRng) {
         }
     }
     for peer in peers_v4().into_iter().chain(peers_v6()) {
+        if peer == node_v4() {
+            h.ipcache("192.168.0.1/32", NODE, *CLASSES.choose(rng).unwrap());
+            continue;
+        }
         if rng.random_bool(0.5) {
             let id = if rng.random_bool(0.1) {
                 NODE
@@ -147,7 +192,28 @@ fn random_l4(rng: &mut StdRng) -> L4 {
         rng.random_range(30000..30010)
     };
     let dport = *PORTS.choose(rng).unwrap();
-    match rng.random_range(0..10) {
+    match rng.random_range(0..12) {
+        // An encapsulation a node may decapsulate, or UDP to its ports.
+        10 => L4::Tunnel {
+            gre: rng.random_bool(0.5),
+            inner: Box::new(Packet::udp(
+                IpAddr::V4(Ipv4Addr::new(10, 0, 1, 3)),
+                40000,
+                pod_v4(),
+                80,
+            )),
+        },
+        11 => L4::Vxlan {
+            sport,
+            dport: *[4789u16, 8472, 6081, 4790].choose(rng).unwrap(),
+            vni: 1,
+            inner: Box::new(Packet::udp(
+                IpAddr::V4(Ipv4Addr::new(10, 0, 1, 3)),
+                40000,
+                pod_v4(),
+                80,
+            )),
+        },
         0..=4 => L4::Tcp {
             sport,
             dport,
@@ -205,17 +271,40 @@ fn random_packet(rng: &mut StdRng, hook: Hook, sent: &[(Packet, Hook)]) -> Packe
                 quoted: Box::new(quoted),
             }
         }
-        // Neighbour discovery and MLD, from various sources and hop limits.
-        3 if v6 => L4::Icmp {
-            kind: *[130u8, 131, 133, 134, 135, 136, 137, 143]
+        // Neighbour discovery and MLD, from various sources and hop limits,
+        // to destinations on and off the link.
+        3..=5 if v6 => {
+            if rng.random_bool(0.5) {
+                dst = [
+                    "fe80::1",
+                    "ff02::1",
+                    "ff02::1:ff00:10",
+                    "ff05::2",
+                    "ff0e::1",
+                ]
                 .choose(rng)
-                .unwrap(),
-        },
+                .unwrap()
+                .parse::<IpAddr>()
+                .unwrap();
+            }
+            if rng.random_bool(0.3) {
+                src = ["fe80::5", "::"]
+                    .choose(rng)
+                    .unwrap()
+                    .parse::<IpAddr>()
+                    .unwrap();
+            }
+            L4::Icmp {
+                kind: *[130u8, 131, 133, 134, 135, 136, 137, 143]
+                    .choose(rng)
+                    .unwrap(),
+            }
+        }
         _ => random_l4(rng),
     };
     let mut p = Packet::new(src, dst, l4);
     if matches!(p.l4, L4::Icmp { .. }) {
-        p.hop_limit = *[1u8, 64, 255].choose(rng).unwrap();
+        p.hop_limit = *[1u8, 64, 255, 255].choose(rng).unwrap();
     }
     p
 }
@@ -230,21 +319,14 @@ fn to_model(p: &Packet, hook: Hook) -> model::Packet {
 
 /// The model's packet for `p` crossing `hook` at `ifindex` with `mark`.
 fn to_model_at(p: &Packet, hook: Hook, ifindex: u32, mark: u32) -> model::Packet {
-    let ports = |l4: &L4| match l4 {
-        L4::Tcp { sport, dport, .. } | L4::Udp { sport, dport } | L4::Sctp { sport, dport } => {
-            (*sport, *dport)
-        }
-        L4::Echo { id, .. } => (*id, *id),
-        L4::Unreachable { .. } | L4::Icmp { .. } => (0, 0),
-    };
-    let (sport, dport) = ports(&p.l4);
+    let (sport, dport) = p.ports();
     let tcp_flags = match p.l4 {
         L4::Tcp { flags, .. } => flags,
         _ => 0,
     };
     let quoted = match &p.l4 {
         L4::Unreachable { quoted } => {
-            let (sport, dport) = ports(&quoted.l4);
+            let (sport, dport) = quoted.ports();
             Some(model::Quoted {
                 src: quoted.src,
                 dst: quoted.dst,
@@ -268,7 +350,24 @@ fn to_model_at(p: &Packet, hook: Hook, ifindex: u32, mark: u32) -> model::Packet
         hop_limit: p.hop_limit,
         quoted,
         mark,
+        ingress_ifindex: 0,
     }
+}
+
+/// Where a packet reaching the pod entered the node, and its source then:
+/// from another pod's interface mostly that pod's own address or the
+/// node's (masqueraded on the way), from anywhere else anything.
+fn random_arrival(rng: &mut StdRng, p: &mut Packet) -> u32 {
+    let iif = *ARRIVALS.choose(rng).unwrap();
+    if iif == CLIENT_IFINDEX || iif == FAR_CLIENT_IFINDEX || iif == UPLINK_IFINDEX {
+        let v6 = p.src.is_ipv6();
+        match rng.random_range(0..10) {
+            0..=3 if !v6 => p.src = node_v4(),
+            4..=6 => p.src = if v6 { client_v6() } else { client_v4() },
+            _ => {}
+        }
+    }
+    iif
 }
 
 /// The reply to `p`: addresses and ports swapped, crossing the other hook.
@@ -393,7 +492,19 @@ fn run_uplink(h: &mut Harness, hook: Hook, pkt: &Packet) -> Option<policy_common
 /// Verdict reasons seen, over all seeds.
 type Seen = std::collections::BTreeMap<policy_common::verdict::Reason, usize>;
 
-fn run_seed(seed: u64, seen: &mut Seen) -> usize {
+/// Cases the generator must keep making, over all seeds (their verdicts
+/// are ordinary reasons: counted apart).
+#[derive(Debug, Default)]
+struct Coverage {
+    /// Reaching the pod from another pod's interface, not from its address.
+    masqueraded: usize,
+    /// An encapsulation the pod sends to the node's address.
+    encapsulated_to_node: usize,
+    /// Neighbour-discovery types with hop limit 255 the pod sends.
+    nd_from_pod: usize,
+}
+
+fn run_seed(seed: u64, seen: &mut Seen, coverage: &mut Coverage) -> usize {
     let mut rng = StdRng::seed_from_u64(seed);
     // Odd seeds keep the endpoint in the overflow hash, even ones in its
     // array slot: both lookups must give the model's verdicts.
@@ -407,7 +518,7 @@ fn run_seed(seed: u64, seen: &mut Seen) -> usize {
     guard.write(&mut h);
     let mut model = Datapath::new(h.state.to_model(|k| *k));
     guard.model(&mut model.maps);
-    let mut sent: Vec<(Packet, Hook)> = Vec::new();
+    let mut sent: Vec<(Packet, Hook, u32)> = Vec::new();
     let mut checked = 0;
     for i in 0..PACKETS_PER_ROUND {
         // Now and then the policy changes under live flows.
@@ -432,7 +543,9 @@ fn run_seed(seed: u64, seen: &mut Seen) -> usize {
             let hook = *[Hook::Uplink, Hook::UplinkIngress]
                 .choose(&mut rng)
                 .unwrap();
-            let pkt = random_packet(&mut rng, hook, &sent);
+            let earlier: Vec<(Packet, Hook)> =
+                sent.iter().map(|(p, h, _)| (p.clone(), *h)).collect();
+            let pkt = random_packet(&mut rng, hook, &earlier);
             let m = to_model(&pkt, hook);
             let want = if hook == Hook::Uplink {
                 model.uplink(&m)
@@ -450,13 +563,17 @@ fn run_seed(seed: u64, seen: &mut Seen) -> usize {
             }
             continue;
         }
-        let (pkt, hook) = match sent.choose(&mut rng) {
+        // A flow enters the node at one interface: a packet repeated
+        // keeps it, a reply (at the pod's egress) has none that counts.
+        let (pkt, hook, iif) = match sent.choose(&mut rng) {
             Some(prev) if rng.random_bool(0.35) => {
-                let (p, hook) = prev;
+                let (p, hook, iif) = prev;
                 if rng.random_bool(0.5) {
-                    reply(p, *hook)
+                    let (r, other) = reply(p, *hook);
+                    let iif = if other == Hook::Egress { *iif } else { 0 };
+                    (r, other, iif)
                 } else {
-                    (p.clone(), *hook)
+                    (p.clone(), *hook, *iif)
                 }
             }
             _ => {
@@ -465,11 +582,40 @@ fn run_seed(seed: u64, seen: &mut Seen) -> usize {
                 } else {
                     Hook::Egress
                 };
-                (random_packet(&mut rng, hook, &sent), hook)
+                let earlier: Vec<(Packet, Hook)> =
+                    sent.iter().map(|(p, h, _)| (p.clone(), *h)).collect();
+                let mut p = random_packet(&mut rng, hook, &earlier);
+                let iif = if hook == Hook::Egress {
+                    random_arrival(&mut rng, &mut p)
+                } else {
+                    0
+                };
+                (p, hook, iif)
             }
         };
-        let want = model.classify(&to_model(&pkt, hook));
-        let (_, got) = h.run_reason(hook, &pkt.frame());
+        if hook == Hook::Egress
+            && iif == CLIENT_IFINDEX
+            && ![client_v4(), client_v6()].contains(&pkt.src)
+        {
+            coverage.masqueraded += 1;
+        }
+        if hook == Hook::Ingress
+            && matches!(pkt.l4, L4::Tunnel { .. } | L4::Vxlan { .. })
+            && pkt.dst == node_v4()
+        {
+            coverage.encapsulated_to_node += 1;
+        }
+        if hook == Hook::Ingress
+            && matches!(pkt.l4, L4::Icmp { kind } if (133..=137).contains(&kind))
+            && pkt.hop_limit == 255
+        {
+            coverage.nd_from_pod += 1;
+        }
+        let want = model.classify(&model::Packet {
+            ingress_ifindex: iif,
+            ..to_model(&pkt, hook)
+        });
+        let (_, got) = h.run_reason_from(hook, &pkt.frame(), iif);
         assert_eq!(
             Some(got),
             want.reason(),
@@ -477,7 +623,7 @@ fn run_seed(seed: u64, seen: &mut Seen) -> usize {
             h.state
         );
         *seen.entry(got).or_default() += 1;
-        sent.push((pkt, hook));
+        sent.push((pkt, hook, iif));
         checked += 1;
     }
     checked
@@ -491,7 +637,11 @@ fn kernel_verdicts_equal_the_model() {
         None => (1..=ROUNDS).collect(),
     };
     let mut seen = Seen::new();
-    let total: usize = seeds.iter().map(|s| run_seed(*s, &mut seen)).sum();
+    let mut coverage = Coverage::default();
+    let total: usize = seeds
+        .iter()
+        .map(|s| run_seed(*s, &mut seen, &mut coverage))
+        .sum();
     assert!(
         total >= 3000 || seeds.len() == 1,
         "only {total} packets checked"
@@ -507,6 +657,7 @@ fn kernel_verdicts_equal_the_model() {
             AllowNode,
             AllowNotIsolated,
             AllowNeighborDiscovery,
+            AllowSelf,
             DropPolicy,
             DropPolicyChanged,
             DropSpoofed,
@@ -518,6 +669,12 @@ fn kernel_verdicts_equal_the_model() {
                 seen.get(&reason).copied().unwrap_or(0)
             );
         }
+        assert!(
+            coverage.masqueraded >= 20
+                && coverage.encapsulated_to_node >= 5
+                && coverage.nd_from_pod >= 10,
+            "{coverage:?}"
+        );
     }
 }
 
