@@ -23,12 +23,6 @@ const WEB: &str = "default/web";
 const CLIENT: &str = "default/client";
 const PEER: &str = "other/peer";
 
-fn web_from(from: &str) -> String {
-    format!(
-        "metadata: {{name: web}}\nspec:\n  podSelector: {{matchLabels: {{app: web}}}}\n  ingress:\n  - from:\n{from}"
-    )
-}
-
 #[test]
 fn cidrs_and_excepts() {
     check_cases(

@@ -27,12 +27,6 @@ const WEB: &str = "default/web";
 const CLIENT: &str = "default/client";
 const OTHER: &str = "default/other";
 
-fn protect_web(from: &str) -> String {
-    format!(
-        "metadata: {{name: web}}\nspec:\n  podSelector: {{matchLabels: {{app: web}}}}\n  ingress:\n  - from:\n{from}"
-    )
-}
-
 #[test]
 fn peer_selectors() {
     check_cases(
@@ -40,7 +34,7 @@ fn peer_selectors() {
         &[
             Case {
                 name: "peer_with_both_selectors_is_an_and",
-                policies: &[&protect_web(
+                policies: &[&web_from(
                     "    - namespaceSelector: {matchLabels: {user: alice}}\n      podSelector: {matchLabels: {role: client}}",
                 )],
                 flows: &[
@@ -53,7 +47,7 @@ fn peer_selectors() {
             },
             Case {
                 name: "two_peers_are_an_or",
-                policies: &[&protect_web(
+                policies: &[&web_from(
                     "    - namespaceSelector: {matchLabels: {user: alice}}\n    - podSelector: {matchLabels: {role: client}}",
                 )],
                 flows: &[
@@ -74,7 +68,7 @@ fn peer_selectors() {
             },
             Case {
                 name: "pod_selector_alone_means_the_policy_namespace",
-                policies: &[&protect_web("    - podSelector: {}")],
+                policies: &[&web_from("    - podSelector: {}")],
                 flows: &[
                     ("own namespace", OTHER, WEB, TCP, 80, ALLOW),
                     ("other namespace", "alice/client", WEB, TCP, 80, DENY),
@@ -84,7 +78,7 @@ fn peer_selectors() {
             },
             Case {
                 name: "namespace_selector_alone_means_every_pod_of_matching_namespaces",
-                policies: &[&protect_web(
+                policies: &[&web_from(
                     "    - namespaceSelector: {matchLabels: {env: dev}}",
                 )],
                 flows: &[
@@ -96,7 +90,7 @@ fn peer_selectors() {
             },
             Case {
                 name: "empty_namespace_selector_means_every_namespace",
-                policies: &[&protect_web(
+                policies: &[&web_from(
                     "    - namespaceSelector: {}\n      podSelector: {matchLabels: {role: client}}",
                 )],
                 flows: &[
@@ -110,7 +104,7 @@ fn peer_selectors() {
             },
             Case {
                 name: "match_labels_and_match_expressions_are_anded",
-                policies: &[&protect_web(
+                policies: &[&web_from(
                     "    - namespaceSelector: {}\n      podSelector:\n        matchLabels: {role: client}\n        matchExpressions: [{key: tier, operator: In, values: [fe]}]",
                 )],
                 flows: &[
@@ -126,7 +120,7 @@ fn peer_selectors() {
 /// A peer of the clients (role=client) in the namespaces `requirement`
 /// (a matchExpressions entry) selects.
 fn clients_where(requirement: &str) -> String {
-    protect_web(&format!(
+    web_from(&format!(
         "    - namespaceSelector: {{matchExpressions: [{requirement}]}}\n      podSelector: {{matchLabels: {{role: client}}}}"
     ))
 }
@@ -222,7 +216,7 @@ fn which_pods_a_policy_selects() {
 #[test]
 fn pod_label_change_moves_the_pod_in_and_out_of_peers() {
     let mut w = world();
-    w.policy(&protect_web(
+    w.policy(&web_from(
         "    - podSelector: {matchLabels: {role: client}}",
     ));
     w.compile()
@@ -254,7 +248,7 @@ fn pod_label_change_moves_the_pod_in_and_out_of_selection() {
 #[test]
 fn namespace_label_change_moves_its_pods_in_and_out_of_peers() {
     let mut w = world();
-    w.policy(&protect_web(
+    w.policy(&web_from(
         "    - namespaceSelector: {matchLabels: {trusted: 'true'}}",
     ));
     w.compile()

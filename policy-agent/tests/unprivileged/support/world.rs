@@ -157,6 +157,14 @@ impl World {
     }
 }
 
+/// A policy `web` whose one ingress rule admits to the pods labelled
+/// `app: web` the peers `from` lists (YAML list items, indented four).
+pub fn web_from(from: &str) -> String {
+    format!(
+        "metadata: {{name: web}}\nspec:\n  podSelector: {{matchLabels: {{app: web}}}}\n  ingress:\n  - from:\n{from}"
+    )
+}
+
 pub fn named_port(name: &str, protocol: u8, port: u16) -> ContainerPort {
     ContainerPort {
         name: Some(name.into()),
