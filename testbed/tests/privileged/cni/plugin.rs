@@ -10,12 +10,12 @@ use std::{
 };
 
 use policy_cni::protocol::{Command, HostInterface, PodId, code};
-use policy_testbed::cni_runtime::CniError;
+use policy_testbed::cni_runtime::{CniError, CniRuntime, Sandbox};
 use policy_testbed::fixtures::cni::{Answer, Fixture, StandIn};
 use serde_json::{Value, json};
 
 /// What our plugin's ADD cost (its own invocation, nsenter included).
-fn our_add(rt: &policy_testbed::cni_runtime::CniRuntime) -> Duration {
+fn our_add(rt: &CniRuntime) -> Duration {
     rt.take_log()
         .into_iter()
         .find(|i| i.plugin == "policy-cni" && i.command == "ADD")
@@ -25,12 +25,7 @@ fn our_add(rt: &policy_testbed::cni_runtime::CniRuntime) -> Duration {
 
 /// ADD fails with "try again later", our plugin having waited at least
 /// `at_least` (its timeout) and not much longer.
-fn assert_add_times_out(
-    rt: &policy_testbed::cni_runtime::CniRuntime,
-    sb: &mut policy_testbed::cni_runtime::Sandbox,
-    at_least: Duration,
-    what: &str,
-) {
+fn assert_add_times_out(rt: &CniRuntime, sb: &mut Sandbox, at_least: Duration, what: &str) {
     let err = rt.add(sb).unwrap_err();
     assert_eq!(
         err.code(),
@@ -45,7 +40,7 @@ fn assert_add_times_out(
 }
 
 /// The pod's addresses in its namespace (global scope).
-fn pod_addresses(sb: &policy_testbed::cni_runtime::Sandbox) -> Vec<IpAddr> {
+fn pod_addresses(sb: &Sandbox) -> Vec<IpAddr> {
     let out = sb.netns.ip(&["-j", "addr", "show", "dev", "eth0"]).unwrap();
     let v: Value = serde_json::from_str(&out).unwrap();
     let mut ips: Vec<IpAddr> = v[0]["addr_info"]
