@@ -7,39 +7,25 @@ use policy_agent::datapath::bpf::pins::Hook;
 use policy_common::{
     direction::{EGRESS, INGRESS},
     endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED},
-    identity::{ANY, NODE, WORLD},
+    identity::ANY,
     maps::CONNTRACK,
     policy::PolicyKey,
     proto::{ANY as ANY_PROTO, TCP, UDP},
     verdict::Reason::{self, *},
 };
 use policy_testbed::fixtures::harness::{
-    Harness,
+    Harness, PEER, POD,
     Verdict::{self, Drop, Pass},
     ip,
 };
 use policy_testbed::packet::{Fragment, L4, Packet, TCP_ACK, TCP_FIN, TCP_SYN};
 
-const POD: u32 = 300;
-const PEER: u32 = 301;
-const OTHER: u32 = 302;
 const BOTH: u32 = ENDPOINT_INGRESS_ISOLATED | ENDPOINT_EGRESS_ISOLATED;
 
-/// The pod 10.0.0.10 / fd00::10 (POD), a peer 10.0.1.20 / fd00::20 (PEER),
-/// another pod 10.0.2.30 (OTHER), the node 192.168.0.1.
-fn cluster(h: &mut Harness, flags: u32) {
-    h.endpoint(POD, flags, 1);
-    h.ipcache("10.0.0.10/32", POD, WORLD);
-    h.ipcache("10.0.1.20/32", PEER, WORLD);
-    h.ipcache("10.0.2.30/32", OTHER, WORLD);
-    h.ipcache("fd00::10/128", POD, WORLD);
-    h.ipcache("fd00::20/128", PEER, WORLD);
-    h.ipcache("192.168.0.1/32", NODE, WORLD);
-}
-
+/// A new harness holding [`Harness::cluster`].
 fn harness(flags: u32) -> Harness {
     let mut h = Harness::new();
-    cluster(&mut h, flags);
+    h.cluster(flags);
     h
 }
 
@@ -319,7 +305,7 @@ fn a_midstream_segment_opens_no_flow() {
 #[test]
 fn an_evicted_flow_is_judged_again_never_opened() {
     let mut h = Harness::with_capacities(&[(CONNTRACK, 32)]);
-    cluster(&mut h, BOTH);
+    h.cluster(BOTH);
     h.allow(PolicyKey::new(POD, EGRESS, PEER, TCP, 0, 0));
     h.sync();
     let flows = 256u16;

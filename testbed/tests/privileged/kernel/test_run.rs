@@ -7,36 +7,26 @@ use policy_common::{
     direction::{EGRESS, INGRESS},
     endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED},
     event::DropEvent,
-    identity::{ANY, FIRST_CIDR, NODE, WORLD},
+    identity::{ANY, FIRST_CIDR, WORLD},
     policy::PolicyKey,
     proto::{ANY as ANY_PROTO, SCTP, TCP, UDP},
     verdict::Reason::{self, *},
 };
 use policy_testbed::fixtures::harness::{
-    Harness, TEST_IFINDEX,
+    Harness, OTHER, PEER, POD, TEST_IFINDEX,
     Verdict::{self, Drop, Pass},
     ip,
 };
 use policy_testbed::packet::{Fragment, L4, Packet, TCP_ACK, TCP_SYN, ethernet};
 
-const POD: u32 = 300;
-const PEER: u32 = 301;
-const OTHER: u32 = 302;
 const CLASS_A: u32 = FIRST_CIDR;
 const CLASS_B: u32 = FIRST_CIDR + 1;
 const BOTH: u32 = ENDPOINT_INGRESS_ISOLATED | ENDPOINT_EGRESS_ISOLATED;
 
-/// A pod at 10.0.0.10 (identity POD), a peer pod at 10.0.1.20 (PEER), another
-/// pod at 10.0.2.30 (OTHER), fd00::10 / fd00::20 for IPv6.
+/// A new harness holding [`Harness::cluster`].
 fn cluster(flags: u32) -> Harness {
     let mut h = Harness::new();
-    h.endpoint(POD, flags, 1);
-    h.ipcache("10.0.0.10/32", POD, WORLD);
-    h.ipcache("10.0.1.20/32", PEER, WORLD);
-    h.ipcache("10.0.2.30/32", OTHER, WORLD);
-    h.ipcache("fd00::10/128", POD, WORLD);
-    h.ipcache("fd00::20/128", PEER, WORLD);
-    h.ipcache("192.168.0.1/32", NODE, WORLD);
+    h.cluster(flags);
     h
 }
 
