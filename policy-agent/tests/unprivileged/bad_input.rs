@@ -901,6 +901,7 @@ mod iptables_render {
     use policy_common::{direction, proto};
 
     use super::*;
+    use crate::support::netfilter::words;
 
     /// A namespace with the Pod Security labels: its identity names are
     /// longer than the 240 bytes an IdentityName stores, and the namespace
@@ -986,29 +987,6 @@ spec:
             mark: DEFAULT_MARK,
             name_bits,
         })
-    }
-
-    /// Splits an iptables-restore rule into words, a quoted comment being
-    /// one.
-    fn words(rule: &str) -> Vec<String> {
-        let mut out = Vec::new();
-        let mut cur = String::new();
-        let mut quoted = false;
-        for ch in rule.chars() {
-            match ch {
-                '"' => quoted = !quoted,
-                ' ' if !quoted => {
-                    if !cur.is_empty() {
-                        out.push(std::mem::take(&mut cur));
-                    }
-                }
-                c => cur.push(c),
-            }
-        }
-        if !cur.is_empty() {
-            out.push(cur);
-        }
-        out
     }
 
     /// A packet crossing FORWARD.

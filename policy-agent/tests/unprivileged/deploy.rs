@@ -4,7 +4,7 @@
 //! pinned bpffs from the host, least capabilities, probes, every node).
 use std::{path::Path, process::Command};
 
-use k8s_openapi::api::{apps::v1::DaemonSet, rbac::v1::ClusterRole};
+use k8s_openapi::api::{apps::v1::DaemonSet, core::v1::Probe, rbac::v1::ClusterRole};
 use serde::Deserialize as _;
 
 const DEPLOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy");
@@ -80,28 +80,13 @@ fn the_daemonset_runs_everywhere_with_least_privilege() {
             "unexpected capability {cap}"
         );
     }
-    assert!(
-        c.readiness_probe
-            .as_ref()
-            .unwrap()
-            .http_get
-            .as_ref()
-            .unwrap()
-            .path
-            .as_deref()
-            == Some("/readyz")
-    );
-    assert!(
-        c.liveness_probe
-            .as_ref()
-            .unwrap()
-            .http_get
-            .as_ref()
-            .unwrap()
-            .path
-            .as_deref()
-            == Some("/healthz")
-    );
+    /// The path an HTTP probe asks for.
+    fn path(probe: &Option<Probe>) -> Option<&str> {
+        let get = probe.as_ref().unwrap().http_get.as_ref().unwrap();
+        get.path.as_deref()
+    }
+    assert_eq!(path(&c.readiness_probe), Some("/readyz"));
+    assert_eq!(path(&c.liveness_probe), Some("/healthz"));
     assert!(c.resources.as_ref().unwrap().requests.is_some());
     let env = c.env.as_ref().unwrap();
     assert!(env.iter().any(|e| {

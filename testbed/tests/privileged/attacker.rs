@@ -28,27 +28,8 @@ const VICTIM: &str = "t/victim";
 const TRUSTED: &str = "t/trusted";
 
 fn pod(name: &str, i: u8) -> PodSpec {
-    PodSpec {
-        namespace: "t".into(),
-        name: name.into(),
-        labels: labels(&[("app", name)]),
-        ips: vec![
-            format!("10.244.9.{i}").parse().unwrap(),
-            format!("fd00:244:9::{i}").parse().unwrap(),
-        ],
-        ports: vec![("data".into(), 9000, "UDP"), ("web".into(), 9001, "TCP")],
-    }
-}
-
-fn addr(c: &Conformance, pod: &str, v6: bool) -> IpAddr {
-    *c.pods
-        .iter()
-        .find(|p| p.id() == pod)
-        .unwrap()
-        .ips
-        .iter()
-        .find(|ip| ip.is_ipv6() == v6)
-        .unwrap()
+    let ports = vec![("data".into(), 9000, "UDP"), ("web".into(), 9001, "TCP")];
+    PodSpec::numbered("t", name, 9, i, ports)
 }
 
 /// The victim takes UDP 9000 and TCP 9001 from the trusted pod only; the
@@ -144,9 +125,9 @@ fn suite(prefix: &'static str, backend: Backend) {
     for v6 in [false, true] {
         let fam = if v6 { "IPv6" } else { "IPv4" };
         let (a, v, t) = (
-            addr(&c, ATTACKER, v6),
-            addr(&c, VICTIM, v6),
-            addr(&c, TRUSTED, v6),
+            c.pod_ip(ATTACKER, v6),
+            c.pod_ip(VICTIM, v6),
+            c.pod_ip(TRUSTED, v6),
         );
 
         // The capture works: what the policy allows arrives.
@@ -280,7 +261,7 @@ fn a_cut_connection_stays_cut(prefix: &'static str, backend: Backend) {
     let (victim_ns, trusted_ns) = (ns(VICTIM), ns(TRUSTED));
     let mut open = Vec::new();
     for v6 in [false, true] {
-        let (v, t) = (addr(&c, VICTIM, v6), addr(&c, TRUSTED, v6));
+        let (v, t) = (c.pod_ip(VICTIM, v6), c.pod_ip(TRUSTED, v6));
         // The victim's server: a listener made in its namespace (the
         // socket stays there), answered from here.
         let listener = victim_ns

@@ -62,6 +62,17 @@ macro_rules! conformance_suite {
                 Conformance::new(n, $backend)
             }
 
+            /// A fresh node `n` with `policies` applied; its checks probe
+            /// the matrix a second time through Services (kube-proxy in
+            /// `proxy` mode).
+            fn applied(n: &'static str, proxy: ProxyMode, policies: &str) -> Conformance {
+                let c = env(n);
+                c.with_services(proxy);
+                c.write_policies(policies);
+                c.apply_ok();
+                c
+            }
+
             #[test]
             fn no_policy_leaves_everything_open() {
                 let c = env(concat!($p, "open"));
@@ -72,12 +83,11 @@ macro_rules! conformance_suite {
 
             #[test]
             fn default_deny_ingress_isolates_a_namespace() {
-                let c = env(concat!($p, "deny"));
-                c.with_services(ProxyMode::Iptables);
-                c.write_policies(
+                let c = applied(
+                    concat!($p, "deny"),
+                    ProxyMode::Iptables,
                     "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny, namespace: alpha}\nspec:\n  podSelector: {}\n  policyTypes: [Ingress]\n",
                 );
-                c.apply_ok();
                 // Egress from alpha stays open (replies pass), ingress to alpha closes.
                 c.check("default deny", |f, t, _, _| always(f, t) || ns_of(t) != "alpha");
             }
@@ -92,12 +102,11 @@ macro_rules! conformance_suite {
                 // here) hairpinning to itself, where the datapaths differ
                 // today (BPF judges the deferred egress on the backend, the
                 // pod itself, and drops it; iptables passes it).
-                let c = env(concat!($p, "hairpin"));
-                c.with_services(ProxyMode::Iptables);
-                c.write_policies(
+                let c = applied(
+                    concat!($p, "hairpin"),
+                    ProxyMode::Iptables,
                     "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny, namespace: alpha}\nspec:\n  podSelector: {}\n  policyTypes: [Ingress]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: out, namespace: beta}\nspec:\n  podSelector: {}\n  policyTypes: [Egress]\n",
                 );
-                c.apply_ok();
                 let seen = policy_testbed::fixtures::conformance_svc::hairpin(&c);
                 let mut judged = 0;
                 for h in seen.iter().filter(|h| ns_of(&h.pod) != "beta") {
@@ -111,23 +120,21 @@ macro_rules! conformance_suite {
 
             #[test]
             fn allow_from_the_same_namespace() {
-                let c = env(concat!($p, "samens"));
-                c.with_services(ProxyMode::Iptables);
-                c.write_policies(
+                let c = applied(
+                    concat!($p, "samens"),
+                    ProxyMode::Iptables,
                     "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: same, namespace: alpha}\nspec:\n  podSelector: {}\n  ingress:\n    - from: [{podSelector: {}}]\n",
                 );
-                c.apply_ok();
                 c.check("same namespace", |f, t, _, _| always(f, t) || ns_of(t) != "alpha" || same_ns(f, t));
             }
 
             #[test]
             fn peer_selectors_and_within_a_peer_or_across_peers() {
-                let c = env(concat!($p, "andor"));
-                c.with_services(ProxyMode::Iptables);
-                c.write_policies(
+                let c = applied(
+                    concat!($p, "andor"),
+                    ProxyMode::Iptables,
                     "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: db, namespace: beta}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  ingress:\n    - from:\n        - namespaceSelector: {matchLabels: {team: a}}\n          podSelector: {matchLabels: {app: api}}\n",
                 );
-                c.apply_ok();
                 c.check("AND peer", |f, t, _, _| always(f, t) || t != "beta/db" || f == "alpha/api");
                 // The same selectors as two peers: an OR.
                 c.write_policies(
@@ -141,12 +148,9 @@ macro_rules! conformance_suite {
 
             #[test]
             fn ip_block_except_narrows_only_its_own_peer_and_matches_pod_ips() {
-                let c = env(concat!($p, "except"));
-                c.with_services(ProxyMode::Nftables);
                 // alpha's pods are 10.244.1.0/24 and fd00:244:1::/64; alpha/api is .11 / ::11.
                 let block = "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: block, namespace: beta}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress:\n    - from:\n        - ipBlock: {cidr: 10.244.1.0/24, except: [10.244.1.11/32]}\n        - ipBlock: {cidr: \"fd00:244:1::/64\", except: [\"fd00:244:1::11/128\"]}\n";
-                c.write_policies(block);
-                c.apply_ok();
+                let c = applied(concat!($p, "except"), ProxyMode::Nftables, block);
                 c.check("ipBlock except", |f, t, _, _| {
                     always(f, t) || t != "beta/web" || (ns_of(f) == "alpha" && name_of(f) != "api")
                 });
@@ -166,13 +170,12 @@ macro_rules! conformance_suite {
 
             #[test]
             fn named_ports_resolve_on_each_destination_pod() {
-                let c = env(concat!($p, "named"));
-                c.with_services(ProxyMode::Nftables);
                 // In gamma, "http" is 8080 and "admin" is 80.
-                c.write_policies(
+                let c = applied(
+                    concat!($p, "named"),
+                    ProxyMode::Nftables,
                     "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: web, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress: [{ports: [{port: http}]}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: web, namespace: gamma}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress: [{ports: [{port: http}]}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: api-out, namespace: beta}\nspec:\n  podSelector: {matchLabels: {app: api}}\n  policyTypes: [Egress]\n  egress:\n    - to: [{namespaceSelector: {}}]\n      ports: [{port: admin}]\n",
                 );
-                c.apply_ok();
                 c.check("named ports", |f, t, port, tr| {
                     if always(f, t) {
                         return true;
@@ -194,12 +197,11 @@ macro_rules! conformance_suite {
 
             #[test]
             fn end_port_ranges_and_protocols_are_exact() {
-                let c = env(concat!($p, "range"));
-                c.with_services(ProxyMode::Iptables);
-                c.write_policies(
+                let c = applied(
+                    concat!($p, "range"),
+                    ProxyMode::Iptables,
                     "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: range, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  ingress: [{ports: [{port: 80, endPort: 1000}]}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: udp, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress: [{ports: [{protocol: UDP, port: 53}]}]\n",
                 );
-                c.apply_ok();
                 c.check("endPort and protocol", |f, t, port, tr| match t {
                     _ if always(f, t) => true,
                     "alpha/db" => tr == Transport::Tcp && (80..=1000).contains(&port),
@@ -210,12 +212,11 @@ macro_rules! conformance_suite {
 
             #[test]
             fn egress_rules_limit_what_a_pod_opens_but_not_replies() {
-                let c = env(concat!($p, "egress"));
-                c.with_services(ProxyMode::Iptables);
-                c.write_policies(
+                let c = applied(
+                    concat!($p, "egress"),
+                    ProxyMode::Iptables,
                     "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: out, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: api}}\n  policyTypes: [Egress]\n  egress:\n    - to: [{podSelector: {matchLabels: {app: db}}}]\n      ports: [{port: 80}]\n",
                 );
-                c.apply_ok();
                 c.check("egress", |f, t, port, tr| {
                     always(f, t) || f != "alpha/api" || (t == "alpha/db" && port == 80 && tr == Transport::Tcp)
                 });
@@ -223,15 +224,14 @@ macro_rules! conformance_suite {
 
             #[test]
             fn empty_peer_lists_mean_every_peer() {
-                let c = env(concat!($p, "empty"));
-                c.with_services(ProxyMode::Nftables);
                 // "If this field is empty or missing, this rule matches all
                 // sources": from: [] and to: [] mean what absent means (the
                 // API server drops empty lists); absent ports allow ICMP too.
-                c.write_policies(
+                let c = applied(
+                    concat!($p, "empty"),
+                    ProxyMode::Nftables,
                     "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: empty, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress: [{from: [], ports: [{port: 80}]}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: all, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: api}}\n  ingress: [{}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: port80, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  ingress: [{ports: [{port: 80}]}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: out, namespace: beta}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  policyTypes: [Egress]\n  egress: [{to: []}]\n",
                 );
-                c.apply_ok();
                 c.check("empty vs absent", |f, t, port, tr| match t {
                     _ if always(f, t) => true,
                     "alpha/web" | "alpha/db" => tr == Transport::Tcp && port == 80,
@@ -243,14 +243,13 @@ macro_rules! conformance_suite {
 
             #[test]
             fn an_ipv4_block_opens_no_ipv6() {
-                let c = env(concat!($p, "family"));
-                c.with_services(ProxyMode::Nftables);
                 // IPv4 pods only, both ways: the IPv6 half stays closed,
                 // and 0.0.0.0/0 is not the IPv6 world.
-                c.write_policies(
+                let c = applied(
+                    concat!($p, "family"),
+                    ProxyMode::Nftables,
                     "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: v4in, namespace: beta}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress: [{from: [{ipBlock: {cidr: 10.244.0.0/16}}]}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: v4out, namespace: beta}\nspec:\n  podSelector: {matchLabels: {app: api}}\n  policyTypes: [Egress]\n  egress: [{to: [{ipBlock: {cidr: 0.0.0.0/0}}]}]\n",
                 );
-                c.apply_ok();
                 c.check_by_family("IPv4 blocks", |f, t, _, _, v6| {
                     always(f, t) || !v6 || (t != "beta/web" && f != "beta/api")
                 });
@@ -258,14 +257,13 @@ macro_rules! conformance_suite {
 
             #[test]
             fn policy_types_default_from_the_egress_list() {
-                let c = env(concat!($p, "ptypes"));
-                c.with_services(ProxyMode::Iptables);
                 // egress: [] without policyTypes: Ingress only (egress stays open).
                 // A non-empty egress list without policyTypes adds Egress.
-                c.write_policies(
+                let c = applied(
+                    concat!($p, "ptypes"),
+                    ProxyMode::Iptables,
                     "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: a, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  egress: []\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: b, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  egress: [{to: [{podSelector: {matchLabels: {app: web}}}]}]\n",
                 );
-                c.apply_ok();
                 c.check("policyTypes defaulting", |f, t, _, _| {
                     if always(f, t) {
                         return true;
@@ -300,12 +298,11 @@ macro_rules! conformance_suite {
 
             #[test]
             fn deleting_a_policy_restores_traffic() {
-                let c = env(concat!($p, "delete"));
-                c.with_services(ProxyMode::Iptables);
-                c.write_policies(
+                let c = applied(
+                    concat!($p, "delete"),
+                    ProxyMode::Iptables,
                     "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny, namespace: beta}\nspec: {podSelector: {}, policyTypes: [Ingress, Egress]}\n",
                 );
-                c.apply_ok();
                 c.check("deny both ways", |f, t, _, _| always(f, t) || (ns_of(f) != "beta" && ns_of(t) != "beta"));
                 c.write_policies("");
                 c.apply_ok();

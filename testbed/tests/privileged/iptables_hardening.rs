@@ -404,18 +404,6 @@ mod spoofing {
     /// alpha/db takes ingress only from alpha/api.
     const DB_FROM_API: &str = "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: db, namespace: alpha}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  ingress: [{from: [{podSelector: {matchLabels: {app: api}}}]}]\n";
 
-    fn ips(c: &Conformance, pod: &str, v6: bool) -> IpAddr {
-        c.pods
-            .iter()
-            .find(|p| p.id() == pod)
-            .unwrap()
-            .ips
-            .iter()
-            .copied()
-            .find(|ip| ip.is_ipv6() == v6)
-            .unwrap()
-    }
-
     #[test]
     fn a_pod_cannot_send_with_another_pods_address() {
         let c = Conformance::new("itspoof", Backend::Iptables);
@@ -451,7 +439,7 @@ mod spoofing {
         }
         for v6 in [false, true] {
             let listener = Listener::start(db, v6);
-            let (api_ip, db_ip) = (ips(&c, "alpha/api", v6), ips(&c, "alpha/db", v6));
+            let (api_ip, db_ip) = (c.pod_ip("alpha/api", v6), c.pod_ip("alpha/db", v6));
             let forged = |tag: &str| udp_packet(api_ip, 40000, db_ip, PORT, tag.as_bytes());
             let from_outside = |tag: &str| udp_packet(db_ip, 40001, db_ip, PORT, tag.as_bytes());
 

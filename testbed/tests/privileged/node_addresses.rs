@@ -35,13 +35,16 @@ fn service_addresses_on_kube_ipvs0_are_not_the_nodes() {
         }
         ns.ip(&["link", "set", dev, "up"]).unwrap();
     }
-    let found = ns
-        .spawn(netlink::local_addresses)
-        .unwrap()
-        .join()
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    // The node's addresses as the agent reads them inside `ns`.
+    let local_addresses = || {
+        ns.spawn(netlink::local_addresses)
+            .unwrap()
+            .join()
+            .unwrap()
+            .unwrap()
+            .unwrap()
+    };
+    let found = local_addresses();
     assert_eq!(
         found,
         vec![ip("192.168.77.1"), ip("fd00:77::1")],
@@ -55,13 +58,7 @@ fn service_addresses_on_kube_ipvs0_are_not_the_nodes() {
     ns.ip(&["link", "set", netlink::IPVS_DUMMY, "name", "dummy-other"])
         .unwrap();
     ns.ip(&["link", "set", "dummy-other", "up"]).unwrap();
-    let found = ns
-        .spawn(netlink::local_addresses)
-        .unwrap()
-        .join()
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    let found = local_addresses();
     assert!(found.contains(&ip("10.96.0.10")), "{found:?}");
 }
 

@@ -23,16 +23,7 @@ const PEER: &str = "t/peer";
 const NODE_IN_RANGE: [&str; 2] = ["10.244.9.1", "fd00:244:9::1"];
 
 fn pod(name: &str, i: u8) -> PodSpec {
-    PodSpec {
-        namespace: "t".into(),
-        name: name.into(),
-        labels: labels(&[("app", name)]),
-        ips: vec![
-            format!("10.244.9.{i}").parse().unwrap(),
-            format!("fd00:244:9::{i}").parse().unwrap(),
-        ],
-        ports: vec![],
-    }
+    PodSpec::numbered("t", name, 9, i, vec![])
 }
 
 /// One UDP datagram from `from` (inside `from_ns`) to `to` (a listener in

@@ -40,27 +40,7 @@ fn sctp_unavailable() -> Option<String> {
 }
 
 fn pod(name: &str, i: u8) -> PodSpec {
-    PodSpec {
-        namespace: "s".into(),
-        name: name.into(),
-        labels: labels(&[("app", name)]),
-        ips: vec![
-            format!("10.244.7.{i}").parse().unwrap(),
-            format!("fd00:244:7::{i}").parse().unwrap(),
-        ],
-        ports: vec![("assoc".into(), OPEN_PORT, "SCTP")],
-    }
-}
-
-fn addr(c: &Conformance, pod: &str, v6: bool) -> IpAddr {
-    *c.pods
-        .iter()
-        .find(|p| p.id() == pod)
-        .unwrap()
-        .ips
-        .iter()
-        .find(|ip| ip.is_ipv6() == v6)
-        .unwrap()
+    PodSpec::numbered("s", name, 7, i, vec![("assoc".into(), OPEN_PORT, "SCTP")])
 }
 
 /// What the victim's listeners accepted: (its port, the peer, the bytes).
@@ -185,7 +165,7 @@ fn sctp_traffic(prefix: &'static str, backend: Backend) {
     let listener = Listener::start(&netns("s/victim"), &[OPEN_PORT, CLOSED_PORT]);
     let mut expected = Vec::new();
     for v6 in [false, true] {
-        let victim = addr(&c, "s/victim", v6);
+        let victim = c.pod_ip("s/victim", v6);
         for (from, port, admitted) in [
             ("s/trusted", OPEN_PORT, true),
             ("s/trusted", CLOSED_PORT, false),
@@ -200,7 +180,7 @@ fn sctp_traffic(prefix: &'static str, backend: Backend) {
                 timeout,
             );
             if admitted {
-                expected.push((port, addr(&c, from, v6), message));
+                expected.push((port, c.pod_ip(from, v6), message));
             }
         }
     }

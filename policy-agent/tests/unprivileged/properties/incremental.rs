@@ -31,77 +31,50 @@ fn apply_ops(state: &mut MapState<PodRef>, ops: &[MapOp<PodRef>]) {
     }
 }
 
+/// The entry of a non-empty `m` that a step's index `i` picks.
+fn nth<K, V>(m: &BTreeMap<K, V>, i: usize) -> (&K, &V) {
+    m.iter().nth(i % m.len().max(1)).unwrap()
+}
+
 /// Turns a step (kind, index) into a change that moves `state` towards
 /// `target`, and applies it to `state`.
 fn step(state: &mut ClusterState, target: &ClusterState, kind: u8, i: usize) -> Change {
-    let pick = |n: usize| i % n.max(1);
     match kind % 9 {
         // A pod of the target (new, or replacing one: relabel, new IPs...).
         0 | 1 if !target.pods.is_empty() => {
-            let (name, info) = target.pods.iter().nth(pick(target.pods.len())).unwrap();
+            let (name, info) = nth(&target.pods, i);
             state.pods.insert(name.clone(), info.clone());
             Change::UpsertPod(name.clone(), info.clone())
         }
         // Relabel an existing pod with the labels of a target pod.
         2 if !state.pods.is_empty() && !target.pods.is_empty() => {
-            let name = state
-                .pods
-                .keys()
-                .nth(pick(state.pods.len()))
-                .unwrap()
-                .clone();
-            let labels = target
-                .pods
-                .values()
-                .nth(pick(target.pods.len()))
-                .unwrap()
-                .labels
-                .clone();
+            let name = nth(&state.pods, i).0.clone();
+            let labels = nth(&target.pods, i).1.labels.clone();
             let info = state.pods.get_mut(&name).unwrap();
             info.labels = labels;
             Change::UpsertPod(name, info.clone())
         }
         // Move an existing pod to other addresses (reuse, conflicts).
         3 if !state.pods.is_empty() && !target.pods.is_empty() => {
-            let name = state
-                .pods
-                .keys()
-                .nth(pick(state.pods.len()))
-                .unwrap()
-                .clone();
-            let ips: Vec<IpAddr> = target
-                .pods
-                .values()
-                .nth(pick(target.pods.len()))
-                .unwrap()
-                .ips
-                .clone();
+            let name = nth(&state.pods, i).0.clone();
+            let ips: Vec<IpAddr> = nth(&target.pods, i).1.ips.clone();
             let info = state.pods.get_mut(&name).unwrap();
             info.ips = ips;
             Change::UpsertPod(name, info.clone())
         }
         4 if !state.pods.is_empty() => {
-            let name = state
-                .pods
-                .keys()
-                .nth(pick(state.pods.len()))
-                .unwrap()
-                .clone();
+            let name = nth(&state.pods, i).0.clone();
             state.pods.remove(&name);
             Change::DeletePod(name)
         }
         5 => {
-            let ns = NAMESPACES[pick(NAMESPACES.len())];
+            let ns = NAMESPACES[i % NAMESPACES.len()];
             let info = target.namespaces[ns].clone();
             state.namespaces.insert(ns.into(), info.clone());
             Change::UpsertNamespace(ns.into(), info)
         }
         6 if !target.policies.is_empty() => {
-            let (name, np) = target
-                .policies
-                .iter()
-                .nth(pick(target.policies.len()))
-                .unwrap();
+            let (name, np) = nth(&target.policies, i);
             // Under a name that may already exist: an update.
             let mut name = name.clone();
             name.name = format!("policy{}", i % 3);
@@ -109,12 +82,7 @@ fn step(state: &mut ClusterState, target: &ClusterState, kind: u8, i: usize) -> 
             Change::UpsertPolicy(name, Box::new(np.clone()))
         }
         7 if !state.policies.is_empty() => {
-            let name = state
-                .policies
-                .keys()
-                .nth(pick(state.policies.len()))
-                .unwrap()
-                .clone();
+            let name = nth(&state.policies, i).0.clone();
             state.policies.remove(&name);
             Change::DeletePolicy(name)
         }

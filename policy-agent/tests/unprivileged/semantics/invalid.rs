@@ -13,6 +13,10 @@ fn world() -> World {
     w
 }
 
+const WEB: &str = "default/web";
+const DB: &str = "default/db";
+const CLIENT: &str = "default/client";
+
 /// (test name, ingress rule YAML of a policy selecting web, field, message part)
 const BAD_INGRESS_RULES: &[(&str, &str, &str, &str)] = &[
     (
@@ -181,51 +185,20 @@ fn each_invalid_rule_is_reported_and_fails_closed() {
         );
         assert!(e.contains(message), "{name}: want {message:?} in {e}");
         assert_eq!(run.compiled.errors[0].field(), *field, "{name}");
-        assert!(
-            run.isolated("default/web", INGRESS),
-            "{name}: still isolated"
-        );
+        assert!(run.isolated(WEB, INGRESS), "{name}: still isolated");
         run.check(&[
             (
                 "the broken policy allows nothing",
-                "default/client",
-                "default/web",
+                CLIENT,
+                WEB,
                 TCP,
                 80,
                 DENY,
             ),
-            (
-                "not even from outside",
-                "203.0.113.1",
-                "default/web",
-                TCP,
-                80,
-                DENY,
-            ),
-            (
-                "the valid policy still works",
-                "default/client",
-                "default/db",
-                TCP,
-                5432,
-                ALLOW,
-            ),
-            (
-                "and still restricts",
-                "default/web",
-                "default/db",
-                TCP,
-                5432,
-                DENY,
-            ),
-            (
-                "unselected pods untouched",
-                "default/web",
-                "default/client",
-                TCP,
-                1,
-                ALLOW,
-            ),
+            ("not even from outside", "203.0.113.1", WEB, TCP, 80, DENY),
+            ("the valid policy still works", CLIENT, DB, TCP, 5432, ALLOW),
+            ("and still restricts", WEB, DB, TCP, 5432, DENY),
+            ("unselected pods untouched", WEB, CLIENT, TCP, 1, ALLOW),
         ]);
     }
 }
@@ -245,47 +218,59 @@ fn the_example_error_message() {
 }
 
 #[test]
-fn invalid_egress_rule_keeps_egress_isolation() {
-    let mut w = world();
-    w.policy("metadata: {name: web}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  policyTypes: [Egress]\n  egress:\n  - to: [{ipBlock: {cidr: 10.0.0.0/8, except: [192.168.0.0/16]}}]");
-    let run = w.compile();
-    assert_eq!(
-        run.compiled.errors[0].field(),
-        "spec.egress[0].to[0].ipBlock.except[0]"
+fn an_invalid_policy_isolates_what_it_selects_and_allows_nothing() {
+    check_cases(
+        world,
+        &[
+            Case {
+                name: "invalid_egress_rule_keeps_egress_isolation",
+                policies: &[
+                    "metadata: {name: web}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  policyTypes: [Egress]\n  egress:\n  - to: [{ipBlock: {cidr: 10.0.0.0/8, except: [192.168.0.0/16]}}]",
+                ],
+                first_error: Some("spec.egress[0].to[0].ipBlock.except[0]"),
+                isolated: &[(WEB, EGRESS, true), (WEB, INGRESS, false)],
+                flows: &[
+                    ("egress closed", WEB, "10.1.1.1", TCP, 80, DENY),
+                    ("ingress open", CLIENT, WEB, TCP, 80, ALLOW),
+                ],
+            },
+            Case {
+                name: "invalid_rule_in_a_direction_not_isolated_still_invalidates_the_policy",
+                policies: &[
+                    "metadata: {name: web}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  policyTypes: [Ingress]\n  ingress:\n  - from: [{podSelector: {matchLabels: {app: client}}}]\n  egress:\n  - ports: [{port: 0}]",
+                ],
+                first_error: Some("spec.egress[0].ports[0].port"),
+                isolated: &[(WEB, EGRESS, false)],
+                flows: &[(
+                    "ingress rule dropped with the policy",
+                    CLIENT,
+                    WEB,
+                    TCP,
+                    80,
+                    DENY,
+                )],
+            },
+            Case {
+                name: "unknown_policy_type_isolates_both_directions",
+                policies: &[
+                    "metadata: {name: web}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  policyTypes: [Ingress, Sideways]\n  ingress: [{}]",
+                ],
+                first_error: Some("spec.policyTypes[1]"),
+                isolated: &[(WEB, INGRESS, true), (WEB, EGRESS, true)],
+                flows: &[
+                    (
+                        "the allow-all ingress is dropped",
+                        CLIENT,
+                        WEB,
+                        TCP,
+                        80,
+                        DENY,
+                    ),
+                    ("egress closed", WEB, CLIENT, TCP, 80, DENY),
+                ],
+            },
+        ],
     );
-    assert!(run.isolated("default/web", EGRESS));
-    assert!(!run.isolated("default/web", INGRESS));
-    run.check(&[
-        ("egress closed", "default/web", "10.1.1.1", TCP, 80, DENY),
-        (
-            "ingress open",
-            "default/client",
-            "default/web",
-            TCP,
-            80,
-            ALLOW,
-        ),
-    ]);
-}
-
-#[test]
-fn invalid_rule_in_a_direction_not_isolated_still_invalidates_the_policy() {
-    let mut w = world();
-    w.policy("metadata: {name: web}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  policyTypes: [Ingress]\n  ingress:\n  - from: [{podSelector: {matchLabels: {app: client}}}]\n  egress:\n  - ports: [{port: 0}]");
-    let run = w.compile();
-    assert_eq!(
-        run.compiled.errors[0].field(),
-        "spec.egress[0].ports[0].port"
-    );
-    assert!(!run.isolated("default/web", EGRESS));
-    run.check(&[(
-        "ingress rule dropped with the policy",
-        "default/client",
-        "default/web",
-        TCP,
-        80,
-        DENY,
-    )]);
 }
 
 #[test]
@@ -299,7 +284,7 @@ fn invalid_pod_selector_isolates_the_whole_namespace() {
         run.compiled.errors[0].field(),
         "spec.podSelector.matchExpressions[0].values"
     );
-    for pod in ["default/web", "default/db", "default/client"] {
+    for pod in [WEB, DB, CLIENT] {
         assert!(
             run.isolated(pod, INGRESS) && run.isolated(pod, EGRESS),
             "{pod}"
@@ -310,35 +295,8 @@ fn invalid_pod_selector_isolates_the_whole_namespace() {
         "other namespaces untouched"
     );
     run.check(&[
-        ("nothing in", "other/x", "default/web", TCP, 80, DENY),
-        ("nothing out", "default/client", "other/x", TCP, 80, DENY),
-    ]);
-}
-
-#[test]
-fn unknown_policy_type_isolates_both_directions() {
-    let mut w = world();
-    w.policy("metadata: {name: web}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  policyTypes: [Ingress, Sideways]\n  ingress: [{}]");
-    let run = w.compile();
-    assert_eq!(run.compiled.errors[0].field(), "spec.policyTypes[1]");
-    assert!(run.isolated("default/web", INGRESS) && run.isolated("default/web", EGRESS));
-    run.check(&[
-        (
-            "the allow-all ingress is dropped",
-            "default/client",
-            "default/web",
-            TCP,
-            80,
-            DENY,
-        ),
-        (
-            "egress closed",
-            "default/web",
-            "default/client",
-            TCP,
-            80,
-            DENY,
-        ),
+        ("nothing in", "other/x", WEB, TCP, 80, DENY),
+        ("nothing out", CLIENT, "other/x", TCP, 80, DENY),
     ]);
 }
 
@@ -367,12 +325,11 @@ fn several_errors_in_one_policy_are_all_reported() {
 fn fixing_an_invalid_policy_restores_its_rules() {
     let mut w = world();
     w.policy("metadata: {name: web}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress:\n  - from: [{podSelector: {matchLabels: {app: client}}}]\n    ports: [{port: 80, endPort: 79}]");
-    w.compile()
-        .check(&[("broken", "default/client", "default/web", TCP, 80, DENY)]);
+    w.compile().check(&[("broken", CLIENT, WEB, TCP, 80, DENY)]);
     w.policy("metadata: {name: web}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress:\n  - from: [{podSelector: {matchLabels: {app: client}}}]\n    ports: [{port: 80, endPort: 81}]");
     let run = w.compile();
     assert!(run.error_strings().is_empty());
-    run.check(&[("fixed", "default/client", "default/web", TCP, 81, ALLOW)]);
+    run.check(&[("fixed", CLIENT, WEB, TCP, 81, ALLOW)]);
 }
 
 #[test]

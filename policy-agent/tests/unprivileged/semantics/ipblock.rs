@@ -19,149 +19,181 @@ fn world() -> World {
     w
 }
 
-fn web_from(from: &str) -> String {
-    format!(
-        "metadata: {{name: web}}\nspec:\n  podSelector: {{matchLabels: {{app: web}}}}\n  ingress:\n  - from:\n{from}"
-    )
+const WEB: &str = "default/web";
+const CLIENT: &str = "default/client";
+const PEER: &str = "other/peer";
+
+#[test]
+fn cidrs_and_excepts() {
+    check_cases(
+        world,
+        &[
+            Case {
+                name: "ip_block_with_except",
+                policies: &[&web_from(
+                    "    - ipBlock: {cidr: 172.17.0.0/16, except: [172.17.1.0/24]}",
+                )],
+                flows: &[
+                    ("inside", "172.17.0.5", WEB, TCP, 80, ALLOW),
+                    ("inside, high", "172.17.255.254", WEB, TCP, 80, ALLOW),
+                    ("excepted", "172.17.1.5", WEB, TCP, 80, DENY),
+                    ("outside", "172.18.0.1", WEB, TCP, 80, DENY),
+                    ("v6 outside", "2001:db8::1", WEB, TCP, 80, DENY),
+                ],
+                ..Case::default()
+            },
+            // "ip block override deny": another peer of the same rule still
+            // allows the excepted range.
+            Case {
+                name: "ip_block_except_narrows_only_its_own_peer",
+                policies: &[&web_from(
+                    "    - ipBlock: {cidr: 172.17.0.0/16, except: [172.17.1.0/24]}\n    - ipBlock: {cidr: 172.17.1.0/28}",
+                )],
+                flows: &[
+                    (
+                        "excepted by the first, allowed by the second",
+                        "172.17.1.5",
+                        WEB,
+                        TCP,
+                        80,
+                        ALLOW,
+                    ),
+                    (
+                        "excepted, outside the second",
+                        "172.17.1.100",
+                        WEB,
+                        TCP,
+                        80,
+                        DENY,
+                    ),
+                ],
+                ..Case::default()
+            },
+            Case {
+                name: "ip_block_except_is_not_a_deny_for_other_policies",
+                policies: &[
+                    &web_from("    - ipBlock: {cidr: 10.0.0.0/8, except: [10.1.0.0/16]}"),
+                    "metadata: {name: also}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress:\n  - from: [{namespaceSelector: {}}]",
+                ],
+                flows: &[
+                    (
+                        "excepted address that is a selected pod",
+                        PEER,
+                        WEB,
+                        TCP,
+                        80,
+                        ALLOW,
+                    ),
+                    ("excepted outside address", "10.1.9.9", WEB, TCP, 80, DENY),
+                    ("inside", "10.200.0.1", WEB, TCP, 80, ALLOW),
+                ],
+                ..Case::default()
+            },
+            Case {
+                name: "ip_block_ipv6_with_except",
+                policies: &[&web_from(
+                    "    - ipBlock: {cidr: '2001:db8::/32', except: ['2001:db8:1::/48']}",
+                )],
+                flows: &[
+                    ("inside", "2001:db8:2::1", WEB, TCP, 80, ALLOW),
+                    ("excepted", "2001:db8:1::1", WEB, TCP, 80, DENY),
+                    ("outside", "2001:db9::1", WEB, TCP, 80, DENY),
+                ],
+                ..Case::default()
+            },
+            Case {
+                name: "ipv4_catch_all_does_not_admit_ipv6",
+                policies: &[&web_from("    - ipBlock: {cidr: 0.0.0.0/0}")],
+                flows: &[
+                    ("any v4", "198.51.100.7", WEB, TCP, 80, ALLOW),
+                    ("v4 pod", PEER, WEB, TCP, 80, ALLOW),
+                    ("v6 world", "2001:db8::7", WEB, TCP, 80, DENY),
+                ],
+                ..Case::default()
+            },
+            Case {
+                name: "catch_all_with_except_in_egress",
+                policies: &[
+                    "metadata: {name: out}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  policyTypes: [Egress]\n  egress:\n  - to:\n    - ipBlock: {cidr: 0.0.0.0/0, except: [10.0.0.0/8]}\n    - ipBlock: {cidr: '::/0'}",
+                ],
+                flows: &[
+                    ("internet", WEB, "93.184.216.34", TCP, 443, ALLOW),
+                    ("private excepted", WEB, "10.9.9.9", TCP, 443, DENY),
+                    ("pod excepted", WEB, CLIENT, TCP, 443, DENY),
+                    ("v6 anywhere", WEB, "2001:db8::1", TCP, 443, ALLOW),
+                ],
+                ..Case::default()
+            },
+            Case {
+                name: "nested_blocks_from_several_policies",
+                policies: &[
+                    &web_from("    - ipBlock: {cidr: 10.0.0.0/8, except: [10.5.0.0/16]}"),
+                    "metadata: {name: inner}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress:\n  - from: [{ipBlock: {cidr: 10.5.5.0/24}}]\n    ports: [{port: 22}]",
+                ],
+                flows: &[
+                    ("outer", "10.9.0.1", WEB, TCP, 80, ALLOW),
+                    ("excepted by outer", "10.5.1.1", WEB, TCP, 80, DENY),
+                    ("inner range on inner port", "10.5.5.5", WEB, TCP, 22, ALLOW),
+                    (
+                        "inner range on outer's port: outer excepts it",
+                        "10.5.5.5",
+                        WEB,
+                        TCP,
+                        80,
+                        DENY,
+                    ),
+                    (
+                        "inner range is still inside outer's except",
+                        "10.5.5.5",
+                        WEB,
+                        TCP,
+                        23,
+                        DENY,
+                    ),
+                ],
+                ..Case::default()
+            },
+        ],
+    );
 }
 
 #[test]
-fn ip_block_with_except() {
-    let mut w = world();
-    w.policy(&web_from(
-        "    - ipBlock: {cidr: 172.17.0.0/16, except: [172.17.1.0/24]}",
-    ));
-    w.compile().check(&[
-        ("inside", "172.17.0.5", "default/web", TCP, 80, ALLOW),
-        (
-            "inside, high",
-            "172.17.255.254",
-            "default/web",
-            TCP,
-            80,
-            ALLOW,
-        ),
-        ("excepted", "172.17.1.5", "default/web", TCP, 80, DENY),
-        ("outside", "172.18.0.1", "default/web", TCP, 80, DENY),
-        ("v6 outside", "2001:db8::1", "default/web", TCP, 80, DENY),
-    ]);
-}
-
-#[test]
-fn ip_block_except_narrows_only_its_own_peer() {
-    // "ip block override deny": another peer of the same rule still allows
-    // the excepted range.
-    let mut w = world();
-    w.policy(&web_from(
-        "    - ipBlock: {cidr: 172.17.0.0/16, except: [172.17.1.0/24]}\n    - ipBlock: {cidr: 172.17.1.0/28}",
-    ));
-    w.compile().check(&[
-        (
-            "excepted by the first, allowed by the second",
-            "172.17.1.5",
-            "default/web",
-            TCP,
-            80,
-            ALLOW,
-        ),
-        (
-            "excepted, outside the second",
-            "172.17.1.100",
-            "default/web",
-            TCP,
-            80,
-            DENY,
-        ),
-    ]);
-}
-
-#[test]
-fn ip_block_except_is_not_a_deny_for_other_policies() {
-    let mut w = world();
-    w.policy(&web_from(
-        "    - ipBlock: {cidr: 10.0.0.0/8, except: [10.1.0.0/16]}",
-    ));
-    w.policy("metadata: {name: also}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress:\n  - from: [{namespaceSelector: {}}]");
-    w.compile().check(&[
-        (
-            "excepted address that is a selected pod",
-            "other/peer",
-            "default/web",
-            TCP,
-            80,
-            ALLOW,
-        ),
-        (
-            "excepted outside address",
-            "10.1.9.9",
-            "default/web",
-            TCP,
-            80,
-            DENY,
-        ),
-        ("inside", "10.200.0.1", "default/web", TCP, 80, ALLOW),
-    ]);
-}
-
-#[test]
-fn ip_block_matches_pod_addresses_with_a_host_prefix() {
-    let mut w = world();
-    w.policy(&web_from("    - ipBlock: {cidr: 10.0.0.11/32}"));
-    w.compile().check(&[
-        (
-            "the pod with that address",
-            "default/client",
-            "default/web",
-            TCP,
-            80,
-            ALLOW,
-        ),
-        ("another pod", "other/peer", "default/web", TCP, 80, DENY),
-    ]);
-}
-
-#[test]
-fn ip_block_matches_pod_addresses_with_a_wider_prefix() {
-    let mut w = world();
-    w.policy(&web_from("    - ipBlock: {cidr: 10.1.0.0/16}"));
-    w.compile().check(&[
-        ("pod inside", "other/peer", "default/web", TCP, 80, ALLOW),
-        (
-            "pod outside",
-            "default/client",
-            "default/web",
-            TCP,
-            80,
-            DENY,
-        ),
-        (
-            "non-pod inside",
-            "10.1.200.1",
-            "default/web",
-            TCP,
-            80,
-            ALLOW,
-        ),
-    ]);
-}
-
-#[test]
-fn ip_block_except_excludes_pod_addresses() {
-    let mut w = world();
-    w.policy(&web_from(
-        "    - ipBlock: {cidr: 10.0.0.0/8, except: [10.1.2.3/32]}",
-    ));
-    w.compile().check(&[
-        ("excepted pod", "other/peer", "default/web", TCP, 80, DENY),
-        (
-            "other pod in range",
-            "default/client",
-            "default/web",
-            TCP,
-            80,
-            ALLOW,
-        ),
-    ]);
+fn ip_blocks_match_pod_addresses() {
+    check_cases(
+        world,
+        &[
+            Case {
+                name: "ip_block_matches_pod_addresses_with_a_host_prefix",
+                policies: &[&web_from("    - ipBlock: {cidr: 10.0.0.11/32}")],
+                flows: &[
+                    ("the pod with that address", CLIENT, WEB, TCP, 80, ALLOW),
+                    ("another pod", PEER, WEB, TCP, 80, DENY),
+                ],
+                ..Case::default()
+            },
+            Case {
+                name: "ip_block_matches_pod_addresses_with_a_wider_prefix",
+                policies: &[&web_from("    - ipBlock: {cidr: 10.1.0.0/16}")],
+                flows: &[
+                    ("pod inside", PEER, WEB, TCP, 80, ALLOW),
+                    ("pod outside", CLIENT, WEB, TCP, 80, DENY),
+                    ("non-pod inside", "10.1.200.1", WEB, TCP, 80, ALLOW),
+                ],
+                ..Case::default()
+            },
+            Case {
+                name: "ip_block_except_excludes_pod_addresses",
+                policies: &[&web_from(
+                    "    - ipBlock: {cidr: 10.0.0.0/8, except: [10.1.2.3/32]}",
+                )],
+                flows: &[
+                    ("excepted pod", PEER, WEB, TCP, 80, DENY),
+                    ("other pod in range", CLIENT, WEB, TCP, 80, ALLOW),
+                ],
+                ..Case::default()
+            },
+        ],
+    );
 }
 
 #[test]
@@ -171,82 +203,23 @@ fn ip_block_ipv6_matches_pod_addresses() {
     let run = w.compile();
     let (web, peer, client) = (ip("fd10::10"), ip("fd10:1::3"), ip("fd10::11"));
     assert!(
-        run.allows_ips("other/peer", peer, "default/web", web, TCP, 80),
+        run.allows_ips(PEER, peer, WEB, web, TCP, 80),
         "v6 pod inside"
     );
     assert!(
-        !run.allows_ips("default/client", client, "default/web", web, TCP, 80),
+        !run.allows_ips(CLIENT, client, WEB, web, TCP, 80),
         "v6 pod outside"
     );
     // The same pods over IPv4: the v6 block does not cover them.
-    assert!(!run.allows_ips(
-        "other/peer",
-        ip("10.1.2.3"),
-        "default/web",
-        ip("10.0.0.10"),
-        TCP,
-        80
-    ));
+    assert!(!run.allows_ips(PEER, ip("10.1.2.3"), WEB, ip("10.0.0.10"), TCP, 80));
     run.check(&[(
         "v6 outside address inside",
         "fd10:1::99",
-        "default/web",
+        WEB,
         TCP,
         80,
         ALLOW,
     )]);
-}
-
-#[test]
-fn ip_block_ipv6_with_except() {
-    let mut w = world();
-    w.policy(&web_from(
-        "    - ipBlock: {cidr: '2001:db8::/32', except: ['2001:db8:1::/48']}",
-    ));
-    w.compile().check(&[
-        ("inside", "2001:db8:2::1", "default/web", TCP, 80, ALLOW),
-        ("excepted", "2001:db8:1::1", "default/web", TCP, 80, DENY),
-        ("outside", "2001:db9::1", "default/web", TCP, 80, DENY),
-    ]);
-}
-
-#[test]
-fn ipv4_catch_all_does_not_admit_ipv6() {
-    let mut w = world();
-    w.policy(&web_from("    - ipBlock: {cidr: 0.0.0.0/0}"));
-    w.compile().check(&[
-        ("any v4", "198.51.100.7", "default/web", TCP, 80, ALLOW),
-        ("v4 pod", "other/peer", "default/web", TCP, 80, ALLOW),
-        ("v6 world", "2001:db8::7", "default/web", TCP, 80, DENY),
-    ]);
-}
-
-#[test]
-fn catch_all_with_except_in_egress() {
-    let mut w = world();
-    w.policy(
-        "metadata: {name: out}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  policyTypes: [Egress]\n  egress:\n  - to:\n    - ipBlock: {cidr: 0.0.0.0/0, except: [10.0.0.0/8]}\n    - ipBlock: {cidr: '::/0'}",
-    );
-    w.compile().check(&[
-        ("internet", "default/web", "93.184.216.34", TCP, 443, ALLOW),
-        (
-            "private excepted",
-            "default/web",
-            "10.9.9.9",
-            TCP,
-            443,
-            DENY,
-        ),
-        (
-            "pod excepted",
-            "default/web",
-            "default/client",
-            TCP,
-            443,
-            DENY,
-        ),
-        ("v6 anywhere", "default/web", "2001:db8::1", TCP, 443, ALLOW),
-    ]);
 }
 
 #[test]
@@ -259,56 +232,12 @@ fn host_bits_in_a_cidr_are_ignored() {
         (
             "inside the normalized block",
             "172.17.200.1",
-            "default/web",
+            WEB,
             TCP,
             80,
             ALLOW,
         ),
-        ("outside", "172.16.0.1", "default/web", TCP, 80, DENY),
-    ]);
-}
-
-#[test]
-fn nested_blocks_from_several_policies() {
-    let mut w = world();
-    w.policy(&web_from(
-        "    - ipBlock: {cidr: 10.0.0.0/8, except: [10.5.0.0/16]}",
-    ));
-    w.policy("metadata: {name: inner}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress:\n  - from: [{ipBlock: {cidr: 10.5.5.0/24}}]\n    ports: [{port: 22}]");
-    w.compile().check(&[
-        ("outer", "10.9.0.1", "default/web", TCP, 80, ALLOW),
-        (
-            "excepted by outer",
-            "10.5.1.1",
-            "default/web",
-            TCP,
-            80,
-            DENY,
-        ),
-        (
-            "inner range on inner port",
-            "10.5.5.5",
-            "default/web",
-            TCP,
-            22,
-            ALLOW,
-        ),
-        (
-            "inner range on outer's port: outer excepts it",
-            "10.5.5.5",
-            "default/web",
-            TCP,
-            80,
-            DENY,
-        ),
-        (
-            "inner range is still inside outer's except",
-            "10.5.5.5",
-            "default/web",
-            TCP,
-            23,
-            DENY,
-        ),
+        ("outside", "172.16.0.1", WEB, TCP, 80, DENY),
     ]);
 }
 

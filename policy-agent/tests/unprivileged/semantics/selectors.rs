@@ -1,5 +1,6 @@
 //! Pod and namespace selectors, AND vs OR peers, label changes.
 use crate::support::world::*;
+use policy_common::direction::INGRESS;
 
 /// web (protected) in "default"; clients in three namespaces:
 /// - default: client (role=client), other (role=other)
@@ -22,318 +23,212 @@ fn world() -> World {
     w
 }
 
-fn protect_web(from: &str) -> String {
-    format!(
-        "metadata: {{name: web}}\nspec:\n  podSelector: {{matchLabels: {{app: web}}}}\n  ingress:\n  - from:\n{from}"
-    )
-}
+const WEB: &str = "default/web";
+const CLIENT: &str = "default/client";
+const OTHER: &str = "default/other";
 
 #[test]
-fn peer_with_both_selectors_is_an_and() {
-    let mut w = world();
-    w.policy(&protect_web(
-        "    - namespaceSelector: {matchLabels: {user: alice}}\n      podSelector: {matchLabels: {role: client}}",
-    ));
-    w.compile().check(&[
-        (
-            "client in alice",
-            "alice/client",
-            "default/web",
-            TCP,
-            80,
-            ALLOW,
-        ),
-        (
-            "other pod in alice",
-            "alice/other",
-            "default/web",
-            TCP,
-            80,
-            DENY,
-        ),
-        (
-            "client in own namespace",
-            "default/client",
-            "default/web",
-            TCP,
-            80,
-            DENY,
-        ),
-        ("client in bob", "bob/client", "default/web", TCP, 80, DENY),
-    ]);
+fn peer_selectors() {
+    check_cases(
+        world,
+        &[
+            Case {
+                name: "peer_with_both_selectors_is_an_and",
+                policies: &[&web_from(
+                    "    - namespaceSelector: {matchLabels: {user: alice}}\n      podSelector: {matchLabels: {role: client}}",
+                )],
+                flows: &[
+                    ("client in alice", "alice/client", WEB, TCP, 80, ALLOW),
+                    ("other pod in alice", "alice/other", WEB, TCP, 80, DENY),
+                    ("client in own namespace", CLIENT, WEB, TCP, 80, DENY),
+                    ("client in bob", "bob/client", WEB, TCP, 80, DENY),
+                ],
+                ..Case::default()
+            },
+            Case {
+                name: "two_peers_are_an_or",
+                policies: &[&web_from(
+                    "    - namespaceSelector: {matchLabels: {user: alice}}\n    - podSelector: {matchLabels: {role: client}}",
+                )],
+                flows: &[
+                    ("any pod in alice", "alice/other", WEB, TCP, 80, ALLOW),
+                    ("client in alice", "alice/client", WEB, TCP, 80, ALLOW),
+                    ("client in own namespace", CLIENT, WEB, TCP, 80, ALLOW),
+                    ("other in own namespace", OTHER, WEB, TCP, 80, DENY),
+                    (
+                        "client in bob (podSelector alone is own namespace)",
+                        "bob/client",
+                        WEB,
+                        TCP,
+                        80,
+                        DENY,
+                    ),
+                ],
+                ..Case::default()
+            },
+            Case {
+                name: "pod_selector_alone_means_the_policy_namespace",
+                policies: &[&web_from("    - podSelector: {}")],
+                flows: &[
+                    ("own namespace", OTHER, WEB, TCP, 80, ALLOW),
+                    ("other namespace", "alice/client", WEB, TCP, 80, DENY),
+                    ("outside", "203.0.113.1", WEB, TCP, 80, DENY),
+                ],
+                ..Case::default()
+            },
+            Case {
+                name: "namespace_selector_alone_means_every_pod_of_matching_namespaces",
+                policies: &[&web_from(
+                    "    - namespaceSelector: {matchLabels: {env: dev}}",
+                )],
+                flows: &[
+                    ("bob is dev", "bob/client", WEB, TCP, 80, ALLOW),
+                    ("alice is prod", "alice/client", WEB, TCP, 80, DENY),
+                    ("own namespace not dev", CLIENT, WEB, TCP, 80, DENY),
+                ],
+                ..Case::default()
+            },
+            Case {
+                name: "empty_namespace_selector_means_every_namespace",
+                policies: &[&web_from(
+                    "    - namespaceSelector: {}\n      podSelector: {matchLabels: {role: client}}",
+                )],
+                flows: &[
+                    ("alice client", "alice/client", WEB, TCP, 80, ALLOW),
+                    ("bob client", "bob/client", WEB, TCP, 80, ALLOW),
+                    ("own client", CLIENT, WEB, TCP, 80, ALLOW),
+                    ("not a client", "alice/other", WEB, TCP, 80, DENY),
+                    ("not a pod", "203.0.113.1", WEB, TCP, 80, DENY),
+                ],
+                ..Case::default()
+            },
+            Case {
+                name: "match_labels_and_match_expressions_are_anded",
+                policies: &[&web_from(
+                    "    - namespaceSelector: {}\n      podSelector:\n        matchLabels: {role: client}\n        matchExpressions: [{key: tier, operator: In, values: [fe]}]",
+                )],
+                flows: &[
+                    ("client with tier=fe", "bob/client", WEB, TCP, 80, ALLOW),
+                    ("client without tier", "alice/client", WEB, TCP, 80, DENY),
+                ],
+                ..Case::default()
+            },
+        ],
+    );
 }
 
-#[test]
-fn two_peers_are_an_or() {
-    let mut w = world();
-    w.policy(&protect_web(
-        "    - namespaceSelector: {matchLabels: {user: alice}}\n    - podSelector: {matchLabels: {role: client}}",
-    ));
-    w.compile().check(&[
-        (
-            "any pod in alice",
-            "alice/other",
-            "default/web",
-            TCP,
-            80,
-            ALLOW,
-        ),
-        (
-            "client in alice",
-            "alice/client",
-            "default/web",
-            TCP,
-            80,
-            ALLOW,
-        ),
-        (
-            "client in own namespace",
-            "default/client",
-            "default/web",
-            TCP,
-            80,
-            ALLOW,
-        ),
-        (
-            "other in own namespace",
-            "default/other",
-            "default/web",
-            TCP,
-            80,
-            DENY,
-        ),
-        (
-            "client in bob (podSelector alone is own namespace)",
-            "bob/client",
-            "default/web",
-            TCP,
-            80,
-            DENY,
-        ),
-    ]);
-}
-
-#[test]
-fn pod_selector_alone_means_the_policy_namespace() {
-    let mut w = world();
-    w.policy(&protect_web("    - podSelector: {}"));
-    w.compile().check(&[
-        (
-            "own namespace",
-            "default/other",
-            "default/web",
-            TCP,
-            80,
-            ALLOW,
-        ),
-        (
-            "other namespace",
-            "alice/client",
-            "default/web",
-            TCP,
-            80,
-            DENY,
-        ),
-        ("outside", "203.0.113.1", "default/web", TCP, 80, DENY),
-    ]);
-}
-
-#[test]
-fn namespace_selector_alone_means_every_pod_of_matching_namespaces() {
-    let mut w = world();
-    w.policy(&protect_web(
-        "    - namespaceSelector: {matchLabels: {env: dev}}",
-    ));
-    w.compile().check(&[
-        ("bob is dev", "bob/client", "default/web", TCP, 80, ALLOW),
-        (
-            "alice is prod",
-            "alice/client",
-            "default/web",
-            TCP,
-            80,
-            DENY,
-        ),
-        (
-            "own namespace not dev",
-            "default/client",
-            "default/web",
-            TCP,
-            80,
-            DENY,
-        ),
-    ]);
-}
-
-#[test]
-fn empty_namespace_selector_means_every_namespace() {
-    let mut w = world();
-    w.policy(&protect_web(
-        "    - namespaceSelector: {}\n      podSelector: {matchLabels: {role: client}}",
-    ));
-    w.compile().check(&[
-        (
-            "alice client",
-            "alice/client",
-            "default/web",
-            TCP,
-            80,
-            ALLOW,
-        ),
-        ("bob client", "bob/client", "default/web", TCP, 80, ALLOW),
-        (
-            "own client",
-            "default/client",
-            "default/web",
-            TCP,
-            80,
-            ALLOW,
-        ),
-        ("not a client", "alice/other", "default/web", TCP, 80, DENY),
-        ("not a pod", "203.0.113.1", "default/web", TCP, 80, DENY),
-    ]);
-}
-
-#[test]
-fn empty_pod_selector_selects_every_pod_of_the_namespace() {
-    let mut w = world();
-    w.policy("metadata: {name: deny}\nspec:\n  podSelector: {}\n  policyTypes: [Ingress]");
-    let run = w.compile();
-    for pod in ["default/web", "default/client", "default/other"] {
-        assert!(
-            run.isolated(pod, policy_common::direction::INGRESS),
-            "{pod}"
-        );
-    }
-    assert!(!run.isolated("alice/client", policy_common::direction::INGRESS));
+/// A peer of the clients (role=client) in the namespaces `requirement`
+/// (a matchExpressions entry) selects.
+fn clients_where(requirement: &str) -> String {
+    web_from(&format!(
+        "    - namespaceSelector: {{matchExpressions: [{requirement}]}}\n      podSelector: {{matchLabels: {{role: client}}}}"
+    ))
 }
 
 #[test]
 fn match_expressions_operators() {
-    // (name, requirement, [(source, verdict)])
-    type Case<'a> = (&'a str, &'a str, &'a [(&'a str, bool)]);
-    let cases: &[Case] = &[
-        (
-            "in",
-            "{key: user, operator: In, values: [alice, carol]}",
-            &[
-                ("alice/client", ALLOW),
-                ("bob/client", DENY),
-                ("default/client", DENY),
-            ],
-        ),
-        (
-            "notin, missing key counts as not in",
-            "{key: user, operator: NotIn, values: [alice]}",
-            &[
-                ("alice/client", DENY),
-                ("bob/client", ALLOW),
-                ("default/client", ALLOW),
-            ],
-        ),
-        (
-            "exists",
-            "{key: env, operator: Exists}",
-            &[
-                ("alice/client", ALLOW),
-                ("bob/client", ALLOW),
-                ("default/client", DENY),
-            ],
-        ),
-        (
-            "doesnotexist",
-            "{key: env, operator: DoesNotExist}",
-            &[
-                ("alice/client", DENY),
-                ("bob/client", DENY),
-                ("default/client", ALLOW),
-            ],
-        ),
-    ];
-    for (name, expr, expect) in cases {
-        let mut w = world();
-        w.policy(&protect_web(&format!(
-            "    - namespaceSelector: {{matchExpressions: [{expr}]}}\n      podSelector: {{matchLabels: {{role: client}}}}"
-        )));
-        let run = w.compile();
-        for (src, want) in *expect {
-            assert_eq!(
-                run.allows(src, "default/web", TCP, 80),
-                *want,
-                "{name}: {src}"
-            );
-        }
-    }
-}
-
-#[test]
-fn match_labels_and_match_expressions_are_anded() {
-    let mut w = world();
-    w.policy(&protect_web(
-        "    - namespaceSelector: {}\n      podSelector:\n        matchLabels: {role: client}\n        matchExpressions: [{key: tier, operator: In, values: [fe]}]",
-    ));
-    w.compile().check(&[
-        (
-            "client with tier=fe",
-            "bob/client",
-            "default/web",
-            TCP,
-            80,
-            ALLOW,
-        ),
-        (
-            "client without tier",
-            "alice/client",
-            "default/web",
-            TCP,
-            80,
-            DENY,
-        ),
-    ]);
-}
-
-#[test]
-fn pod_selector_of_the_policy_with_expressions() {
-    let mut w = world();
-    w.policy("metadata: {name: p}\nspec:\n  podSelector: {matchExpressions: [{key: role, operator: NotIn, values: [client]}]}\n  policyTypes: [Ingress]");
-    let run = w.compile();
-    use policy_common::direction::INGRESS;
-    assert!(
-        run.isolated("default/web", INGRESS),
-        "no role label: NotIn holds"
+    check_cases(
+        world,
+        &[
+            Case {
+                name: "in",
+                policies: &[&clients_where(
+                    "{key: user, operator: In, values: [alice, carol]}",
+                )],
+                flows: &[
+                    ("alice/client", "alice/client", WEB, TCP, 80, ALLOW),
+                    ("bob/client", "bob/client", WEB, TCP, 80, DENY),
+                    ("default/client", CLIENT, WEB, TCP, 80, DENY),
+                ],
+                ..Case::default()
+            },
+            Case {
+                name: "notin, missing key counts as not in",
+                policies: &[&clients_where(
+                    "{key: user, operator: NotIn, values: [alice]}",
+                )],
+                flows: &[
+                    ("alice/client", "alice/client", WEB, TCP, 80, DENY),
+                    ("bob/client", "bob/client", WEB, TCP, 80, ALLOW),
+                    ("default/client", CLIENT, WEB, TCP, 80, ALLOW),
+                ],
+                ..Case::default()
+            },
+            Case {
+                name: "exists",
+                policies: &[&clients_where("{key: env, operator: Exists}")],
+                flows: &[
+                    ("alice/client", "alice/client", WEB, TCP, 80, ALLOW),
+                    ("bob/client", "bob/client", WEB, TCP, 80, ALLOW),
+                    ("default/client", CLIENT, WEB, TCP, 80, DENY),
+                ],
+                ..Case::default()
+            },
+            Case {
+                name: "doesnotexist",
+                policies: &[&clients_where("{key: env, operator: DoesNotExist}")],
+                flows: &[
+                    ("alice/client", "alice/client", WEB, TCP, 80, DENY),
+                    ("bob/client", "bob/client", WEB, TCP, 80, DENY),
+                    ("default/client", CLIENT, WEB, TCP, 80, ALLOW),
+                ],
+                ..Case::default()
+            },
+        ],
     );
-    assert!(run.isolated("default/other", INGRESS));
-    assert!(!run.isolated("default/client", INGRESS));
+}
+
+#[test]
+fn which_pods_a_policy_selects() {
+    check_cases(
+        world,
+        &[
+            Case {
+                name: "empty_pod_selector_selects_every_pod_of_the_namespace",
+                policies: &[
+                    "metadata: {name: deny}\nspec:\n  podSelector: {}\n  policyTypes: [Ingress]",
+                ],
+                isolated: &[
+                    (WEB, INGRESS, true),
+                    (CLIENT, INGRESS, true),
+                    (OTHER, INGRESS, true),
+                    ("alice/client", INGRESS, false),
+                ],
+                ..Case::default()
+            },
+            Case {
+                name: "pod_selector_of_the_policy_with_expressions",
+                policies: &[
+                    "metadata: {name: p}\nspec:\n  podSelector: {matchExpressions: [{key: role, operator: NotIn, values: [client]}]}\n  policyTypes: [Ingress]",
+                ],
+                // web has no role label: NotIn holds.
+                isolated: &[
+                    (WEB, INGRESS, true),
+                    (OTHER, INGRESS, true),
+                    (CLIENT, INGRESS, false),
+                ],
+                ..Case::default()
+            },
+        ],
+    );
 }
 
 #[test]
 fn pod_label_change_moves_the_pod_in_and_out_of_peers() {
     let mut w = world();
-    w.policy(&protect_web(
+    w.policy(&web_from(
         "    - podSelector: {matchLabels: {role: client}}",
     ));
-    w.compile().check(&[(
-        "other is not a client",
-        "default/other",
-        "default/web",
-        TCP,
-        80,
-        DENY,
-    )]);
-    w.pod_mut("default/other")
+    w.compile()
+        .check(&[("other is not a client", OTHER, WEB, TCP, 80, DENY)]);
+    w.pod_mut(OTHER)
         .labels
         .insert("role".into(), "client".into());
     w.compile()
-        .check(&[("now it is", "default/other", "default/web", TCP, 80, ALLOW)]);
-    w.pod_mut("default/client").labels.clear();
-    w.compile().check(&[(
-        "lost its label",
-        "default/client",
-        "default/web",
-        TCP,
-        80,
-        DENY,
-    )]);
+        .check(&[("now it is", OTHER, WEB, TCP, 80, ALLOW)]);
+    w.pod_mut(CLIENT).labels.clear();
+    w.compile()
+        .check(&[("lost its label", CLIENT, WEB, TCP, 80, DENY)]);
 }
 
 #[test]
@@ -341,43 +236,29 @@ fn pod_label_change_moves_the_pod_in_and_out_of_selection() {
     let mut w = world();
     w.policy("metadata: {name: p}\nspec:\n  podSelector: {matchLabels: {locked: 'yes'}}\n  policyTypes: [Ingress]");
     w.compile()
-        .check(&[("web open", "default/client", "default/web", TCP, 80, ALLOW)]);
-    w.pod_mut("default/web")
-        .labels
-        .insert("locked".into(), "yes".into());
+        .check(&[("web open", CLIENT, WEB, TCP, 80, ALLOW)]);
+    w.pod_mut(WEB).labels.insert("locked".into(), "yes".into());
     w.compile()
-        .check(&[("web locked", "default/client", "default/web", TCP, 80, DENY)]);
-    w.pod_mut("default/web").labels.remove("locked");
-    w.compile().check(&[(
-        "web open again",
-        "default/client",
-        "default/web",
-        TCP,
-        80,
-        ALLOW,
-    )]);
+        .check(&[("web locked", CLIENT, WEB, TCP, 80, DENY)]);
+    w.pod_mut(WEB).labels.remove("locked");
+    w.compile()
+        .check(&[("web open again", CLIENT, WEB, TCP, 80, ALLOW)]);
 }
 
 #[test]
 fn namespace_label_change_moves_its_pods_in_and_out_of_peers() {
     let mut w = world();
-    w.policy(&protect_web(
+    w.policy(&web_from(
         "    - namespaceSelector: {matchLabels: {trusted: 'true'}}",
     ));
     w.compile()
-        .check(&[("bob untrusted", "bob/client", "default/web", TCP, 80, DENY)]);
+        .check(&[("bob untrusted", "bob/client", WEB, TCP, 80, DENY)]);
     w.ns("bob", &[("user", "bob"), ("trusted", "true")]);
     w.compile()
-        .check(&[("bob trusted", "bob/client", "default/web", TCP, 80, ALLOW)]);
+        .check(&[("bob trusted", "bob/client", WEB, TCP, 80, ALLOW)]);
     w.ns("bob", &[("user", "bob")]);
-    w.compile().check(&[(
-        "bob untrusted again",
-        "bob/client",
-        "default/web",
-        TCP,
-        80,
-        DENY,
-    )]);
+    w.compile()
+        .check(&[("bob untrusted again", "bob/client", WEB, TCP, 80, DENY)]);
 }
 
 #[test]
@@ -406,8 +287,5 @@ fn pods_with_equal_labels_share_an_identity() {
         run.identity_of("alice/client"),
         run.identity_of("alice/client-2")
     );
-    assert_ne!(
-        run.identity_of("alice/client"),
-        run.identity_of("default/client")
-    );
+    assert_ne!(run.identity_of("alice/client"), run.identity_of(CLIENT));
 }

@@ -133,8 +133,9 @@ fn net(s: &str) -> IpNet {
         .unwrap_or_else(|_| panic!("not an address or prefix: {s}"))
 }
 
-/// Splits a rule into words; a double-quoted string is one word.
-fn words(line: &str) -> Vec<String> {
+/// Splits a rule into words; a double-quoted string (a comment) is one
+/// word.
+pub fn words(line: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut cur = String::new();
     let mut quoted = false;

@@ -157,6 +157,14 @@ impl World {
     }
 }
 
+/// A policy `web` whose one ingress rule admits to the pods labelled
+/// `app: web` the peers `from` lists (YAML list items, indented four).
+pub fn web_from(from: &str) -> String {
+    format!(
+        "metadata: {{name: web}}\nspec:\n  podSelector: {{matchLabels: {{app: web}}}}\n  ingress:\n  - from:\n{from}"
+    )
+}
+
 pub fn named_port(name: &str, protocol: u8, port: u16) -> ContainerPort {
     ContainerPort {
         name: Some(name.into()),
@@ -198,6 +206,13 @@ impl Run {
     /// The map verdict for src → dst (both directions judged where there is
     /// a local endpoint). Checked against explain.
     pub fn allows(&self, src: &str, dst: &str, protocol: u8, port: u16) -> bool {
+        self.judged(src, dst, protocol, port)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Self::allows`], with explain's disagreements returned rather
+    /// than asserted.
+    fn judged(&self, src: &str, dst: &str, protocol: u8, port: u16) -> Result<bool, String> {
         let (s_ips, d_ips) = (self.addresses(src), self.addresses(dst));
         let (s, d) = s_ips
             .iter()
@@ -216,10 +231,14 @@ impl Run {
             port,
         };
         let ex = policy::explain(&self.state, &self.compiled, &q)
-            .unwrap_or_else(|e| panic!("explain: {e}"));
-        assert!(ex.consistent(), "explain disagrees with the maps:\n{ex}");
-        assert_eq!(ex.allowed, verdict, "explain verdict differs:\n{ex}");
-        verdict
+            .map_err(|e| format!("explain: {e}"))?;
+        if !ex.consistent() {
+            return Err(format!("explain disagrees with the maps:\n{ex}"));
+        }
+        if ex.allowed != verdict {
+            return Err(format!("explain verdict differs:\n{ex}"));
+        }
+        Ok(verdict)
     }
 
     /// The map verdict for the given addresses: the first packet of the
@@ -356,25 +375,34 @@ impl Run {
     }
 
     /// Asserts every (name, src, dst, protocol, port, allowed) case.
-    pub fn check(&self, cases: &[(&str, &str, &str, u8, u16, bool)]) {
-        let mut bad = Vec::new();
-        for (name, src, dst, protocol, port, want) in cases {
-            let got = self.allows(src, dst, *protocol, *port);
-            if got != *want {
-                bad.push(format!(
-                    "{name}: {src} -> {dst} {}/{port}: want {}, got {}",
-                    proto_name(*protocol),
-                    verdict(*want),
-                    verdict(got)
-                ));
-            }
-        }
+    #[track_caller]
+    pub fn check(&self, cases: &[Flow<'_>]) {
+        let bad = self.wrong_verdicts(cases);
         assert!(
             bad.is_empty(),
             "wrong verdicts:\n{}\nerrors: {:?}",
             bad.join("\n"),
             self.error_strings()
         );
+    }
+
+    /// The flows whose verdict is not the one they expect (or that explain
+    /// judges otherwise), one line each.
+    fn wrong_verdicts(&self, cases: &[Flow<'_>]) -> Vec<String> {
+        let mut bad = Vec::new();
+        for (name, src, dst, protocol, port, want) in cases {
+            let flow = format!("{name}: {src} -> {dst} {}/{port}", proto_name(*protocol));
+            match self.judged(src, dst, *protocol, *port) {
+                Ok(got) if got == *want => {}
+                Ok(got) => bad.push(format!(
+                    "{flow}: want {}, got {}",
+                    verdict(*want),
+                    verdict(got)
+                )),
+                Err(e) => bad.push(format!("{flow}: {e}")),
+            }
+        }
+        bad
     }
 
     pub fn error_strings(&self) -> Vec<String> {
@@ -384,6 +412,72 @@ impl Run {
             .map(ToString::to_string)
             .collect()
     }
+}
+
+/// One flow a table expects: (name, src, dst, protocol, port, allowed).
+pub type Flow<'a> = (&'a str, &'a str, &'a str, u8, u16, bool);
+
+/// One case of a table run by [`check_cases`]: policies added to a fresh
+/// world, then what the compiled result must do.
+#[derive(Default)]
+pub struct Case<'a> {
+    /// What the case shows; every failure names it.
+    pub name: &'a str,
+    /// The policies (YAML) added, in order.
+    pub policies: &'a [&'a str],
+    /// The flows and their expected verdicts.
+    pub flows: &'a [Flow<'a>],
+    /// (pod, direction, isolated): whether the pod is isolated that way.
+    pub isolated: &'a [(&'a str, u8, bool)],
+    /// The field the first compile error names, where the case expects one.
+    pub first_error: Option<&'a str>,
+}
+
+/// Runs every case on a world of its own from `world` and asserts once,
+/// naming each case with every flow, isolation or error it got wrong.
+#[track_caller]
+pub fn check_cases(world: fn() -> World, cases: &[Case<'_>]) {
+    let mut bad = Vec::new();
+    for case in cases {
+        let mut w = world();
+        for p in case.policies {
+            w.policy(p);
+        }
+        let run = w.compile();
+        let mut wrong = run.wrong_verdicts(case.flows);
+        for &(pod, dir, want) in case.isolated {
+            let got = run.isolated(pod, dir);
+            if got != want {
+                let dir = if dir == direction::INGRESS {
+                    "ingress"
+                } else {
+                    "egress"
+                };
+                wrong.push(format!("{pod} {dir}-isolated: want {want}, got {got}"));
+            }
+        }
+        if let Some(field) = case.first_error {
+            let got = run.compiled.errors.first().map(|e| e.field());
+            if got != Some(field) {
+                wrong.push(format!("first error's field: want {field}, got {got:?}"));
+            }
+        }
+        if !wrong.is_empty() {
+            bad.push(format!(
+                "{}:\n  {}\n  errors: {:?}",
+                case.name,
+                wrong.join("\n  "),
+                run.error_strings()
+            ));
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "{} of {} cases wrong:\n{}",
+        bad.len(),
+        cases.len(),
+        bad.join("\n")
+    );
 }
 
 fn end_at(s: &str, a: IpAddr) -> FlowEnd {

@@ -134,8 +134,8 @@ fn assert_enforced_now(
     victim: &Sandbox,
     victim_ip: Ipv4Addr,
     rx: &Receiver,
-    friend: (&Sandbox, Ipv4Addr),
-    foe: (&Sandbox, Ipv4Addr),
+    friend: &(Sandbox, Ipv4Addr),
+    foe: &(Sandbox, Ipv4Addr),
 ) {
     let to = SocketAddrV4::new(victim_ip, PORT);
     let flood = Flood::start(&foe.0.netns, vec![to], AFTER_ADD);
@@ -157,25 +157,52 @@ fn assert_enforced_now(
     );
 }
 
+/// The friend and the foe up (pod and address), the victim's sandbox
+/// made but not added, a receiver listening in it.
+struct Cast {
+    rt: CniRuntime,
+    friend: (Sandbox, Ipv4Addr),
+    foe: (Sandbox, Ipv4Addr),
+    victim: Sandbox,
+    rx: Receiver,
+}
+
+impl Cast {
+    /// On a runtime whose plugin waits `timeout` seconds for the agent.
+    fn new(w: &mut World, timeout: f64) -> Self {
+        let rt = w.node.runtime(timeout);
+        let friend = w.pod(&rt, "friend");
+        let foe = w.pod(&rt, "foe");
+        let victim = w.node.sandbox(&rt, "victim");
+        let rx = Receiver::start(&victim.netns, PORT);
+        Self {
+            rt,
+            friend,
+            foe,
+            victim,
+            rx,
+        }
+    }
+
+    /// [`assert_enforced_now`] for the victim, added at `victim_ip`.
+    fn assert_enforced_now(&self, victim_ip: Ipv4Addr) {
+        assert_enforced_now(&self.victim, victim_ip, &self.rx, &self.friend, &self.foe);
+    }
+
+    /// DELs the victim, the foe and the friend.
+    fn del_all(self) {
+        del_all(&self.rt, [self.victim, self.foe.0, self.friend.0]);
+    }
+}
+
 fn enforced_once_add_returns(prefix: &'static str, mode: Mode) {
     let mut w = World::new(prefix, mode, friend_foe_victim(), &[]);
-    let rt = w.node.runtime(10.0);
-    let (friend, friend_ip) = w.pod(&rt, "friend");
-    let (foe, foe_ip) = w.pod(&rt, "foe");
-    let mut victim = w.node.sandbox(&rt, "victim");
-    let rx = Receiver::start(&victim.netns, PORT);
-    let result = rt
-        .add(&mut victim)
-        .unwrap_or_else(|e| panic!("ADD victim: {e}"));
-    let victim_ip = ipv4(&result);
-    assert_enforced_now(
-        &victim,
-        victim_ip,
-        &rx,
-        (&friend, friend_ip),
-        (&foe, foe_ip),
-    );
-    del_all(&rt, [victim, foe, friend]);
+    let mut c = Cast::new(&mut w, 10.0);
+    let result =
+        c.rt.add(&mut c.victim)
+            .unwrap_or_else(|e| panic!("ADD victim: {e}"));
+    c.assert_enforced_now(ipv4(&result));
+    c.del_all();
     assert!(w.node.fx.reserved().is_empty(), "every address released");
 }
 
@@ -202,36 +229,26 @@ fn cni_code(r: &Result<Value, CniError>) -> Option<u64> {
 #[test]
 fn add_fails_while_the_agent_is_down_and_succeeds_enforced_once_it_is_back() {
     let mut w = World::new("cnidown", Mode::Manifests, friend_foe_victim(), &[]);
-    let rt = w.node.runtime(2.0);
-    let (friend, friend_ip) = w.pod(&rt, "friend");
-    let (foe, foe_ip) = w.pod(&rt, "foe");
+    let mut c = Cast::new(&mut w, 2.0);
     w.node.kill();
-    let mut victim = w.node.sandbox(&rt, "victim");
-    let rx = Receiver::start(&victim.netns, PORT);
     for (what, stale) in [("stale socket", true), ("no socket", false)] {
         if !stale {
             std::fs::remove_file(w.node.fx.socket()).unwrap();
         }
-        let r = rt.add(&mut victim);
+        let r = c.rt.add(&mut c.victim);
         assert_eq!(
             cni_code(&r),
             Some(u64::from(code::TRY_AGAIN)),
             "{what}: {r:?}"
         );
-        rt.del(&mut victim)
+        c.rt.del(&mut c.victim)
             .unwrap_or_else(|e| panic!("{what}: DEL after a failed ADD: {e}"));
     }
     w.node.start();
-    let result = rt
-        .add(&mut victim)
-        .unwrap_or_else(|e| panic!("ADD with the agent back: {e}"));
-    assert_enforced_now(
-        &victim,
-        ipv4(&result),
-        &rx,
-        (&friend, friend_ip),
-        (&foe, foe_ip),
-    );
+    let result =
+        c.rt.add(&mut c.victim)
+            .unwrap_or_else(|e| panic!("ADD with the agent back: {e}"));
+    c.assert_enforced_now(ipv4(&result));
 }
 
 /// Agent slow: the pod object is not there yet, so the agent cannot
@@ -243,25 +260,15 @@ fn add_fails_when_the_agent_confirms_after_the_timeout() {
     let mut objects = friend_foe_victim();
     let victim_obj = objects.remove(3);
     let mut w = World::new("cnislow", Mode::Manifests, objects, &[]);
-    let rt = w.node.runtime(2.0);
-    let (friend, friend_ip) = w.pod(&rt, "friend");
-    let (foe, foe_ip) = w.pod(&rt, "foe");
-    let mut victim = w.node.sandbox(&rt, "victim");
-    let rx = Receiver::start(&victim.netns, PORT);
-    let r = rt.add(&mut victim);
+    let mut c = Cast::new(&mut w, 2.0);
+    let r = c.rt.add(&mut c.victim);
     assert_eq!(cni_code(&r), Some(u64::from(code::TRY_AGAIN)), "{r:?}");
-    rt.del(&mut victim).unwrap();
+    c.rt.del(&mut c.victim).unwrap();
     w.add_object(victim_obj);
-    let result = rt
-        .add(&mut victim)
-        .unwrap_or_else(|e| panic!("retried ADD: {e}"));
-    assert_enforced_now(
-        &victim,
-        ipv4(&result),
-        &rx,
-        (&friend, friend_ip),
-        (&foe, foe_ip),
-    );
+    let result =
+        c.rt.add(&mut c.victim)
+            .unwrap_or_else(|e| panic!("retried ADD: {e}"));
+    c.assert_enforced_now(ipv4(&result));
 }
 
 /// Agent restarting during ADD: the ADD is waiting (pod object not there
@@ -273,13 +280,9 @@ fn an_agent_restart_during_add_never_lets_the_pod_start_unenforced() {
     let mut objects = friend_foe_victim();
     let victim_obj = objects.remove(3);
     let mut w = World::new("cnirst", Mode::Manifests, objects, &[]);
-    let rt = w.node.runtime(15.0);
-    let (friend, friend_ip) = w.pod(&rt, "friend");
-    let (foe, foe_ip) = w.pod(&rt, "foe");
-    let mut victim = w.node.sandbox(&rt, "victim");
-    let rx = Receiver::start(&victim.netns, PORT);
+    let mut c = Cast::new(&mut w, 15.0);
     let first = std::thread::scope(|s| {
-        let add = s.spawn(|| rt.add(&mut victim));
+        let add = s.spawn(|| c.rt.add(&mut c.victim));
         std::thread::sleep(Duration::from_secs(1));
         w.node.kill();
         w.add_object(victim_obj);
@@ -290,18 +293,12 @@ fn an_agent_restart_during_add_never_lets_the_pod_start_unenforced() {
         Ok(result) => result,
         Err(e) => {
             assert_eq!(e.code(), Some(u64::from(code::TRY_AGAIN)), "{e}");
-            rt.del(&mut victim).unwrap();
-            rt.add(&mut victim)
+            c.rt.del(&mut c.victim).unwrap();
+            c.rt.add(&mut c.victim)
                 .unwrap_or_else(|e| panic!("retried ADD: {e}"))
         }
     };
-    assert_enforced_now(
-        &victim,
-        ipv4(&result),
-        &rx,
-        (&friend, friend_ip),
-        (&foe, foe_ip),
-    );
+    c.assert_enforced_now(ipv4(&result));
 }
 
 /// DEL of a sandbox the agent never saw (and a second DEL of one it did)
@@ -556,11 +553,8 @@ fn a_foreign_tcx_program_on_a_new_veth_is_overtaken_before_add_returns() {
         return;
     }
     let mut w = World::new("cniftx", Mode::Manifests, friend_foe_victim(), &[]);
-    let rt = w.node.runtime(10.0);
-    let (friend, friend_ip) = w.pod(&rt, "friend");
-    let (foe, foe_ip) = w.pod(&rt, "foe");
-    let mut victim = w.node.sandbox(&rt, "victim");
-    let rx = Receiver::start(&victim.netns, PORT);
+    let mut c = Cast::new(&mut w, 10.0);
+    let rt = &c.rt;
     // The chain as a runtime runs it, but stopping before our plugin.
     let list = rt.list().clone();
     let plugins = list["plugins"].as_array().unwrap().clone();
@@ -569,7 +563,7 @@ fn a_foreign_tcx_program_on_a_new_veth_is_overtaken_before_add_returns() {
     let mut prev: Option<Value> = None;
     for plugin in main {
         let inv = rt
-            .invoke("ADD", &victim, &rt.derive(&list, plugin, prev.as_ref()))
+            .invoke("ADD", &c.victim, &rt.derive(&list, plugin, prev.as_ref()))
             .unwrap();
         assert_eq!(inv.status, Some(0), "{}: {}", inv.plugin, inv.stderr);
         prev = Some(serde_json::from_str(inv.stdout.trim()).unwrap());
@@ -582,22 +576,16 @@ fn a_foreign_tcx_program_on_a_new_veth_is_overtaken_before_add_returns() {
         LinkOrder::first,
     );
     let inv = rt
-        .invoke("ADD", &victim, &rt.derive(&list, ours, prev.as_ref()))
+        .invoke("ADD", &c.victim, &rt.derive(&list, ours, prev.as_ref()))
         .unwrap();
     assert_eq!(inv.status, Some(0), "ours: {} {}", inv.stdout, inv.stderr);
     let result: Value = serde_json::from_str(inv.stdout.trim()).unwrap();
-    victim.result = Some(result.clone());
+    c.victim.result = Some(result.clone());
     let victim_ip = ipv4(&result);
     on_tcx_links(&w, ifindex(&w, &host), &host).unwrap();
-    assert_enforced_now(
-        &victim,
-        victim_ip,
-        &rx,
-        (&friend, friend_ip),
-        (&foe, foe_ip),
-    );
+    c.assert_enforced_now(victim_ip);
     drop(foreign);
-    del_all(&rt, [victim, foe, friend]);
+    c.del_all();
 }
 
 /// A foreign TCX program attached to a *running* pod's veth, first in
@@ -614,8 +602,8 @@ fn a_foreign_tcx_program_on_a_running_pod_is_overtaken_by_the_order_check() {
     let extra = ["--order-check-ms", "200"];
     let mut w = World::new("cnirtx", Mode::Manifests, friend_foe_victim(), &extra);
     let rt = w.node.runtime(10.0);
-    let (friend, friend_ip) = w.pod(&rt, "friend");
-    let (foe, foe_ip) = w.pod(&rt, "foe");
+    let friend = w.pod(&rt, "friend");
+    let foe = w.pod(&rt, "foe");
     let (victim, victim_ip) = w.pod(&rt, "victim");
     let rx = Receiver::start(&victim.netns, PORT);
     let host = host_if(victim.result.as_ref().unwrap());
@@ -647,15 +635,9 @@ fn a_foreign_tcx_program_on_a_running_pod_is_overtaken_by_the_order_check() {
         Duration::from_secs(10),
         || on_tcx_links(&w, veth, &host),
     );
-    assert_enforced_now(
-        &victim,
-        victim_ip,
-        &rx,
-        (&friend, friend_ip),
-        (&foe, foe_ip),
-    );
+    assert_enforced_now(&victim, victim_ip, &rx, &friend, &foe);
     drop(foreign);
-    del_all(&rt, [victim, foe, friend]);
+    del_all(&rt, [victim, foe.0, friend.0]);
 }
 
 /// The host-side interface a CNI result names.

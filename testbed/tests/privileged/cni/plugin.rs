@@ -10,12 +10,12 @@ use std::{
 };
 
 use policy_cni::protocol::{Command, HostInterface, PodId, code};
-use policy_testbed::cni_runtime::CniError;
+use policy_testbed::cni_runtime::{CniError, CniRuntime, Sandbox};
 use policy_testbed::fixtures::cni::{Answer, Fixture, StandIn};
 use serde_json::{Value, json};
 
 /// What our plugin's ADD cost (its own invocation, nsenter included).
-fn our_add(rt: &policy_testbed::cni_runtime::CniRuntime) -> Duration {
+fn our_add(rt: &CniRuntime) -> Duration {
     rt.take_log()
         .into_iter()
         .find(|i| i.plugin == "policy-cni" && i.command == "ADD")
@@ -23,8 +23,24 @@ fn our_add(rt: &policy_testbed::cni_runtime::CniRuntime) -> Duration {
         .expect("policy-cni ran")
 }
 
+/// ADD fails with "try again later", our plugin having waited at least
+/// `at_least` (its timeout) and not much longer.
+fn assert_add_times_out(rt: &CniRuntime, sb: &mut Sandbox, at_least: Duration, what: &str) {
+    let err = rt.add(sb).unwrap_err();
+    assert_eq!(
+        err.code(),
+        Some(u64::from(code::TRY_AGAIN)),
+        "{what}: {err}"
+    );
+    let took = our_add(rt);
+    assert!(
+        took >= at_least && took < Duration::from_millis(2500),
+        "{what}: {took:?}"
+    );
+}
+
 /// The pod's addresses in its namespace (global scope).
-fn pod_addresses(sb: &policy_testbed::cni_runtime::Sandbox) -> Vec<IpAddr> {
+fn pod_addresses(sb: &Sandbox) -> Vec<IpAddr> {
     let out = sb.netns.ip(&["-j", "addr", "show", "dev", "eth0"]).unwrap();
     let v: Value = serde_json::from_str(&out).unwrap();
     let mut ips: Vec<IpAddr> = v[0]["addr_info"]
@@ -178,13 +194,7 @@ fn an_absent_agent_fails_add_with_try_again_within_the_timeout() {
     let fx = Fixture::new("cniabsent");
     let rt = fx.runtime("0.4.0", 1.0, false);
     let mut sb = fx.sandbox(&rt, "a");
-    let err = rt.add(&mut sb).unwrap_err();
-    assert_eq!(err.code(), Some(u64::from(code::TRY_AGAIN)), "{err}");
-    let took = our_add(&rt);
-    assert!(
-        took >= Duration::from_millis(800) && took < Duration::from_millis(2500),
-        "{took:?}"
-    );
+    assert_add_times_out(&rt, &mut sb, Duration::from_millis(800), "no agent");
     rt.del(&mut sb).unwrap();
     assert!(fx.reserved().is_empty());
 }
@@ -199,13 +209,7 @@ fn an_agent_slower_than_the_timeout_fails_add() {
         let agent = StandIn::start(fx.socket(), move |_| answer.clone());
         let rt = fx.runtime("1.0.0", 1.0, false);
         let mut sb = fx.sandbox(&rt, tag);
-        let err = rt.add(&mut sb).unwrap_err();
-        assert_eq!(err.code(), Some(u64::from(code::TRY_AGAIN)), "{tag}: {err}");
-        let took = our_add(&rt);
-        assert!(
-            took >= Duration::from_millis(900) && took < Duration::from_millis(2500),
-            "{tag}: {took:?}"
-        );
+        assert_add_times_out(&rt, &mut sb, Duration::from_millis(900), tag);
         assert_eq!(agent.seen().len(), 1, "{tag}: the agent was asked");
         rt.del(&mut sb).unwrap();
         drop(agent);

@@ -7,35 +7,25 @@ use policy_agent::datapath::bpf::pins::Hook;
 use policy_common::{
     direction::{EGRESS, INGRESS},
     endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED},
-    identity::{ANY, NODE, WORLD},
+    identity::ANY,
     maps::CONNTRACK,
     policy::PolicyKey,
     proto::{ANY as ANY_PROTO, TCP, UDP},
-    verdict::Reason,
+    verdict::Reason::{self, *},
 };
-use policy_testbed::fixtures::harness::{Harness, Verdict, ip};
+use policy_testbed::fixtures::harness::{
+    Harness, PEER, POD,
+    Verdict::{self, Drop, Pass},
+    ip,
+};
 use policy_testbed::packet::{Fragment, L4, Packet, TCP_ACK, TCP_FIN, TCP_SYN};
 
-const POD: u32 = 300;
-const PEER: u32 = 301;
-const OTHER: u32 = 302;
 const BOTH: u32 = ENDPOINT_INGRESS_ISOLATED | ENDPOINT_EGRESS_ISOLATED;
 
-/// The pod 10.0.0.10 / fd00::10 (POD), a peer 10.0.1.20 / fd00::20 (PEER),
-/// another pod 10.0.2.30 (OTHER), the node 192.168.0.1.
-fn cluster(h: &mut Harness, flags: u32) {
-    h.endpoint(POD, flags, 1);
-    h.ipcache("10.0.0.10/32", POD, WORLD);
-    h.ipcache("10.0.1.20/32", PEER, WORLD);
-    h.ipcache("10.0.2.30/32", OTHER, WORLD);
-    h.ipcache("fd00::10/128", POD, WORLD);
-    h.ipcache("fd00::20/128", PEER, WORLD);
-    h.ipcache("192.168.0.1/32", NODE, WORLD);
-}
-
+/// A new harness holding [`Harness::cluster`].
 fn harness(flags: u32) -> Harness {
     let mut h = Harness::new();
-    cluster(&mut h, flags);
+    h.cluster(flags);
     h
 }
 
@@ -72,22 +62,17 @@ fn a_pod_can_send_only_from_its_own_addresses() {
     // Neighbour discovery from its link-local address, as RFC 4861 sends it.
     let mut ns = Packet::new(ip("fe80::10"), ip("ff02::1:ff00:1"), L4::Icmp { kind: 135 });
     ns.hop_limit = 255;
-    assert_eq!(
-        h.run_reason(Hook::Ingress, &ns.frame()),
-        (Verdict::Pass, Reason::AllowNeighborDiscovery)
-    );
     // MLD only from a link-local source with hop limit 1.
     let mut mld = Packet::new(ip("fd00::20"), ip("ff02::16"), L4::Icmp { kind: 143 });
     mld.hop_limit = 1;
-    assert_eq!(
-        h.run_reason(Hook::Ingress, &mld.frame()),
-        (Verdict::Drop, Reason::DropSpoofed)
-    );
+    let global = mld.frame();
     mld.src = ip("fe80::10");
-    assert_eq!(
-        h.run_reason(Hook::Ingress, &mld.frame()),
-        (Verdict::Pass, Reason::AllowNeighborDiscovery)
-    );
+    let nd = (Pass, AllowNeighborDiscovery);
+    h.check(&[
+        ("ND", Hook::Ingress, &ns.frame(), nd),
+        ("global MLD", Hook::Ingress, &global, (Drop, DropSpoofed)),
+        ("link-local MLD", Hook::Ingress, &mld.frame(), nd),
+    ]);
 }
 
 #[test]
@@ -104,10 +89,7 @@ fn a_forged_packet_opens_no_flow_for_either_end() {
     );
     assert_eq!(tracked(&h), 0);
     // X -> pod and pod -> X are both judged as what they are.
-    assert_eq!(
-        h.run_reason(Hook::Egress, &forged.frame()),
-        (Verdict::Drop, Reason::DropPolicy)
-    );
+    let forged = forged.frame();
     let back = Packet::tcp(
         ip("10.0.0.10"),
         80,
@@ -115,10 +97,10 @@ fn a_forged_packet_opens_no_flow_for_either_end() {
         1000,
         TCP_SYN | TCP_ACK,
     );
-    assert_eq!(
-        h.run_reason(Hook::Ingress, &back.frame()),
-        (Verdict::Drop, Reason::DropPolicy)
-    );
+    h.check(&[
+        ("X -> pod", Hook::Egress, &forged, (Drop, DropPolicy)),
+        ("pod -> X", Hook::Ingress, &back.frame(), (Drop, DropPolicy)),
+    ]);
 }
 
 #[test]
@@ -127,16 +109,12 @@ fn a_flow_continues_only_at_the_hook_it_was_opened_at() {
     h.allow(PolicyKey::new(POD, EGRESS, PEER, UDP, 16, 5000));
     h.allow(PolicyKey::new(POD, INGRESS, PEER, ANY_PROTO, 0, 0));
     h.sync();
-    let out = Packet::udp(ip("10.0.0.10"), 33000, ip("10.0.1.20"), 5000);
-    assert_eq!(
-        h.run_reason(Hook::Ingress, &out.frame()),
-        (Verdict::Pass, Reason::AllowPolicy)
-    );
-    // The same header coming in for the pod is no continuation of it.
-    assert_eq!(
-        h.run_reason(Hook::Egress, &out.frame()),
-        (Verdict::Drop, Reason::DropPolicy)
-    );
+    let out = Packet::udp(ip("10.0.0.10"), 33000, ip("10.0.1.20"), 5000).frame();
+    h.check(&[
+        ("sent", Hook::Ingress, &out, (Pass, AllowPolicy)),
+        // The same header coming in for the pod is no continuation of it.
+        ("coming in", Hook::Egress, &out, (Drop, DropPolicy)),
+    ]);
     // Received for an address that is not the pod's: judged, not tracked.
     let before = tracked(&h);
     let stray = Packet::udp(ip("10.0.1.20"), 5000, ip("10.0.0.99"), 33000);
@@ -172,28 +150,28 @@ fn error_about(src: &str, dst: &str, quoted: &Packet) -> Vec<u8> {
 fn an_icmp_error_is_related_only_on_its_way_back_and_while_the_flow_is_allowed() {
     let (mut h, out) = dns_client();
     // A router on the path reports the pod's flow back to the pod.
-    assert_eq!(
-        h.run_reason(Hook::Egress, &error_about("192.0.2.1", "10.0.0.10", &out)),
-        (Verdict::Pass, Reason::AllowRelated)
-    );
+    let back = error_about("192.0.2.1", "10.0.0.10", &out);
     // The pod quoting its own flow in an error to anyone else: plain ICMP.
-    assert_eq!(
-        h.run_reason(
-            Hook::Ingress,
-            &error_about("10.0.0.10", "203.0.113.9", &out)
-        ),
-        (Verdict::Drop, Reason::DropPolicy)
-    );
+    let elsewhere = error_about("10.0.0.10", "203.0.113.9", &out);
     // An error the pod sends about a packet it received goes to that
     // packet's sender: quoting its own outgoing flow, it is not one.
     let reply = Packet::udp(ip("10.0.1.20"), 5000, ip("10.0.0.10"), 33000);
-    assert_eq!(
-        h.run_reason(
+    let about_reply = error_about("10.0.0.10", "10.0.1.20", &reply);
+    h.check(&[
+        ("a router's", Hook::Egress, &back, (Pass, AllowRelated)),
+        (
+            "the pod's, elsewhere",
             Hook::Ingress,
-            &error_about("10.0.0.10", "10.0.1.20", &reply)
+            &elsewhere,
+            (Drop, DropPolicy),
         ),
-        (Verdict::Pass, Reason::AllowRelated)
-    );
+        (
+            "the pod's, to the peer",
+            Hook::Ingress,
+            &about_reply,
+            (Pass, AllowRelated),
+        ),
+    ]);
     // The flow is revoked: errors about it go with it.
     h.state.policy.clear();
     h.endpoint(POD, BOTH, 2);
@@ -327,7 +305,7 @@ fn a_midstream_segment_opens_no_flow() {
 #[test]
 fn an_evicted_flow_is_judged_again_never_opened() {
     let mut h = Harness::with_capacities(&[(CONNTRACK, 32)]);
-    cluster(&mut h, BOTH);
+    h.cluster(BOTH);
     h.allow(PolicyKey::new(POD, EGRESS, PEER, TCP, 0, 0));
     h.sync();
     let flows = 256u16;
@@ -363,15 +341,9 @@ fn six_extension_headers_are_walked_and_fragments_keep_their_key() {
     h.sync();
     let mut p = Packet::udp(ip("fd00::20"), 1000, ip("fd00::10"), 53);
     p.ipv6_ext_headers = 6;
-    assert_eq!(
-        h.run_reason(Hook::Egress, &p.frame()),
-        (Verdict::Pass, Reason::AllowPolicy)
-    );
+    let six = p.frame();
     p.ipv6_ext_headers = 7;
-    assert_eq!(
-        h.run_reason(Hook::Egress, &p.frame()),
-        (Verdict::Drop, Reason::DropMalformed)
-    );
+    let seven = p.frame();
     // Destination options after the Fragment header: the later fragments
     // name them, the first names UDP after them; one datagram all the same.
     let frag = |offset, more| {
@@ -384,18 +356,14 @@ fn six_extension_headers_are_walked_and_fragments_keep_their_key() {
         });
         p.frame()
     };
-    assert_eq!(
-        h.run_reason(Hook::Egress, &frag(0, true)),
-        (Verdict::Pass, Reason::AllowPolicy)
-    );
-    assert_eq!(
-        h.run_reason(Hook::Egress, &frag(185, false)),
-        (Verdict::Pass, Reason::AllowFragment)
-    );
+    let (first, later) = (frag(0, true), frag(185, false));
     // A TCP segment without SYN and no flow: judged, and no continuation.
-    let ack = Packet::tcp(ip("fd00::20"), 1000, ip("fd00::10"), 53, TCP_ACK);
-    assert_eq!(
-        h.run_reason(Hook::Egress, &ack.frame()),
-        (Verdict::Drop, Reason::DropPolicy)
-    );
+    let ack = Packet::tcp(ip("fd00::20"), 1000, ip("fd00::10"), 53, TCP_ACK).frame();
+    h.check(&[
+        ("6 headers", Hook::Egress, &six, (Pass, AllowPolicy)),
+        ("7 headers", Hook::Egress, &seven, (Drop, DropMalformed)),
+        ("first", Hook::Egress, &first, (Pass, AllowPolicy)),
+        ("later", Hook::Egress, &later, (Pass, AllowFragment)),
+        ("ACK, no flow", Hook::Egress, &ack, (Drop, DropPolicy)),
+    ]);
 }

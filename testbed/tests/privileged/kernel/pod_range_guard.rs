@@ -9,9 +9,13 @@ use policy_common::{
     direction::EGRESS,
     event::DropEvent,
     identity::{NODE, WORLD},
-    verdict::Reason,
+    verdict::Reason::{self, *},
 };
-use policy_testbed::fixtures::harness::{Harness, TEST_IFINDEX, Verdict, ip};
+use policy_testbed::fixtures::harness::{
+    Expect, Harness, TEST_IFINDEX,
+    Verdict::{self, Drop, Pass},
+    ip,
+};
 use policy_testbed::packet::{Packet, TCP_SYN};
 
 const POD: u32 = 300;
@@ -44,32 +48,39 @@ fn tcp(src: &str, dst: &str) -> Vec<u8> {
     Packet::tcp(ip(src), 40000, ip(dst), 80, TCP_SYN).frame()
 }
 
+/// Runs every row, a [`tcp`] SYN `src` -> `dst` at `hook` (its label),
+/// and reports at once every row that differs from what it expects (see
+/// [`Harness::check`]).
+#[track_caller]
+fn check<E: Into<Expect> + Copy>(h: &mut Harness, rows: &[(Hook, &str, &str, E)]) {
+    let frames: Vec<Vec<u8>> = rows.iter().map(|&(_, src, dst, _)| tcp(src, dst)).collect();
+    let table: Vec<_> = rows
+        .iter()
+        .zip(&frames)
+        .map(|(&(hook, src, dst, want), frame)| (format!("{src} -> {dst}"), hook, &frame[..], want))
+        .collect();
+    h.check(&table);
+}
+
+const UNENFORCED: (Verdict, Reason) = (Drop, DropUnenforced);
+const NOT_ISOLATED: (Verdict, Reason) = (Pass, AllowNotIsolated);
+
 #[test]
 fn a_pod_cannot_reach_an_unenforced_neighbour() {
     let mut h = node(true);
-    for (src, dst) in [("10.0.0.10", "10.0.0.99"), ("fd00::10", "fd00::99")] {
-        assert_eq!(
-            h.run_reason(Hook::Ingress, &tcp(src, dst)),
-            (Verdict::Drop, Reason::DropUnenforced),
-            "{src} -> {dst}"
-        );
-    }
-    // Enforced neighbours, the gateway, addresses outside the ranges: as before.
-    for dst in ["10.0.0.11", "fd00::11", "192.0.2.1", "10.0.1.99"] {
-        let src = if dst.contains(':') {
-            "fd00::10"
-        } else {
-            "10.0.0.10"
-        };
-        assert_eq!(
-            h.run_reason(Hook::Ingress, &tcp(src, dst)),
-            (Verdict::Pass, Reason::AllowNotIsolated),
-            "{dst}"
-        );
-    }
-    assert_eq!(
-        h.run_reason(Hook::Ingress, &tcp("10.0.0.10", "10.0.0.1")),
-        (Verdict::Pass, Reason::AllowNode)
+    check(
+        &mut h,
+        &[
+            (Hook::Ingress, "10.0.0.10", "10.0.0.99", UNENFORCED),
+            (Hook::Ingress, "fd00::10", "fd00::99", UNENFORCED),
+            // Enforced neighbours, the gateway, addresses outside the
+            // ranges: as before.
+            (Hook::Ingress, "10.0.0.10", "10.0.0.11", NOT_ISOLATED),
+            (Hook::Ingress, "fd00::10", "fd00::11", NOT_ISOLATED),
+            (Hook::Ingress, "10.0.0.10", "192.0.2.1", NOT_ISOLATED),
+            (Hook::Ingress, "10.0.0.10", "10.0.1.99", NOT_ISOLATED),
+            (Hook::Ingress, "10.0.0.10", "10.0.0.1", (Pass, AllowNode)),
+        ],
     );
     // Once the agent writes its entry, the new pod is reachable.
     h.enforce("10.0.0.99", Some(9));
@@ -88,75 +99,51 @@ fn a_pod_cannot_reach_an_unenforced_neighbour() {
 #[test]
 fn an_unenforced_neighbour_cannot_reach_a_pod() {
     let mut h = node(true);
-    for (src, dst) in [("10.0.0.99", "10.0.0.10"), ("fd00::99", "fd00::10")] {
-        assert_eq!(
-            h.run_reason(Hook::Egress, &tcp(src, dst)),
-            (Verdict::Drop, Reason::DropUnenforced),
-            "{src} -> {dst}"
-        );
-    }
-    assert_eq!(
-        h.run_reason(Hook::Egress, &tcp("10.0.0.11", "10.0.0.10")),
-        (Verdict::Pass, Reason::AllowNotIsolated)
-    );
-    assert_eq!(
-        h.run_reason(Hook::Egress, &tcp("10.0.0.1", "10.0.0.10")),
-        (Verdict::Pass, Reason::AllowNode)
+    check(
+        &mut h,
+        &[
+            (Hook::Egress, "10.0.0.99", "10.0.0.10", UNENFORCED),
+            (Hook::Egress, "fd00::99", "fd00::10", UNENFORCED),
+            (Hook::Egress, "10.0.0.11", "10.0.0.10", NOT_ISOLATED),
+            (Hook::Egress, "10.0.0.1", "10.0.0.10", (Pass, AllowNode)),
+        ],
     );
 }
 
 #[test]
 fn nothing_leaves_the_node_from_an_unenforced_address() {
     let mut h = node(true);
-    assert_eq!(
-        h.run_reason(Hook::Uplink, &tcp("10.0.0.99", "192.0.2.1")),
-        (Verdict::Drop, Reason::DropUnenforced)
-    );
-    assert_eq!(
-        h.run_reason(Hook::Uplink, &tcp("fd00::99", "2001:db8::1")),
-        (Verdict::Drop, Reason::DropUnenforced)
-    );
-    for src in ["10.0.0.10", "10.0.0.1", "192.0.2.7", "fd00::11"] {
-        let dst = if src.contains(':') {
-            "2001:db8::1"
-        } else {
-            "192.0.2.1"
-        };
-        assert_eq!(h.run(Hook::Uplink, &tcp(src, dst)), Verdict::Pass, "{src}");
-    }
-    // The destination does not matter at egress (the next node judges).
-    assert_eq!(
-        h.run(Hook::Uplink, &tcp("192.0.2.1", "10.0.0.99")),
-        Verdict::Pass
+    let (unenforced, pass) = (Expect::from(UNENFORCED), Expect::Verdict(Pass));
+    check(
+        &mut h,
+        &[
+            (Hook::Uplink, "10.0.0.99", "192.0.2.1", unenforced),
+            (Hook::Uplink, "fd00::99", "2001:db8::1", unenforced),
+            (Hook::Uplink, "10.0.0.10", "192.0.2.1", pass),
+            (Hook::Uplink, "10.0.0.1", "192.0.2.1", pass),
+            (Hook::Uplink, "192.0.2.7", "192.0.2.1", pass),
+            (Hook::Uplink, "fd00::11", "2001:db8::1", pass),
+            // The destination does not matter at egress (the next node judges).
+            (Hook::Uplink, "192.0.2.1", "10.0.0.99", pass),
+        ],
     );
 }
 
 #[test]
 fn nothing_enters_the_node_for_an_unenforced_address() {
     let mut h = node(true);
-    assert_eq!(
-        h.run_reason(Hook::UplinkIngress, &tcp("192.0.2.1", "10.0.0.99")),
-        (Verdict::Drop, Reason::DropUnenforced)
-    );
-    assert_eq!(
-        h.run_reason(Hook::UplinkIngress, &tcp("2001:db8::1", "fd00::99")),
-        (Verdict::Drop, Reason::DropUnenforced)
-    );
-    for dst in ["10.0.0.10", "10.0.0.1", "fd00::11", "192.0.2.9"] {
-        let src = if dst.contains(':') {
-            "2001:db8::1"
-        } else {
-            "192.0.2.1"
-        };
-        assert_eq!(
-            h.run(Hook::UplinkIngress, &tcp(src, dst)),
-            Verdict::Pass,
-            "{dst}"
-        );
-    }
-    assert_eq!(
-        h.run(Hook::UplinkIngress, &tcp("10.0.0.99", "192.0.2.1")),
-        Verdict::Pass
+    let (unenforced, pass) = (Expect::from(UNENFORCED), Expect::Verdict(Pass));
+    check(
+        &mut h,
+        &[
+            (Hook::UplinkIngress, "192.0.2.1", "10.0.0.99", unenforced),
+            (Hook::UplinkIngress, "2001:db8::1", "fd00::99", unenforced),
+            (Hook::UplinkIngress, "192.0.2.1", "10.0.0.10", pass),
+            (Hook::UplinkIngress, "192.0.2.1", "10.0.0.1", pass),
+            (Hook::UplinkIngress, "2001:db8::1", "fd00::11", pass),
+            (Hook::UplinkIngress, "192.0.2.1", "192.0.2.9", pass),
+            (Hook::UplinkIngress, "10.0.0.99", "192.0.2.1", pass),
+        ],
     );
 }
 
@@ -166,21 +153,15 @@ fn without_the_config_bit_nothing_is_looked_up() {
     // sets it only once ENFORCED is filled; without --pod-cidr never).
     let mut h = node(true);
     h.pod_range_guard(false);
-    assert_eq!(
-        h.run_reason(Hook::Ingress, &tcp("10.0.0.10", "10.0.0.99")),
-        (Verdict::Pass, Reason::AllowNotIsolated)
-    );
-    assert_eq!(
-        h.run_reason(Hook::Egress, &tcp("10.0.0.99", "10.0.0.10")),
-        (Verdict::Pass, Reason::AllowNotIsolated)
-    );
-    assert_eq!(
-        h.run(Hook::Uplink, &tcp("10.0.0.99", "192.0.2.1")),
-        Verdict::Pass
-    );
-    assert_eq!(
-        h.run(Hook::UplinkIngress, &tcp("192.0.2.1", "10.0.0.99")),
-        Verdict::Pass
+    let (not_isolated, pass) = (Expect::from(NOT_ISOLATED), Expect::Verdict(Pass));
+    check(
+        &mut h,
+        &[
+            (Hook::Ingress, "10.0.0.10", "10.0.0.99", not_isolated),
+            (Hook::Egress, "10.0.0.99", "10.0.0.10", not_isolated),
+            (Hook::Uplink, "10.0.0.99", "192.0.2.1", pass),
+            (Hook::UplinkIngress, "192.0.2.1", "10.0.0.99", pass),
+        ],
     );
 }
 

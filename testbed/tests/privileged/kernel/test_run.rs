@@ -7,32 +7,26 @@ use policy_common::{
     direction::{EGRESS, INGRESS},
     endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED},
     event::DropEvent,
-    identity::{ANY, FIRST_CIDR, NODE, WORLD},
+    identity::{ANY, FIRST_CIDR, WORLD},
     policy::PolicyKey,
     proto::{ANY as ANY_PROTO, SCTP, TCP, UDP},
-    verdict::Reason,
+    verdict::Reason::{self, *},
 };
-use policy_testbed::fixtures::harness::{Harness, TEST_IFINDEX, Verdict, ip};
+use policy_testbed::fixtures::harness::{
+    Harness, OTHER, PEER, POD, TEST_IFINDEX,
+    Verdict::{self, Drop, Pass},
+    ip,
+};
 use policy_testbed::packet::{Fragment, L4, Packet, TCP_ACK, TCP_SYN, ethernet};
 
-const POD: u32 = 300;
-const PEER: u32 = 301;
-const OTHER: u32 = 302;
 const CLASS_A: u32 = FIRST_CIDR;
 const CLASS_B: u32 = FIRST_CIDR + 1;
 const BOTH: u32 = ENDPOINT_INGRESS_ISOLATED | ENDPOINT_EGRESS_ISOLATED;
 
-/// A pod at 10.0.0.10 (identity POD), a peer pod at 10.0.1.20 (PEER), another
-/// pod at 10.0.2.30 (OTHER), fd00::10 / fd00::20 for IPv6.
+/// A new harness holding [`Harness::cluster`].
 fn cluster(flags: u32) -> Harness {
     let mut h = Harness::new();
-    h.endpoint(POD, flags, 1);
-    h.ipcache("10.0.0.10/32", POD, WORLD);
-    h.ipcache("10.0.1.20/32", PEER, WORLD);
-    h.ipcache("10.0.2.30/32", OTHER, WORLD);
-    h.ipcache("fd00::10/128", POD, WORLD);
-    h.ipcache("fd00::20/128", PEER, WORLD);
-    h.ipcache("192.168.0.1/32", NODE, WORLD);
+    h.cluster(flags);
     h
 }
 
@@ -49,19 +43,15 @@ fn allows_and_denies_by_peer_identity() {
     let mut h = cluster(BOTH);
     h.allow(ingress_key(PEER, TCP, 16, 80));
     h.sync();
-    assert_eq!(
-        h.run_reason(Hook::Egress, &to_pod("10.0.1.20", 40000, 80)),
-        (Verdict::Pass, Reason::AllowPolicy)
-    );
-    assert_eq!(
-        h.run_reason(Hook::Egress, &to_pod("10.0.2.30", 40000, 80)),
-        (Verdict::Drop, Reason::DropPolicy)
-    );
+    let peer = to_pod("10.0.1.20", 40000, 80);
+    let other = to_pod("10.0.2.30", 40000, 80);
     // Unknown addresses are "world" and not allowed either.
-    assert_eq!(
-        h.run_reason(Hook::Egress, &to_pod("203.0.113.9", 40000, 80)),
-        (Verdict::Drop, Reason::DropPolicy)
-    );
+    let world = to_pod("203.0.113.9", 40000, 80);
+    h.check(&[
+        ("the peer", Hook::Egress, &peer, (Pass, AllowPolicy)),
+        ("another pod", Hook::Egress, &other, (Drop, DropPolicy)),
+        ("world", Hook::Egress, &world, (Drop, DropPolicy)),
+    ]);
 }
 
 #[test]
@@ -69,18 +59,12 @@ fn allows_only_the_listed_port() {
     let mut h = cluster(BOTH);
     h.allow(ingress_key(PEER, TCP, 16, 80));
     h.sync();
-    assert_eq!(
-        h.run(Hook::Egress, &to_pod("10.0.1.20", 40001, 80)),
-        Verdict::Pass
-    );
-    assert_eq!(
-        h.run(Hook::Egress, &to_pod("10.0.1.20", 40001, 81)),
-        Verdict::Drop
-    );
-    assert_eq!(
-        h.run(Hook::Egress, &to_pod("10.0.1.20", 40001, 79)),
-        Verdict::Drop
-    );
+    let to = |port| to_pod("10.0.1.20", 40001, port);
+    h.check(&[
+        ("the port", Hook::Egress, &to(80), Pass),
+        ("the port above", Hook::Egress, &to(81), Drop),
+        ("the port below", Hook::Egress, &to(79), Drop),
+    ]);
 }
 
 #[test]
@@ -114,70 +98,18 @@ fn a_tcp_rule_opens_neither_udp_nor_sctp() {
     h.sync();
     let peer = ip("10.0.1.20");
     let pod = ip("10.0.0.10");
-    assert_eq!(
-        h.run(
-            Hook::Egress,
-            &Packet::tcp(peer, 1000, pod, 53, TCP_SYN).frame()
-        ),
-        Verdict::Pass
-    );
-    assert_eq!(
-        h.run(Hook::Egress, &Packet::udp(peer, 1000, pod, 53).frame()),
-        Verdict::Drop
-    );
-    assert_eq!(
-        h.run(
-            Hook::Egress,
-            &Packet::new(
-                peer,
-                pod,
-                L4::Sctp {
-                    sport: 1000,
-                    dport: 53
-                }
-            )
-            .frame()
-        ),
-        Verdict::Drop
-    );
-    // SCTP is parsed (the kernel here has no SCTP: crafted packets only).
-    assert_eq!(
-        h.run(
-            Hook::Egress,
-            &Packet::new(
-                peer,
-                pod,
-                L4::Sctp {
-                    sport: 1000,
-                    dport: 9000
-                }
-            )
-            .frame()
-        ),
-        Verdict::Pass
-    );
-    assert_eq!(
-        h.run(
-            Hook::Egress,
-            &Packet::new(
-                peer,
-                pod,
-                L4::Sctp {
-                    sport: 1000,
-                    dport: 9001
-                }
-            )
-            .frame()
-        ),
-        Verdict::Drop
-    );
-    assert_eq!(
-        h.run(
-            Hook::Egress,
-            &Packet::tcp(peer, 1000, pod, 9000, TCP_SYN).frame()
-        ),
-        Verdict::Drop
-    );
+    let tcp = |dport| Packet::tcp(peer, 1000, pod, dport, TCP_SYN).frame();
+    let udp = |dport| Packet::udp(peer, 1000, pod, dport).frame();
+    let sctp = |dport| Packet::new(peer, pod, L4::Sctp { sport: 1000, dport }).frame();
+    h.check(&[
+        ("TCP 53", Hook::Egress, &tcp(53), Pass),
+        ("UDP 53", Hook::Egress, &udp(53), Drop),
+        ("SCTP 53", Hook::Egress, &sctp(53), Drop),
+        // SCTP is parsed (the kernel here has no SCTP: crafted packets only).
+        ("SCTP 9000", Hook::Egress, &sctp(9000), Pass),
+        ("SCTP 9001", Hook::Egress, &sctp(9001), Drop),
+        ("TCP 9000", Hook::Egress, &tcp(9000), Drop),
+    ]);
 }
 
 #[test]
@@ -185,36 +117,27 @@ fn any_protocol_entry_allows_icmp_and_every_port() {
     let mut h = cluster(BOTH);
     h.allow(ingress_key(PEER, ANY_PROTO, 0, 0));
     h.sync();
-    let echo = Packet::new(
-        ip("10.0.1.20"),
-        ip("10.0.0.10"),
-        L4::Echo {
-            id: 7,
-            reply: false,
-        },
-    )
-    .frame();
+    let echo_from = |src| {
+        Packet::new(
+            ip(src),
+            ip("10.0.0.10"),
+            L4::Echo {
+                id: 7,
+                reply: false,
+            },
+        )
+        .frame()
+    };
     assert_eq!(
-        h.run_reason(Hook::Egress, &echo),
+        h.run_reason(Hook::Egress, &echo_from("10.0.1.20")),
         (Verdict::Pass, Reason::AllowPolicy)
     );
-    assert_eq!(
-        h.run(
-            Hook::Egress,
-            &Packet::udp(ip("10.0.1.20"), 1, ip("10.0.0.10"), 65535).frame()
-        ),
-        Verdict::Pass
-    );
-    let other = Packet::new(
-        ip("10.0.2.30"),
-        ip("10.0.0.10"),
-        L4::Echo {
-            id: 7,
-            reply: false,
-        },
-    )
-    .frame();
-    assert_eq!(h.run(Hook::Egress, &other), Verdict::Drop);
+    let udp = Packet::udp(ip("10.0.1.20"), 1, ip("10.0.0.10"), 65535).frame();
+    let other = echo_from("10.0.2.30");
+    h.check(&[
+        ("the peer, UDP 65535", Hook::Egress, &udp, Pass),
+        ("another pod's echo", Hook::Egress, &other, Drop),
+    ]);
 }
 
 #[test]
@@ -223,28 +146,17 @@ fn wildcard_peer_and_wildcard_port_entries_match() {
     h.allow(ingress_key(ANY, TCP, 16, 443)); // anyone on 443
     h.allow(ingress_key(OTHER, UDP, 0, 0)); // OTHER on any UDP port
     h.sync();
-    assert_eq!(
-        h.run(Hook::Egress, &to_pod("203.0.113.1", 5000, 443)),
-        Verdict::Pass
-    );
-    assert_eq!(
-        h.run(Hook::Egress, &to_pod("10.0.2.30", 5000, 443)),
-        Verdict::Pass
-    );
-    assert_eq!(
-        h.run(Hook::Egress, &to_pod("10.0.2.30", 5000, 444)),
-        Verdict::Drop
-    );
-    let udp = |port| Packet::udp(ip("10.0.2.30"), 5000, ip("10.0.0.10"), port).frame();
-    assert_eq!(h.run(Hook::Egress, &udp(1)), Verdict::Pass);
-    assert_eq!(h.run(Hook::Egress, &udp(65000)), Verdict::Pass);
-    assert_eq!(
-        h.run(
-            Hook::Egress,
-            &Packet::udp(ip("10.0.1.20"), 5000, ip("10.0.0.10"), 1).frame()
-        ),
-        Verdict::Drop
-    );
+    let other = |port| to_pod("10.0.2.30", 5000, port);
+    let udp = |src, port| Packet::udp(ip(src), 5000, ip("10.0.0.10"), port).frame();
+    let world = to_pod("203.0.113.1", 5000, 443);
+    h.check(&[
+        ("world on 443", Hook::Egress, &world, Pass),
+        ("OTHER on 443", Hook::Egress, &other(443), Pass),
+        ("OTHER on 444", Hook::Egress, &other(444), Drop),
+        ("OTHER, UDP 1", Hook::Egress, &udp("10.0.2.30", 1), Pass),
+        ("OTHER, 65000", Hook::Egress, &udp("10.0.2.30", 65000), Pass),
+        ("PEER, UDP 1", Hook::Egress, &udp("10.0.1.20", 1), Drop),
+    ]);
 }
 
 #[test]
@@ -256,22 +168,13 @@ fn longest_cidr_prefix_decides_the_address_class() {
     h.ipcache("172.16.5.0/24", ANY, CLASS_B);
     h.allow(ingress_key(CLASS_A, TCP, 16, 80));
     h.sync();
-    assert_eq!(
-        h.run(Hook::Egress, &to_pod("172.16.4.1", 1000, 80)),
-        Verdict::Pass
-    );
-    assert_eq!(
-        h.run(Hook::Egress, &to_pod("172.31.255.255", 1000, 80)),
-        Verdict::Pass
-    );
-    assert_eq!(
-        h.run(Hook::Egress, &to_pod("172.16.5.9", 1000, 80)),
-        Verdict::Drop
-    );
-    assert_eq!(
-        h.run(Hook::Egress, &to_pod("172.32.0.1", 1000, 80)),
-        Verdict::Drop
-    );
+    let from = |src| to_pod(src, 1000, 80);
+    h.check(&[
+        ("in A", Hook::Egress, &from("172.16.4.1"), Pass),
+        ("end of A", Hook::Egress, &from("172.31.255.255"), Pass),
+        ("in B", Hook::Egress, &from("172.16.5.9"), Drop),
+        ("past A", Hook::Egress, &from("172.32.0.1"), Drop),
+    ]);
 }
 
 #[test]
@@ -296,34 +199,14 @@ fn ipv6_is_judged_like_ipv4() {
     h.allow(ingress_key(CLASS_A, UDP, 16, 53));
     h.sync();
     let pod = ip("fd00::10");
-    assert_eq!(
-        h.run(
-            Hook::Egress,
-            &Packet::tcp(ip("fd00::20"), 1000, pod, 80, TCP_SYN).frame()
-        ),
-        Verdict::Pass
-    );
-    assert_eq!(
-        h.run(
-            Hook::Egress,
-            &Packet::tcp(ip("fd00::20"), 1000, pod, 81, TCP_SYN).frame()
-        ),
-        Verdict::Drop
-    );
-    assert_eq!(
-        h.run(
-            Hook::Egress,
-            &Packet::udp(ip("2001:db8::1"), 1000, pod, 53).frame()
-        ),
-        Verdict::Pass
-    );
-    assert_eq!(
-        h.run(
-            Hook::Egress,
-            &Packet::udp(ip("2001:db9::1"), 1000, pod, 53).frame()
-        ),
-        Verdict::Drop
-    );
+    let tcp = |dport| Packet::tcp(ip("fd00::20"), 1000, pod, dport, TCP_SYN).frame();
+    let udp = |src| Packet::udp(ip(src), 1000, pod, 53).frame();
+    h.check(&[
+        ("the peer on 80", Hook::Egress, &tcp(80), Pass),
+        ("the peer on 81", Hook::Egress, &tcp(81), Drop),
+        ("class A", Hook::Egress, &udp("2001:db8::1"), Pass),
+        ("outside class A", Hook::Egress, &udp("2001:db9::1"), Drop),
+    ]);
 }
 
 #[test]
@@ -333,17 +216,21 @@ fn ipv4_options_and_ipv6_extension_headers_are_skipped() {
     h.sync();
     let mut p = Packet::tcp(ip("10.0.1.20"), 1000, ip("10.0.0.10"), 80, TCP_SYN);
     p.ipv4_options = vec![1, 1, 1, 0, 1, 1, 1, 0]; // NOPs and EOL: 8 bytes
-    assert_eq!(h.run(Hook::Egress, &p.frame()), Verdict::Pass);
+    let on_80 = p.frame();
     p.l4 = L4::Tcp {
         sport: 1000,
         dport: 81,
         flags: TCP_SYN,
     };
-    assert_eq!(h.run(Hook::Egress, &p.frame()), Verdict::Drop);
-
+    let on_81 = p.frame();
     let mut p6 = Packet::tcp(ip("fd00::20"), 1000, ip("fd00::10"), 80, TCP_SYN);
     p6.ipv6_ext_headers = 3;
-    assert_eq!(h.run(Hook::Egress, &p6.frame()), Verdict::Pass);
+    let three = p6.frame();
+    h.check(&[
+        ("IPv4 options, port 80", Hook::Egress, &on_80, Pass),
+        ("IPv4 options, port 81", Hook::Egress, &on_81, Drop),
+        ("3 extension headers", Hook::Egress, &three, Pass),
+    ]);
     // More extension headers than the parser walks: dropped as malformed.
     p6.ipv6_ext_headers = 7;
     assert_eq!(
@@ -363,23 +250,44 @@ fn later_fragments_follow_their_first_fragment() {
             p.fragment = Some(Fragment { id, offset, more });
             p.frame()
         };
-        // A later fragment with no first fragment seen: dropped.
-        assert_eq!(
-            h.run_reason(Hook::Egress, &frag(7, 185, false, 53)),
-            (Verdict::Drop, Reason::DropFragmentUnknown)
-        );
-        // First fragment allowed, then its later fragments pass.
-        assert_eq!(
-            h.run_reason(Hook::Egress, &frag(8, 0, true, 53)),
-            (Verdict::Pass, Reason::AllowPolicy)
-        );
-        assert_eq!(
-            h.run_reason(Hook::Egress, &frag(8, 185, false, 53)),
-            (Verdict::Pass, Reason::AllowFragment)
-        );
+        let row = |what| format!("{src}: {what}");
+        h.check(&[
+            // A later fragment with no first fragment seen: dropped.
+            (
+                row("a later fragment alone"),
+                Hook::Egress,
+                &frag(7, 185, false, 53),
+                (Drop, DropFragmentUnknown),
+            ),
+            // First fragment allowed, then its later fragments pass.
+            (
+                row("an allowed first fragment"),
+                Hook::Egress,
+                &frag(8, 0, true, 53),
+                (Pass, AllowPolicy),
+            ),
+            (
+                row("its later fragment"),
+                Hook::Egress,
+                &frag(8, 185, false, 53),
+                (Pass, AllowFragment),
+            ),
+        ]);
         // A denied first fragment does not open its datagram.
-        assert_eq!(h.run(Hook::Egress, &frag(9, 0, true, 54)), Verdict::Drop);
-        assert_eq!(h.run(Hook::Egress, &frag(9, 185, false, 54)), Verdict::Drop);
+        h.check(&[
+            (
+                row("a denied first fragment"),
+                Hook::Egress,
+                &frag(9, 0, true, 54),
+                Drop,
+            ),
+            (
+                row("its later fragment"),
+                Hook::Egress,
+                &frag(9, 185, false, 54),
+                Drop,
+            ),
+        ]);
     }
 }
 
@@ -390,68 +298,43 @@ fn malformed_and_truncated_packets_are_dropped_and_non_ip_passes() {
     let good = Packet::tcp(ip("10.0.1.20"), 1000, ip("10.0.0.10"), 80, TCP_SYN).frame();
     assert_eq!(h.run(Hook::Egress, &good), Verdict::Pass);
     // Truncated TCP header (cut 4 bytes into it).
-    assert_eq!(
-        h.run_reason(Hook::Egress, &good[..14 + 20 + 4]),
-        (Verdict::Drop, Reason::DropMalformed)
-    );
+    let cut_tcp = &good[..14 + 20 + 4];
     // (BPF_PROG_TEST_RUN itself refuses frames shorter than an IPv4 header,
     // so a truncated header is shown by an IHL reaching past the end.)
     let mut short = good[..14 + 20].to_vec();
     short[14] = 0x46;
-    assert_eq!(
-        h.run_reason(Hook::Egress, &short),
-        (Verdict::Drop, Reason::DropMalformed)
-    );
-    // IHL below 5.
-    let mut bad = good.clone();
-    bad[14] = 0x44;
-    assert_eq!(
-        h.run_reason(Hook::Egress, &bad),
-        (Verdict::Drop, Reason::DropMalformed)
-    );
-    // IHL pointing past the end.
-    let mut bad = good.clone();
-    bad[14] = 0x4f;
-    assert_eq!(
-        h.run_reason(Hook::Egress, &bad),
-        (Verdict::Drop, Reason::DropMalformed)
-    );
-    // IPv4 ethertype carrying a version-6 header.
-    let mut bad = good.clone();
-    bad[14] = 0x65;
-    assert_eq!(
-        h.run_reason(Hook::Egress, &bad),
-        (Verdict::Drop, Reason::DropMalformed)
-    );
+    // `good` with another first byte of its IPv4 header (version, IHL).
+    let v_ihl = |b| {
+        let mut bad = good.clone();
+        bad[14] = b;
+        bad
+    };
     // VLAN-tagged frames are not expected on a pod veth.
     let mut vlan = ethernet(0x8100, &[0, 5, 0x08, 0x00]);
     vlan.extend_from_slice(&good[14..]);
-    assert_eq!(
-        h.run_reason(Hook::Egress, &vlan),
-        (Verdict::Drop, Reason::DropMalformed)
-    );
     // ARP passes: no policy governs it.
     let arp = ethernet(0x0806, &[0u8; 28]);
-    assert_eq!(
-        h.run_reason(Hook::Egress, &arp),
-        (Verdict::Pass, Reason::AllowNonIp)
-    );
     // Truncated UDP and SCTP headers.
     let udp = Packet::udp(ip("10.0.1.20"), 1, ip("10.0.0.10"), 2).frame();
-    assert_eq!(
-        h.run_reason(Hook::Egress, &udp[..udp.len() - 2]),
-        (Verdict::Drop, Reason::DropMalformed)
-    );
     let sctp = Packet::new(
         ip("10.0.1.20"),
         ip("10.0.0.10"),
         L4::Sctp { sport: 1, dport: 2 },
     )
     .frame();
-    assert_eq!(
-        h.run_reason(Hook::Egress, &sctp[..14 + 20 + 10]),
-        (Verdict::Drop, Reason::DropMalformed)
-    );
+    let (cut_udp, cut_sctp) = (&udp[..udp.len() - 2], &sctp[..14 + 20 + 10]);
+    let malformed = (Drop, DropMalformed);
+    h.check(&[
+        ("TCP header cut", Hook::Egress, cut_tcp, malformed),
+        ("IHL past a cut header", Hook::Egress, &short, malformed),
+        ("IHL below 5", Hook::Egress, &v_ihl(0x44), malformed),
+        ("IHL past the end", Hook::Egress, &v_ihl(0x4f), malformed),
+        ("version 6 in IPv4", Hook::Egress, &v_ihl(0x65), malformed),
+        ("VLAN-tagged", Hook::Egress, &vlan, malformed),
+        ("ARP", Hook::Egress, &arp, (Pass, AllowNonIp)),
+        ("UDP header cut", Hook::Egress, cut_udp, malformed),
+        ("SCTP header cut", Hook::Egress, cut_sctp, malformed),
+    ]);
 }
 
 #[test]
@@ -460,42 +343,24 @@ fn replies_of_an_allowed_flow_pass_both_ways() {
     h.allow(ingress_key(PEER, TCP, 16, 80));
     h.sync();
     let (peer, pod) = (ip("10.0.1.20"), ip("10.0.0.10"));
-    assert_eq!(
-        h.run_reason(
-            Hook::Egress,
-            &Packet::tcp(peer, 41000, pod, 80, TCP_SYN).frame()
-        ),
-        (Verdict::Pass, Reason::AllowPolicy)
-    );
-    // The pod is egress-isolated with no egress rules: only the reply passes.
-    assert_eq!(
-        h.run_reason(
+    let syn = Packet::tcp(peer, 41000, pod, 80, TCP_SYN).frame();
+    let syn_ack = Packet::tcp(pod, 80, peer, 41000, TCP_SYN | TCP_ACK).frame();
+    let ack = Packet::tcp(peer, 41000, pod, 80, TCP_ACK).frame();
+    let to_41001 = Packet::tcp(pod, 80, peer, 41001, TCP_SYN | TCP_ACK).frame();
+    let from_81 = Packet::tcp(pod, 81, peer, 41000, TCP_ACK).frame();
+    h.check(&[
+        ("SYN", Hook::Egress, &syn, (Pass, AllowPolicy)),
+        // The pod is egress-isolated with no egress rules: only the reply passes.
+        ("SYN-ACK", Hook::Ingress, &syn_ack, (Pass, AllowReply)),
+        ("ACK", Hook::Egress, &ack, (Pass, AllowEstablished)),
+        (
+            "SYN-ACK to 41001",
             Hook::Ingress,
-            &Packet::tcp(pod, 80, peer, 41000, TCP_SYN | TCP_ACK).frame()
+            &to_41001,
+            (Drop, DropPolicy),
         ),
-        (Verdict::Pass, Reason::AllowReply)
-    );
-    assert_eq!(
-        h.run_reason(
-            Hook::Egress,
-            &Packet::tcp(peer, 41000, pod, 80, TCP_ACK).frame()
-        ),
-        (Verdict::Pass, Reason::AllowEstablished)
-    );
-    assert_eq!(
-        h.run_reason(
-            Hook::Ingress,
-            &Packet::tcp(pod, 80, peer, 41001, TCP_SYN | TCP_ACK).frame()
-        ),
-        (Verdict::Drop, Reason::DropPolicy)
-    );
-    assert_eq!(
-        h.run_reason(
-            Hook::Ingress,
-            &Packet::tcp(pod, 81, peer, 41000, TCP_ACK).frame()
-        ),
-        (Verdict::Drop, Reason::DropPolicy)
-    );
+        ("ACK from 81", Hook::Ingress, &from_81, (Drop, DropPolicy)),
+    ]);
     // Echo replies follow their request (ICMP by id).
     h.allow(PolicyKey::new(POD, EGRESS, PEER, ANY_PROTO, 0, 0));
     h.sync();
@@ -527,14 +392,10 @@ fn replies_of_an_allowed_flow_pass_both_ways() {
     )
     .frame();
     assert_eq!(h.run(Hook::Ingress, &req), Verdict::Pass);
-    assert_eq!(
-        h.run_reason(Hook::Egress, &rep),
-        (Verdict::Pass, Reason::AllowReply)
-    );
-    assert_eq!(
-        h.run_reason(Hook::Egress, &other),
-        (Verdict::Drop, Reason::DropPolicy)
-    );
+    h.check(&[
+        ("the echo reply", Hook::Egress, &rep, (Pass, AllowReply)),
+        ("id 98's reply", Hook::Egress, &other, (Drop, DropPolicy)),
+    ]);
 }
 
 #[test]
@@ -553,13 +414,9 @@ fn icmp_errors_about_a_tracked_flow_are_related() {
         },
     )
     .frame();
-    assert_eq!(
-        h.run_reason(Hook::Egress, &err),
-        (Verdict::Pass, Reason::AllowRelated)
-    );
     // An error about a flow that never passed is judged as plain ICMP.
     let never = Packet::udp(pod, 33001, peer, 5001);
-    let err = Packet::new(
+    let err_never = Packet::new(
         peer,
         pod,
         L4::Unreachable {
@@ -567,10 +424,10 @@ fn icmp_errors_about_a_tracked_flow_are_related() {
         },
     )
     .frame();
-    assert_eq!(
-        h.run_reason(Hook::Egress, &err),
-        (Verdict::Drop, Reason::DropPolicy)
-    );
+    h.check(&[
+        ("about the flow", Hook::Egress, &err, (Pass, AllowRelated)),
+        ("no flow", Hook::Egress, &err_never, (Drop, DropPolicy)),
+    ]);
 }
 
 #[test]
@@ -581,8 +438,10 @@ fn a_policy_change_cuts_established_flows_once_the_revision_moves() {
     let (peer, pod) = (ip("10.0.1.20"), ip("10.0.0.10"));
     let syn = Packet::tcp(peer, 42000, pod, 80, TCP_SYN).frame();
     let reply = Packet::tcp(pod, 80, peer, 42000, TCP_ACK).frame();
-    assert_eq!(h.run(Hook::Egress, &syn), Verdict::Pass);
-    assert_eq!(h.run(Hook::Ingress, &reply), Verdict::Pass);
+    h.check(&[
+        ("the SYN", Hook::Egress, &syn, Pass),
+        ("the reply", Hook::Ingress, &reply, Pass),
+    ]);
     // Remove the allow but keep the revision: the tracked flow survives.
     h.state.policy.clear();
     h.sync();
@@ -593,17 +452,11 @@ fn a_policy_change_cuts_established_flows_once_the_revision_moves() {
     // Bump the revision: the flow is judged again and cut, both ways.
     h.endpoint(POD, BOTH, 2);
     h.sync();
-    assert_eq!(
-        h.run_reason(Hook::Ingress, &reply),
-        (Verdict::Drop, Reason::DropPolicyChanged)
-    );
-    assert_eq!(
-        h.run_reason(
-            Hook::Egress,
-            &Packet::tcp(peer, 42000, pod, 80, TCP_ACK).frame()
-        ),
-        (Verdict::Drop, Reason::DropPolicy)
-    );
+    let ack = Packet::tcp(peer, 42000, pod, 80, TCP_ACK).frame();
+    h.check(&[
+        ("reply", Hook::Ingress, &reply, (Drop, DropPolicyChanged)),
+        ("the peer's ACK", Hook::Egress, &ack, (Drop, DropPolicy)),
+    ]);
     // Still allowed after a revision bump: the entry is refreshed, not cut.
     h.allow(ingress_key(PEER, TCP, 16, 80));
     h.sync();
@@ -620,54 +473,39 @@ fn a_policy_change_cuts_established_flows_once_the_revision_moves() {
 fn node_self_unisolated_nd_and_unknown_interfaces_pass_but_a_forged_self_or_routed_nd_does_not() {
     let mut h = cluster(BOTH);
     h.sync();
-    assert_eq!(
-        h.run_reason(Hook::Egress, &to_pod("192.168.0.1", 1000, 8080)),
-        (Verdict::Pass, Reason::AllowNode)
-    );
-    assert_eq!(
-        h.run_reason(
-            Hook::Ingress,
-            &Packet::udp(ip("10.0.0.10"), 1, ip("192.168.0.1"), 53).frame()
-        ),
-        (Verdict::Pass, Reason::AllowNode)
-    );
-    // The pod to itself, as it sent it (its own source checked): self.
+    let from_node = to_pod("192.168.0.1", 1000, 8080);
+    let to_node = Packet::udp(ip("10.0.0.10"), 1, ip("192.168.0.1"), 53).frame();
     let to_self = Packet::tcp(ip("10.0.0.10"), 1000, ip("10.0.0.10"), 80, TCP_SYN).frame();
-    assert_eq!(
-        h.run_reason(Hook::Ingress, &to_self),
-        (Verdict::Pass, Reason::AllowSelf)
-    );
-    // The same header arriving for the pod may come from anyone: judged.
-    assert_eq!(
-        h.run_reason(Hook::Egress, &to_self),
-        (Verdict::Drop, Reason::DropPolicy)
-    );
-    // Neighbour discovery passes only with hop limit 255 (never routed).
     let mut ns = Packet::new(ip("fe80::1"), ip("fd00::10"), L4::Icmp { kind: 135 });
     ns.hop_limit = 255;
-    assert_eq!(
-        h.run_reason(Hook::Egress, &ns.frame()),
-        (Verdict::Pass, Reason::AllowNeighborDiscovery)
-    );
+    let ns_255 = ns.frame();
     ns.hop_limit = 64;
-    assert_eq!(
-        h.run_reason(Hook::Egress, &ns.frame()),
-        (Verdict::Drop, Reason::DropPolicy)
-    );
+    let ns_64 = ns.frame();
+    h.check(&[
+        ("from the node", Hook::Egress, &from_node, (Pass, AllowNode)),
+        ("to the node", Hook::Ingress, &to_node, (Pass, AllowNode)),
+        // The pod to itself, as it sent it (its own source checked): self.
+        ("self, sent", Hook::Ingress, &to_self, (Pass, AllowSelf)),
+        // The same header arriving for the pod may come from anyone: judged.
+        ("self, arriving", Hook::Egress, &to_self, (Drop, DropPolicy)),
+        // Neighbour discovery passes only with hop limit 255 (never routed).
+        (
+            "ND, hop limit 255",
+            Hook::Egress,
+            &ns_255,
+            (Pass, AllowNeighborDiscovery),
+        ),
+        ("ND, hop limit 64", Hook::Egress, &ns_64, (Drop, DropPolicy)),
+    ]);
     // Egress isolation only: ingress stays open.
     h.endpoint(POD, ENDPOINT_EGRESS_ISOLATED, 2);
     h.sync();
-    assert_eq!(
-        h.run_reason(Hook::Egress, &to_pod("10.0.2.30", 1000, 80)),
-        (Verdict::Pass, Reason::AllowNotIsolated)
-    );
-    assert_eq!(
-        h.run_reason(
-            Hook::Ingress,
-            &Packet::udp(ip("10.0.0.10"), 1, ip("10.0.2.30"), 53).frame()
-        ),
-        (Verdict::Drop, Reason::DropPolicy)
-    );
+    let from_other = to_pod("10.0.2.30", 1000, 80);
+    let to_other = Packet::udp(ip("10.0.0.10"), 1, ip("10.0.2.30"), 53).frame();
+    h.check(&[
+        ("in", Hook::Egress, &from_other, (Pass, AllowNotIsolated)),
+        ("out", Hook::Ingress, &to_other, (Drop, DropPolicy)),
+    ]);
     // No endpoint for the interface: not ours to judge.
     h.state.endpoints.remove(&TEST_IFINDEX);
     h.sync();
@@ -771,9 +609,13 @@ fn endpoint_fill(h: &Harness) -> (usize, usize) {
 
 #[test]
 fn endpoints_are_found_in_the_array_slot_and_in_the_overflow_hash() {
-    for (mut h, expect_fill) in [
-        (Harness::new(), (1, 0)),
-        (Harness::with_endpoints_in_overflow_hash(), (0, 1)),
+    for (place, mut h, expect_fill) in [
+        ("array slot", Harness::new(), (1, 0)),
+        (
+            "overflow hash",
+            Harness::with_endpoints_in_overflow_hash(),
+            (0, 1),
+        ),
     ] {
         h.endpoint(POD, BOTH, 1);
         h.ipcache("10.0.1.20/32", PEER, WORLD);
@@ -782,14 +624,22 @@ fn endpoints_are_found_in_the_array_slot_and_in_the_overflow_hash() {
         h.sync();
         assert_eq!(endpoint_fill(&h), expect_fill);
         assert_eq!(h.dp.maps.read_state().unwrap().endpoints, h.state.endpoints);
-        assert_eq!(
-            h.run_reason(Hook::Egress, &to_pod("10.0.1.20", 40000, 80)),
-            (Verdict::Pass, Reason::AllowPolicy)
-        );
-        assert_eq!(
-            h.run_reason(Hook::Egress, &to_pod("10.0.2.30", 40000, 80)),
-            (Verdict::Drop, Reason::DropPolicy)
-        );
+        let peer = to_pod("10.0.1.20", 40000, 80);
+        let other = to_pod("10.0.2.30", 40000, 80);
+        h.check(&[
+            (
+                format!("{place}: the peer"),
+                Hook::Egress,
+                &peer,
+                (Pass, AllowPolicy),
+            ),
+            (
+                format!("{place}: another pod"),
+                Hook::Egress,
+                &other,
+                (Drop, DropPolicy),
+            ),
+        ]);
         // An update in place (ingress no longer isolated) is seen.
         h.endpoint(POD, ENDPOINT_EGRESS_ISOLATED, 2);
         h.sync();
@@ -818,34 +668,50 @@ fn an_echo_request_is_never_taken_for_a_reply() {
     h.sync();
     let (pod, peer) = (ip("10.0.0.10"), ip("10.0.1.20"));
     let echo = |src, dst, reply| Packet::new(src, dst, L4::Echo { id: 7, reply }).frame();
-    assert_eq!(
-        h.run_reason(Hook::Ingress, &echo(pod, peer, false)),
-        (Verdict::Pass, Reason::AllowNotIsolated)
-    );
-    assert_eq!(
-        h.run_reason(Hook::Egress, &echo(peer, pod, false)),
-        (Verdict::Drop, Reason::DropPolicy)
-    );
-    assert_eq!(
-        h.run_reason(Hook::Egress, &echo(peer, pod, true)),
-        (Verdict::Pass, Reason::AllowReply)
-    );
-    assert_eq!(
-        h.run_reason(Hook::Ingress, &echo(pod, peer, false)),
-        (Verdict::Pass, Reason::AllowEstablished)
-    );
-    // The same for ICMPv6.
     let (pod6, peer6) = (ip("fd00::10"), ip("fd00::20"));
-    assert_eq!(
-        h.run_reason(Hook::Ingress, &echo(pod6, peer6, false)),
-        (Verdict::Pass, Reason::AllowNotIsolated)
-    );
-    assert_eq!(
-        h.run_reason(Hook::Egress, &echo(peer6, pod6, false)),
-        (Verdict::Drop, Reason::DropPolicy)
-    );
-    assert_eq!(
-        h.run_reason(Hook::Egress, &echo(peer6, pod6, true)),
-        (Verdict::Pass, Reason::AllowReply)
-    );
+    h.check(&[
+        (
+            "pod's request",
+            Hook::Ingress,
+            &echo(pod, peer, false),
+            (Pass, AllowNotIsolated),
+        ),
+        (
+            "peer's request",
+            Hook::Egress,
+            &echo(peer, pod, false),
+            (Drop, DropPolicy),
+        ),
+        (
+            "peer's reply",
+            Hook::Egress,
+            &echo(peer, pod, true),
+            (Pass, AllowReply),
+        ),
+        (
+            "pod's request again",
+            Hook::Ingress,
+            &echo(pod, peer, false),
+            (Pass, AllowEstablished),
+        ),
+        // The same for ICMPv6.
+        (
+            "pod's v6 request",
+            Hook::Ingress,
+            &echo(pod6, peer6, false),
+            (Pass, AllowNotIsolated),
+        ),
+        (
+            "peer's v6 request",
+            Hook::Egress,
+            &echo(peer6, pod6, false),
+            (Drop, DropPolicy),
+        ),
+        (
+            "peer's v6 reply",
+            Hook::Egress,
+            &echo(peer6, pod6, true),
+            (Pass, AllowReply),
+        ),
+    ]);
 }
