@@ -18,6 +18,11 @@ pub const ANY: u32 = 0;
 pub const NODE: u32 = 1;
 /// Addresses nobody claims (no pod, no carved prefix).
 pub const WORLD: u32 = 2;
+/// An address in transit between two entries: no policy entry ever names
+/// it, so nothing allows it. The agent writes it for the moment a change
+/// could otherwise let the address meet an allow neither its old nor its
+/// new entry grants (see the agent's write order).
+pub const IN_TRANSIT: u32 = 3;
 /// First label identity.
 pub const FIRST_LABEL: u32 = 256;
 /// First address-class identity (as Cilium's local CIDR scope, 1 << 24).

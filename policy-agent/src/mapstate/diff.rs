@@ -1,8 +1,24 @@
 //! The ordered difference between two map states.
 //!
 //! Order (fixed, so no pod is opened or closed wrongly in between):
-//! 1. identity names and Service frontends added or changed (a frontend
-//!    only sends flows to be judged after DNAT, which is never more open);
+//! 1. identity names added or changed; then every address whose
+//!    resolution changes (its entry changes or goes, or a new entry claims
+//!    it) while what it resolves to now gains an allow in this change is
+//!    put in transit ([`identity::IN_TRANSIT`]: nothing allows it) until
+//!    its turn below — left where it was while that gains allows, the
+//!    address would meet them though its new entry is elsewhere (the
+//!    property test found it: an address leaving a pod's identity as that
+//!    identity became allowed); then new prefixes that only carve
+//!    an address class out of a wider one (an `except`), longest first: an
+//!    address they cover resolves to its new class, which nothing allows
+//!    yet, before any allow of the wider class lands (the property test
+//!    found the opening: an endpoint whose new policy allows `::/0 except
+//!    fd00::/16` admitted fd00::9 until the carve landed at step 5). Not
+//!    one whose class loses allows in this change, nor one with a new,
+//!    longer prefix inside it (an address there would stop at the carve's
+//!    class on its way to its own entry): those wait for step 5. Then
+//!    Service frontends added or changed (a frontend only sends flows to be
+//!    judged after DNAT, which is never more open);
 //! 2. policy entries added or changed: new allows exist before anything
 //!    refers to them;
 //! 3. endpoints added or changed: isolation flips, identity and lookup bits
@@ -17,28 +33,29 @@
 //!    only once the entries that allow its new class exist, while those
 //!    of its old class still do;
 //! 6. policy entries removed: old allows go only after nothing needs them;
-//!    then the entries of step 5 held back: an address whose entry changes
-//!    to a class that loses allows in this change (a removed policy entry
-//!    names that class as its peer) moves only now, straight from its old
-//!    entry to its new one — at step 5 it would have met those stale
-//!    allows under its new class, allowed by neither state (a transient
-//!    opening the property test found). Held back, it keeps its old class
-//!    a little longer: at worst a flow is denied in between, never
-//!    allowed;
+//!    then the entries of step 5 held back: an entry (changed or new)
+//!    whose identity or class loses allows in this change (a removed
+//!    policy entry names it as its peer) lands only now — at step 5 its
+//!    addresses would have met those stale allows under their new entry,
+//!    allowed by neither state (a transient opening the property test
+//!    found). Held back, they keep what they resolved to a little longer:
+//!    at worst a flow is denied in between, never allowed;
 //! 7. identity names and Service frontends removed;
 //! 8. new revisions of existing endpoints (step 3 writes them with their
 //!    old revision): conntrack entries are judged again only once the maps
 //!    hold the whole new state.
 //!
 //! Between steps the datapath never allows a flow neither state allows; it
-//! may deny one both allow in two known cases (an endpoint and its peer
-//! changing together; a peer held back past step 6).
+//! may deny one both allow in four known cases (an endpoint and its peer
+//! changing together; a peer held back past step 6; an address a new
+//! carve covers, until the allows of its new class land at step 2; an
+//! address in transit).
 use std::collections::{BTreeMap, BTreeSet};
 
 use ipnet::IpNet;
 use policy_common::{
     endpoint::EndpointInfo,
-    identity::IdentityName,
+    identity::{self, IdentityName},
     ipcache::IpcacheEntry,
     policy::{PolicyEntry, PolicyKey},
     service::ServiceEntry,
@@ -86,8 +103,12 @@ pub struct Writes<K> {
     pub endpoint_upserts: Vec<(K, EndpointInfo)>,
     pub endpoint_removals: Vec<K>,
     pub ipcache_upserts: Vec<(IpNet, IpcacheEntry)>,
-    /// The upserts that replace an existing entry (an address moving).
-    pub ipcache_moved: BTreeSet<IpNet>,
+    /// The old value of every entry an upsert replaces (an address
+    /// moving) or a removal deletes.
+    pub ipcache_old: BTreeMap<IpNet, IpcacheEntry>,
+    /// For every new entry, what its prefix resolved to before it (the
+    /// longest shorter prefix then; none: nobody).
+    pub ipcache_covering_old: BTreeMap<IpNet, IpcacheEntry>,
     pub ipcache_removals: Vec<IpNet>,
     pub service_upserts: Vec<(IpNet, ServiceEntry)>,
     pub service_removals: Vec<IpNet>,
@@ -104,7 +125,8 @@ impl<K> Writes<K> {
             endpoint_upserts,
             endpoint_removals,
             ipcache_upserts,
-            ipcache_moved,
+            ipcache_old,
+            ipcache_covering_old,
             mut ipcache_removals,
             service_upserts,
             service_removals,
@@ -126,6 +148,44 @@ impl<K> Writes<K> {
                 .into_iter()
                 .map(|(k, v)| MapOp::UpsertIdentity(k, Box::new(v))),
         );
+        let losing: BTreeSet<u32> = policy_removals.iter().map(|k| k.peer_identity).collect();
+        let gaining: BTreeSet<u32> = policy_upserts
+            .iter()
+            .map(|(k, _)| k.peer_identity)
+            .collect();
+        let ipcache_moved: BTreeSet<IpNet> = ipcache_upserts
+            .iter()
+            .filter(|(net, _)| ipcache_old.contains_key(net))
+            .map(|(net, _)| *net)
+            .collect();
+        let (mut carves, ipcache_upserts) = early_carves(ipcache_upserts, &ipcache_moved, &losing);
+        // Step 1: addresses whose entry changes or goes, or that a new
+        // entry will claim, while what they resolve to now gains allows,
+        // go in transit first.
+        let leaving = ipcache_old
+            .iter()
+            .filter(|(_, old)| names_any(old, &gaining))
+            .map(|(net, _)| *net);
+        // A new entry held back past the removals (below) goes in transit
+        // too: its addresses would otherwise stop at whatever a shorter
+        // prefix changes to at step 5, a class neither state gives them.
+        let claimed = ipcache_upserts
+            .iter()
+            .filter(|(net, _)| !ipcache_moved.contains(net))
+            .filter(|(net, v)| {
+                names_any(v, &losing)
+                    || ipcache_covering_old
+                        .get(net)
+                        .is_some_and(|cover| names_any(cover, &gaining))
+            })
+            .map(|(net, _)| *net);
+        ops.extend(
+            leaving
+                .chain(claimed)
+                .map(|net| MapOp::UpsertIpcache(net, IN_TRANSIT_ENTRY)),
+        );
+        carves.sort_by_key(|(net, _)| std::cmp::Reverse(net.prefix_len()));
+        ops.extend(carves.into_iter().map(|(k, v)| MapOp::UpsertIpcache(k, v)));
         ops.extend(
             service_upserts
                 .into_iter()
@@ -142,12 +202,9 @@ impl<K> Writes<K> {
                 .map(|(k, v)| MapOp::UpsertEndpoint(k, v)),
         );
         ops.extend(endpoint_removals.into_iter().map(MapOp::DeleteEndpoint));
-        let losing: BTreeSet<u32> = policy_removals.iter().map(|k| k.peer_identity).collect();
-        let (mut late, mut ipcache_upserts): (Vec<_>, Vec<_>) =
-            ipcache_upserts.into_iter().partition(|(net, v)| {
-                ipcache_moved.contains(net)
-                    && (losing.contains(&v.identity) || losing.contains(&v.cidr_identity))
-            });
+        let (mut late, mut ipcache_upserts): (Vec<_>, Vec<_>) = ipcache_upserts
+            .into_iter()
+            .partition(|(_, v)| names_any(v, &losing));
         // Stable sorts: within one length the maps' own order stays.
         ipcache_upserts.sort_by_key(|(net, _)| std::cmp::Reverse(net.prefix_len()));
         ops.extend(
@@ -164,6 +221,58 @@ impl<K> Writes<K> {
         ops.extend(service_removals.into_iter().map(MapOp::DeleteService));
         ops
     }
+}
+
+/// What an address in transit resolves to (see step 1).
+const IN_TRANSIT_ENTRY: IpcacheEntry = IpcacheEntry {
+    identity: identity::IN_TRANSIT,
+    cidr_identity: identity::IN_TRANSIT,
+};
+
+/// The entry that covers `net` from a shorter prefix, as `lookup` reads
+/// the map (its longest such prefix).
+pub fn covering(
+    net: &IpNet,
+    lookup: impl Fn(&IpNet) -> Option<IpcacheEntry>,
+) -> Option<IpcacheEntry> {
+    (0..net.prefix_len()).rev().find_map(|len| {
+        let shorter = IpNet::new(net.addr(), len).ok()?.trunc();
+        lookup(&shorter)
+    })
+}
+
+/// Whether an entry's identities are among `ids` (its label identity
+/// only when it has one: `ANY` in a policy key is the wildcard peer).
+fn names_any(entry: &IpcacheEntry, ids: &BTreeSet<u32>) -> bool {
+    (entry.identity != identity::ANY && ids.contains(&entry.identity))
+        || ids.contains(&entry.cidr_identity)
+}
+
+/// The ipcache upserts of step 1 (see the module's comment), and the
+/// rest: a new prefix that only carves an address class (no label
+/// identity, a class no removed entry names), unless a new, longer prefix
+/// inside it also lands in this change (an address there would stop at
+/// the carve's class on its way to its own entry).
+type Upserts = Vec<(IpNet, IpcacheEntry)>;
+
+fn early_carves(
+    upserts: Upserts,
+    moved: &BTreeSet<IpNet>,
+    losing: &BTreeSet<u32>,
+) -> (Upserts, Upserts) {
+    let inserted: Vec<IpNet> = upserts
+        .iter()
+        .filter(|(net, _)| !moved.contains(net))
+        .map(|(net, _)| *net)
+        .collect();
+    upserts.into_iter().partition(|(net, v)| {
+        !moved.contains(net)
+            && v.identity == identity::ANY
+            && !losing.contains(&v.cidr_identity)
+            && !inserted
+                .iter()
+                .any(|n| n.prefix_len() > net.prefix_len() && net.contains(&n.network()))
+    })
 }
 
 /// The minimal ordered list of writes turning `old` into `new`.
@@ -188,9 +297,17 @@ pub fn diff<K: Ord + Clone>(old: &MapState<K>, new: &MapState<K>) -> Vec<MapOp<K
             .collect(),
         endpoint_removals: removals(&old.endpoints, &new.endpoints).collect(),
         ipcache_upserts: upserts(&old.ipcache, &new.ipcache).collect(),
-        ipcache_moved: upserts(&old.ipcache, &new.ipcache)
-            .filter(|(k, _)| old.ipcache.contains_key(k))
-            .map(|(k, _)| k)
+        ipcache_old: old
+            .ipcache
+            .iter()
+            .filter(|(k, v)| new.ipcache.get(k) != Some(v))
+            .map(|(k, v)| (*k, *v))
+            .collect(),
+        ipcache_covering_old: new
+            .ipcache
+            .keys()
+            .filter(|k| !old.ipcache.contains_key(k))
+            .filter_map(|k| covering(k, |n| old.ipcache.get(n).copied()).map(|c| (*k, c)))
             .collect(),
         ipcache_removals: removals(&old.ipcache, &new.ipcache).collect(),
         service_upserts: upserts(&old.services, &new.services).collect(),

@@ -26,7 +26,7 @@ use policy_common::{
 pub(crate) use self::identity_name::fnv1a64;
 pub use self::{
     addresses::{AddressSet, identity_addresses},
-    diff::{MapOp, Writes, assign_revisions, diff},
+    diff::{MapOp, Writes, assign_revisions, covering, diff},
     identity_name::{identity_name, identity_name_str},
     origin::RuleOrigin,
 };

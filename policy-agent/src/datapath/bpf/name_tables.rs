@@ -24,6 +24,7 @@ impl NameTables {
             identity::ANY => "any".to_owned(),
             identity::NODE => "node".to_owned(),
             identity::WORLD => "world".to_owned(),
+            identity::IN_TRANSIT => "in transit".to_owned(),
             _ => match self.identities.get(&id) {
                 Some(n) => identity_name_str(n),
                 None => format!("unknown identity {id}"),

@@ -20,7 +20,7 @@ use policy_common::{
 
 use crate::{
     cluster::PodRef,
-    mapstate::{MapOp, MapState, Writes},
+    mapstate::{MapOp, MapState, Writes, covering},
 };
 
 /// Counter slots, one per bit of [`lookups`]: 0..=16 port prefix lengths,
@@ -273,11 +273,26 @@ impl Output {
         let (endpoint_upserts, endpoint_removals) =
             split(&self.maps.endpoints, self.journal_endpoints.take());
         let ipcache_journal = self.journal_ipcache.take();
-        let ipcache_moved = ipcache_journal
+        let ipcache_old = ipcache_journal
             .iter()
             .flatten()
-            .filter(|(k, old)| old.is_some() && self.maps.ipcache.contains_key(*k))
-            .map(|(k, _)| *k)
+            .filter_map(|(k, old)| {
+                let old = (*old)?;
+                (self.maps.ipcache.get(k) != Some(&old)).then_some((*k, old))
+            })
+            .collect();
+        // What a prefix held when the journal started.
+        let was = |net: &IpNet| -> Option<IpcacheEntry> {
+            match ipcache_journal.as_ref().and_then(|j| j.get(net)) {
+                Some(old) => *old,
+                None => self.maps.ipcache.get(net).copied(),
+            }
+        };
+        let ipcache_covering_old = ipcache_journal
+            .iter()
+            .flatten()
+            .filter(|(k, old)| old.is_none() && self.maps.ipcache.contains_key(*k))
+            .filter_map(|(k, _)| covering(k, was).map(|c| (*k, c)))
             .collect();
         let (ipcache_upserts, ipcache_removals) = split(&self.maps.ipcache, ipcache_journal);
         let (service_upserts, service_removals) =
@@ -290,7 +305,8 @@ impl Output {
             endpoint_upserts,
             endpoint_removals,
             ipcache_upserts,
-            ipcache_moved,
+            ipcache_old,
+            ipcache_covering_old,
             ipcache_removals,
             service_upserts,
             service_removals,

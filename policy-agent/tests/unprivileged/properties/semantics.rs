@@ -13,7 +13,7 @@ use policy_agent::{
     policy::{self, CompileOptions, Compiled, ExplainQuery, FlowEnd},
 };
 use policy_common::{direction, model::has_ports, proto};
-use proptest::prelude::*;
+use proptest::{prelude::*, test_runner::FileFailurePersistence};
 
 /// (protocol, port) pairs probed for every address pair.
 fn flows() -> Vec<(u8, u16)> {
@@ -103,7 +103,13 @@ fn failing(c: &Compiled) -> BTreeSet<ObjectRef> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig {
+        cases: 300,
+        // Beside this file (a test binary's module has no src/ for the
+        // default to find).
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("proptest-regressions"))),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn compiled_maps_agree_with_the_spec(state in cluster()) {
