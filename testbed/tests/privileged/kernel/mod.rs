@@ -3,6 +3,7 @@
 //! counters and events.
 mod differential;
 mod hardening;
+mod node_traffic;
 mod pod_range_guard;
 mod services;
 mod test_run;
