@@ -141,6 +141,14 @@ pub const ATTACH_UPLINK: u32 = 1 << 4;
 /// (`from_uplink`, with `--pod-cidr`: traffic to local addresses not
 /// enforced yet).
 pub const ATTACH_UPLINK_INGRESS: u32 = 1 << 5;
+/// [`EndpointMeta::attach`]: the uplink classifier for a device without a
+/// link-layer header is attached at egress (`to_uplink_l3`).
+pub const ATTACH_UPLINK_L3: u32 = 1 << 7;
+/// [`EndpointMeta::attach`]: its ingress one (`from_uplink_l3`).
+pub const ATTACH_UPLINK_INGRESS_L3: u32 = 1 << 8;
+/// Every uplink attachment bit, of either framing.
+pub const ATTACH_ANY_UPLINK: u32 =
+    ATTACH_UPLINK | ATTACH_UPLINK_INGRESS | ATTACH_UPLINK_L3 | ATTACH_UPLINK_INGRESS_L3;
 /// [`EndpointMeta::attach`]: the pod classifiers were attached to a new
 /// veth before any pod was known to hold it (standby). Until the pod's
 /// endpoint entry is written they pass everything on (`TC_ACT_UNSPEC`) to

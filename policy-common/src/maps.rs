@@ -100,4 +100,9 @@ pub mod programs {
     /// Attached at the ingress of the node's uplinks (with `--pod-cidr`):
     /// drops traffic to a local address that is not enforced yet.
     pub const FROM_UPLINK: &str = "from_uplink";
+    /// [`TO_UPLINK`] for a device without a link-layer header (IP-in-IP,
+    /// GRE, sit, WireGuard, tun: the packet starts with its IP header).
+    pub const TO_UPLINK_L3: &str = "to_uplink_l3";
+    /// [`FROM_UPLINK`] for such a device.
+    pub const FROM_UPLINK_L3: &str = "from_uplink_l3";
 }

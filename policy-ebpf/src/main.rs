@@ -43,14 +43,27 @@ mod programs {
     /// Uplink egress: a pod's egress to a Service backend on another node.
     #[classifier]
     pub fn to_uplink(ctx: TcContext) -> i32 {
-        crate::classify::uplink(&ctx)
+        crate::classify::uplink::<false>(&ctx)
     }
 
     /// Uplink ingress (with `--pod-cidr`): nothing enters the node for a
     /// local address that is not enforced yet.
     #[classifier]
     pub fn from_uplink(ctx: TcContext) -> i32 {
-        crate::pod_range_guard::from_uplink(&ctx)
+        crate::pod_range_guard::from_uplink::<false>(&ctx)
+    }
+
+    /// [`to_uplink`] on a device without a link-layer header (loaded only
+    /// where the node has one).
+    #[classifier]
+    pub fn to_uplink_l3(ctx: TcContext) -> i32 {
+        crate::classify::uplink::<true>(&ctx)
+    }
+
+    /// [`from_uplink`] on a device without a link-layer header.
+    #[classifier]
+    pub fn from_uplink_l3(ctx: TcContext) -> i32 {
+        crate::pod_range_guard::from_uplink::<true>(&ctx)
     }
 }
 

@@ -1,5 +1,6 @@
-//! Header walk: Ethernet, IPv4 (with options) or IPv6 (with a bounded walk
-//! over extension headers), then the first bytes of TCP/UDP/SCTP/ICMP.
+//! Header walk: Ethernet (none on a device without a link-layer header),
+//! IPv4 (with options) or IPv6 (with a bounded walk over extension
+//! headers), then the first bytes of TCP/UDP/SCTP/ICMP.
 //!
 //! Every read is bounds-checked against `data_end`. Explicit outcomes:
 //! - not IPv4/IPv6 (ARP, LLDP, ...) → [`NOT_IP`], passed;
@@ -136,14 +137,43 @@ const ICMPV6_PARAM_PROB: u8 = 4;
 const ICMPV6_ECHO_REQUEST: u8 = 128;
 const ICMPV6_ECHO_REPLY: u8 = 129;
 
-/// Parses into `pkt` (a per-CPU scratch buffer: the BPF stack is small).
-pub fn parse(ctx: &TcContext, pkt: &mut IpPacket) -> Parsed {
+/// Makes the headers linear (see [`PULL_LEN`]).
+#[inline(always)]
+fn pull(ctx: &TcContext) {
     let linear = (ctx.data_end() - ctx.data()) as u32;
     let len = ctx.len();
     if linear < len && linear < PULL_LEN {
         // A failed pull leaves the headers short: they parse as malformed.
         let _ = ctx.pull_data(if len < PULL_LEN { len } else { PULL_LEN });
     }
+}
+
+/// Parses a packet of a device with a link-layer header (`L3` false:
+/// Ethernet) or without one (`L3` true: IP-in-IP, GRE, sit, WireGuard,
+/// tun, where the packet starts with its IP header and the version nibble
+/// says the family) into `pkt`.
+#[inline(always)]
+pub fn parse_at<const L3: bool>(ctx: &TcContext, pkt: &mut IpPacket) -> Parsed {
+    if !L3 {
+        return parse(ctx, pkt);
+    }
+    pull(ctx);
+    // Twenty bytes, the shortest IP header: a one-byte bounds check
+    // compiles to a comparison the verifier cannot use.
+    let Some(head) = read::<[u8; 20]>(ctx, 0) else {
+        return MALFORMED;
+    };
+    match head[0] >> 4 {
+        4 => parse_v4(ctx, 0, pkt),
+        6 => parse_v6(ctx, 0, pkt),
+        _ => MALFORMED,
+    }
+}
+
+/// Parses an Ethernet frame into `pkt` (a per-CPU scratch buffer: the BPF
+/// stack is small).
+pub fn parse(ctx: &TcContext, pkt: &mut IpPacket) -> Parsed {
+    pull(ctx);
     let Some(eth) = read::<EthHdr>(ctx, 0) else {
         return MALFORMED;
     };

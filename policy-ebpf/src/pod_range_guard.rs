@@ -18,7 +18,7 @@ use policy_common::{
 
 use crate::{
     maps::{CONFIG, COUNTERS, ENFORCED, POD_RANGES, SCRATCH, Scratch},
-    parse::{IP, IpPacket, parse},
+    parse::{IP, IpPacket, parse_at},
 };
 
 const PASS: i32 = aya_ebpf::bindings::TC_ACT_UNSPEC;
@@ -79,8 +79,8 @@ pub fn peer_unenforced(pkt: &IpPacket, dir: u8) -> bool {
 /// packet leaving from a local address that is not enforced (a new pod's,
 /// routed out before its veth is attached) is dropped. True: drop.
 #[inline(always)]
-pub fn uplink_out_unenforced(ctx: &TcContext, s: &mut Scratch) -> bool {
-    if !configured() || parse(ctx, &mut s.pkt) != IP {
+pub fn uplink_out_unenforced<const L3: bool>(ctx: &TcContext, s: &mut Scratch) -> bool {
+    if !configured() || parse_at::<L3>(ctx, &mut s.pkt) != IP {
         return false;
     }
     if unenforced(s.pkt.family, &s.pkt.src) {
@@ -102,8 +102,10 @@ fn count(reason: Reason, dir: u8) {
 
 /// The uplink's ingress (`from_uplink`): a packet entering the node for a
 /// local address that is not enforced is dropped; everything else passes
-/// untouched (judged, if it reaches a pod, at the pod's veth).
-pub fn from_uplink(ctx: &TcContext) -> i32 {
+/// untouched (judged, if it reaches a pod, at the pod's veth). `L3`: the
+/// device has no link-layer header.
+#[inline(always)]
+pub fn from_uplink<const L3: bool>(ctx: &TcContext) -> i32 {
     if !configured() {
         return PASS;
     }
@@ -112,7 +114,7 @@ pub fn from_uplink(ctx: &TcContext) -> i32 {
     };
     // SAFETY: this CPU's slot; programs do not nest on one CPU.
     let s = unsafe { &mut *scratch };
-    if parse(ctx, &mut s.pkt) != IP {
+    if parse_at::<L3>(ctx, &mut s.pkt) != IP {
         return PASS;
     }
     if unenforced(s.pkt.family, &s.pkt.dst) {

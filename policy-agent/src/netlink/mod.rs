@@ -12,7 +12,7 @@ use netlink_packet_core::{NLM_F_DUMP, NLM_F_REQUEST};
 use netlink_packet_route::{
     AddressFamily, RouteNetlinkMessage,
     address::{AddressAttribute, AddressMessage},
-    link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage},
+    link::{InfoKind, LinkAttribute, LinkInfo, LinkLayerType, LinkMessage},
     route::{RouteAddress, RouteAttribute, RouteFlags, RouteMessage},
 };
 
@@ -41,6 +41,39 @@ pub struct Link {
     pub index: u32,
     pub name: String,
     pub kind: Option<String>,
+    /// How a packet on it is framed, by its link-layer type (ARPHRD).
+    pub framing: Framing,
+}
+
+/// How a packet on an interface is framed, as tc sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Framing {
+    /// An Ethernet header first (Ethernet, veth, bridge, VXLAN, GENEVE).
+    Ethernet,
+    /// The IP header first: no link-layer header (IP-in-IP, GRE, sit,
+    /// ip6tnl, WireGuard, tun, raw IP).
+    Ip,
+    /// Loopback.
+    Loopback,
+    /// Anything else (the ARPHRD number): nothing here can read it.
+    Other(u16),
+}
+
+impl Framing {
+    fn of(kind: LinkLayerType) -> Self {
+        match kind {
+            LinkLayerType::Ether => Framing::Ethernet,
+            LinkLayerType::None
+            | LinkLayerType::Tunnel
+            | LinkLayerType::Tunnel6
+            | LinkLayerType::Sit
+            | LinkLayerType::Ipgre
+            | LinkLayerType::Ip6gre
+            | LinkLayerType::Rawip => Framing::Ip,
+            LinkLayerType::Loopback => Framing::Loopback,
+            other => Framing::Other(u16::from(other)),
+        }
+    }
 }
 
 /// The route the kernel would send a packet for `ip` by (as `ip route get
@@ -131,6 +164,7 @@ fn link_from(msg: &LinkMessage) -> Link {
         index: msg.header.index,
         name: String::new(),
         kind: None,
+        framing: Framing::of(msg.header.link_layer_type),
     };
     for attr in &msg.attributes {
         match attr {

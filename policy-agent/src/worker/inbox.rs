@@ -143,6 +143,7 @@ mod tests {
             index: 7,
             name: "veth7".into(),
             kind: Some(kind.into()),
+            framing: crate::netlink::Framing::Ethernet,
         };
         assert!(links(LinkEvent::Created(link("veth"))));
         assert!(matches!(

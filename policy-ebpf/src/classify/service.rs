@@ -27,7 +27,7 @@ use super::{
 };
 use crate::{
     maps::{CONNTRACK, SCRATCH, SERVICE_FLOWS, SERVICES, Scratch},
-    parse::{IP, IpPacket, parse},
+    parse::{IP, IpPacket, parse_at},
 };
 
 /// Whether `addr` is a Service frontend (or in a Service range). Out of
@@ -326,16 +326,18 @@ pub(super) fn judge_service(s: &mut Scratch, client: u32, flags: u32) -> u32 {
 
 /// A packet marked at a client's veth, at the first hook after DNAT:
 /// judges the client's egress (see [`judge_service`]) and clears the mark.
-/// False: drop. Out of line: only marked packets take it.
+/// False: drop. A marked packet that is not IP is none of a client's (the
+/// client's hook marks IP packets only, and drops malformed ones): there
+/// is nothing to judge. Out of line: only marked packets take it.
 #[inline(never)]
-pub(super) fn after_dnat(ctx: &TcContext, s: &mut Scratch, flags: u32) -> bool {
+pub(super) fn after_dnat<const L3: bool>(ctx: &TcContext, s: &mut Scratch, flags: u32) -> bool {
     // SAFETY: the context pointer is the kernel's __sk_buff for this run.
     let m = unsafe { (*ctx.skb.skb).mark };
     let Some(client) = mark::client(m) else {
         return true;
     };
     ctx.set_mark(m & !mark::MASK);
-    if parse(ctx, &mut s.pkt) != IP {
+    if parse_at::<L3>(ctx, &mut s.pkt) != IP {
         return true;
     }
     judge_service(s, client, flags) != 0
@@ -356,19 +358,22 @@ pub fn dnat_hook(ctx: &TcContext) -> bool {
     };
     // SAFETY: this CPU's slot; programs do not nest on one CPU.
     let s = unsafe { &mut *scratch };
-    after_dnat(ctx, s, config_flags())
+    after_dnat::<false>(ctx, s, config_flags())
 }
 
 /// The uplink's egress: a pod's packet to a Service whose backend is on
 /// another node, judged after DNAT; a local pod's packet leaving before
-/// it is enforced is dropped; anything else passes.
-pub fn uplink(ctx: &TcContext) -> i32 {
+/// it is enforced is dropped; anything else passes. `L3`: the device has
+/// no link-layer header.
+#[inline(always)]
+pub fn uplink<const L3: bool>(ctx: &TcContext) -> i32 {
     let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
         return PASS;
     };
     // SAFETY: this CPU's slot; programs do not nest on one CPU.
     let s = unsafe { &mut *scratch };
-    if !after_dnat(ctx, s, config_flags()) || crate::pod_range_guard::uplink_out_unenforced(ctx, s)
+    if !after_dnat::<L3>(ctx, s, config_flags())
+        || crate::pod_range_guard::uplink_out_unenforced::<L3>(ctx, s)
     {
         DROP
     } else {

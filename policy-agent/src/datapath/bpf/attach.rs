@@ -16,8 +16,8 @@ use aya::programs::{
     tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
 };
 use policy_common::endpoint::{
-    ATTACH_CREATED_CLSACT, ATTACH_NETLINK, ATTACH_POD, ATTACH_TCX, ATTACH_UPLINK,
-    ATTACH_UPLINK_INGRESS,
+    ATTACH_ANY_UPLINK, ATTACH_CREATED_CLSACT, ATTACH_NETLINK, ATTACH_POD, ATTACH_TCX,
+    ATTACH_UPLINK, ATTACH_UPLINK_INGRESS, ATTACH_UPLINK_INGRESS_L3, ATTACH_UPLINK_L3,
 };
 use tracing::debug;
 
@@ -43,7 +43,9 @@ pub fn netlink_slot(hook: Hook) -> (u16, TcHandle) {
     match hook {
         Hook::Ingress | Hook::Egress => (NETLINK_PRIORITY, NETLINK_HANDLE),
         // At ingress, where the pod filter (same slot) never sits with it.
-        Hook::Uplink | Hook::UplinkIngress => (NETLINK_UPLINK_PRIORITY, NETLINK_UPLINK_HANDLE),
+        Hook::Uplink | Hook::UplinkIngress | Hook::UplinkL3 | Hook::UplinkIngressL3 => {
+            (NETLINK_UPLINK_PRIORITY, NETLINK_UPLINK_HANDLE)
+        }
     }
 }
 
@@ -62,6 +64,8 @@ pub fn hook_bit(hook: Hook) -> u32 {
         Hook::Ingress | Hook::Egress => ATTACH_POD,
         Hook::Uplink => ATTACH_UPLINK,
         Hook::UplinkIngress => ATTACH_UPLINK_INGRESS,
+        Hook::UplinkL3 => ATTACH_UPLINK_L3,
+        Hook::UplinkIngressL3 => ATTACH_UPLINK_INGRESS_L3,
     }
 }
 
@@ -373,7 +377,7 @@ impl<'a> Attachment<'a> {
             .filter(|h| self.bits & hook_bit(*h) != 0)
             .collect();
         for hook in &hooks {
-            self.ensure_tcx(programs.get_mut(*hook), *hook, &name)?;
+            self.ensure_tcx(programs.get_mut(*hook)?, *hook, &name)?;
         }
         self.remove_filters(&name, &hooks, errors);
         self.bits &= !ATTACH_NETLINK;
@@ -466,6 +470,6 @@ impl<'a> Attachment<'a> {
 
     /// Whether anything is still attached (besides how: mode bits).
     pub fn any_hook(&self) -> bool {
-        self.bits & (ATTACH_POD | ATTACH_UPLINK | ATTACH_UPLINK_INGRESS) != 0
+        self.bits & (ATTACH_POD | ATTACH_ANY_UPLINK) != 0
     }
 }

@@ -4,7 +4,7 @@
 //! programs attached to a running pod's interface.
 use std::collections::BTreeMap;
 
-use policy_common::endpoint::{ATTACH_POD, ATTACH_UPLINK, ATTACH_UPLINK_INGRESS};
+use policy_common::endpoint::{ATTACH_ANY_UPLINK, ATTACH_POD};
 use tracing::warn;
 
 use super::{error::Error, loader::PinnedClassifier};
@@ -65,7 +65,7 @@ pub fn snapshot(dp: &mut PinnedClassifier) -> Result<OrderSnapshot, Error> {
     let meta = dp.maps.read_meta()?;
     let mut out = OrderSnapshot::new();
     for (ifindex, m) in meta {
-        if m.attach & (ATTACH_POD | ATTACH_UPLINK | ATTACH_UPLINK_INGRESS) == 0 {
+        if m.attach & (ATTACH_POD | ATTACH_ANY_UPLINK) == 0 {
             continue;
         }
         let ahead: Vec<String> = dp

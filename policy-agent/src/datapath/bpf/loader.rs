@@ -42,12 +42,16 @@ pub struct LoadOptions {
     pub pod_ranges: Vec<ipnet::IpNet>,
 }
 
-/// The classifiers, loaded or opened from their pins.
+/// The classifiers, loaded or opened from their pins. Those of a device
+/// without a link-layer header only once the node has one (see
+/// [`PinnedClassifier::load_missing`]).
 pub struct Classifiers {
     pub from_pod: SchedClassifier,
     pub to_pod: SchedClassifier,
     pub to_uplink: SchedClassifier,
     pub from_uplink: SchedClassifier,
+    pub to_uplink_l3: Option<SchedClassifier>,
+    pub from_uplink_l3: Option<SchedClassifier>,
 }
 
 impl Classifiers {
@@ -56,13 +60,20 @@ impl Classifiers {
         open_pinned(layout)
     }
 
-    pub fn get_mut(&mut self, hook: Hook) -> &mut SchedClassifier {
+    fn slot(&mut self, hook: Hook) -> Option<&mut SchedClassifier> {
         match hook {
-            Hook::Ingress => &mut self.from_pod,
-            Hook::Egress => &mut self.to_pod,
-            Hook::Uplink => &mut self.to_uplink,
-            Hook::UplinkIngress => &mut self.from_uplink,
+            Hook::Ingress => Some(&mut self.from_pod),
+            Hook::Egress => Some(&mut self.to_pod),
+            Hook::Uplink => Some(&mut self.to_uplink),
+            Hook::UplinkIngress => Some(&mut self.from_uplink),
+            Hook::UplinkL3 => self.to_uplink_l3.as_mut(),
+            Hook::UplinkIngressL3 => self.from_uplink_l3.as_mut(),
         }
+    }
+
+    /// The program of `hook` (an error for one not loaded yet).
+    pub fn get_mut(&mut self, hook: Hook) -> Result<&mut SchedClassifier, Error> {
+        self.slot(hook).ok_or(Error::MissingProgram(hook.program()))
     }
 
     pub fn id(&self, hook: Hook) -> Option<u32> {
@@ -71,6 +82,8 @@ impl Classifiers {
             Hook::Egress => &self.to_pod,
             Hook::Uplink => &self.to_uplink,
             Hook::UplinkIngress => &self.from_uplink,
+            Hook::UplinkL3 => self.to_uplink_l3.as_ref()?,
+            Hook::UplinkIngressL3 => self.from_uplink_l3.as_ref()?,
         };
         prog.info().ok().map(|i| i.id())
     }
@@ -116,7 +129,7 @@ pub(super) fn classifier<'a>(
 /// programs do not depend on each other.
 fn load_in_parallel(ebpf: &mut aya::Ebpf) -> Result<(), Error> {
     let t = std::time::Instant::now();
-    let wanted: Vec<&'static str> = Hook::ALL.iter().map(|h| h.program()).collect();
+    let wanted: Vec<&'static str> = Hook::CORE.iter().map(|h| h.program()).collect();
     let mut progs: Vec<(&'static str, &mut SchedClassifier)> = Vec::new();
     for (name, prog) in ebpf.programs_mut() {
         let Some(name) = wanted.iter().find(|w| **w == name) else {
@@ -159,6 +172,47 @@ impl PinnedClassifier {
     pub fn mode(&self) -> AttachMode {
         self.mode
     }
+
+    /// Loads and pins the programs of `hooks` not loaded yet (those of a
+    /// device without a link-layer header, once the node has one): the
+    /// object again, its maps from their pins, that program alone through
+    /// the verifier.
+    pub fn load_missing(&mut self, hooks: &[Hook]) -> Result<(), Error> {
+        for hook in hooks {
+            if self.programs.get_mut(*hook).is_ok() {
+                continue;
+            }
+            let name = hook.program();
+            let paths: Vec<(&'static str, std::path::PathBuf)> = names::ALL
+                .iter()
+                .map(|n| (*n, self.layout.map(n)))
+                .collect();
+            let mut ebpf = loader(&[], &paths).load(OBJECT).map_err(|e| Error::Load {
+                pins: self.layout.maps_dir(),
+                source: Box::new(e),
+            })?;
+            let prog = classifier(&mut ebpf, name)?;
+            prog.load().map_err(Error::program(name))?;
+            let path = self.layout.program(name);
+            remove_pin(&path)?;
+            prog.pin(&path).map_err(|e| Error::Pin {
+                path: path.clone(),
+                source: Box::new(e),
+            })?;
+            info!(
+                program = name,
+                "loaded for a device without a link-layer header"
+            );
+            let opened = SchedClassifier::from_pin(&path).map_err(Error::program(name))?;
+            match hook {
+                Hook::UplinkL3 => self.programs.to_uplink_l3 = Some(opened),
+                Hook::UplinkIngressL3 => self.programs.from_uplink_l3 = Some(opened),
+                // The others are loaded at start.
+                _ => {}
+            }
+        }
+        Ok(())
+    }
 }
 
 impl PinnedClassifier {
@@ -193,7 +247,7 @@ impl PinnedClassifier {
 
         let hash = object_hash();
         let mut config = maps.config()?;
-        let pinned = Hook::ALL
+        let pinned = Hook::CORE
             .iter()
             .all(|h| layout.program(h.program()).exists());
         let programs = if pinned && config.object_hash == hash {
@@ -205,13 +259,22 @@ impl PinnedClassifier {
             load_in_parallel(&mut ebpf)?;
             for hook in Hook::ALL {
                 let name = hook.program();
+                let path = layout.program(name);
+                if !Hook::CORE.contains(&hook) {
+                    // In use only where the previous object pinned it.
+                    if !path.exists() {
+                        continue;
+                    }
+                    classifier(&mut ebpf, name)?
+                        .load()
+                        .map_err(Error::program(name))?;
+                }
                 let prog = classifier(&mut ebpf, name)?;
                 // Move existing attachments over before the old pin goes,
                 // so no interface is ever without a program.
                 for (ifindex, m) in &meta {
                     Attachment::new(layout, *ifindex, m.attach).replace_program(prog, hook)?;
                 }
-                let path = layout.program(name);
                 remove_pin(&path)?;
                 prog.pin(&path).map_err(|e| Error::Pin {
                     path: path.clone(),
@@ -268,11 +331,15 @@ impl PinnedClassifier {
         hooks: &[Hook],
         standby: bool,
     ) -> Result<(), Error> {
+        self.load_missing(hooks)?;
         let known = self.maps.meta(ifindex).map(|m| m.attach).unwrap_or(0);
         let mut attachment = Attachment::new(&self.layout, ifindex, known);
         let mut result = Ok(());
         for hook in hooks {
-            result = attachment.ensure(self.programs.get_mut(*hook), *hook, self.mode);
+            result = self
+                .programs
+                .get_mut(*hook)
+                .and_then(|prog| attachment.ensure(prog, *hook, self.mode));
             if result.is_err() {
                 break;
             }
@@ -305,11 +372,8 @@ impl PinnedClassifier {
         let fds: Vec<(Hook, i32)> = Hook::BOTH
             .iter()
             .filter_map(|h| {
-                self.programs
-                    .get_mut(*h)
-                    .fd()
-                    .ok()
-                    .map(|fd| (*h, fd.as_fd().as_raw_fd()))
+                let prog = self.programs.get_mut(*h).ok()?;
+                prog.fd().ok().map(|fd| (*h, fd.as_fd().as_raw_fd()))
             })
             .collect();
         let (fresh, known): (Vec<_>, Vec<_>) = items
@@ -533,10 +597,20 @@ fn open_pinned(layout: &PinLayout) -> Result<Classifiers, Error> {
         let name = hook.program();
         SchedClassifier::from_pin(layout.program(name)).map_err(Error::program(name))
     };
+    // Pinned only where the node has such a device.
+    let open_if_pinned = |hook: Hook| -> Result<Option<SchedClassifier>, Error> {
+        if layout.program(hook.program()).exists() {
+            open(hook).map(Some)
+        } else {
+            Ok(None)
+        }
+    };
     Ok(Classifiers {
         from_pod: open(Hook::Ingress)?,
         to_pod: open(Hook::Egress)?,
         to_uplink: open(Hook::Uplink)?,
         from_uplink: open(Hook::UplinkIngress)?,
+        to_uplink_l3: open_if_pinned(Hook::UplinkL3)?,
+        from_uplink_l3: open_if_pinned(Hook::UplinkIngressL3)?,
     })
 }

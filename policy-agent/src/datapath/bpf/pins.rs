@@ -28,18 +28,51 @@ pub enum Hook {
     /// the node for a local address not enforced yet (see
     /// `policy_common::pod_range_guard`).
     UplinkIngress,
+    /// [`Hook::Uplink`] on a device without a link-layer header (its
+    /// packets start with the IP header).
+    UplinkL3,
+    /// [`Hook::UplinkIngress`] on such a device.
+    UplinkIngressL3,
 }
 
 impl Hook {
     /// The two hooks of a pod's interface.
     pub const BOTH: [Hook; 2] = [Hook::Ingress, Hook::Egress];
     /// Every hook (what `reset` undoes).
-    pub const ALL: [Hook; 4] = [
+    pub const ALL: [Hook; 6] = [
+        Hook::Ingress,
+        Hook::Egress,
+        Hook::Uplink,
+        Hook::UplinkIngress,
+        Hook::UplinkL3,
+        Hook::UplinkIngressL3,
+    ];
+    /// The hooks whose programs are loaded at start; those of a device
+    /// without a link-layer header only once the node has one.
+    pub const CORE: [Hook; 4] = [
         Hook::Ingress,
         Hook::Egress,
         Hook::Uplink,
         Hook::UplinkIngress,
     ];
+
+    /// The uplink hooks (egress, ingress) for a device of `framing`; None:
+    /// no program here can read its packets.
+    pub fn uplinks(framing: crate::netlink::Framing) -> Option<[Hook; 2]> {
+        match framing {
+            crate::netlink::Framing::Ethernet => Some([Hook::Uplink, Hook::UplinkIngress]),
+            crate::netlink::Framing::Ip => Some([Hook::UplinkL3, Hook::UplinkIngressL3]),
+            crate::netlink::Framing::Loopback | crate::netlink::Framing::Other(_) => None,
+        }
+    }
+
+    /// Whether the hook is at the interface's ingress.
+    pub fn at_ingress(self) -> bool {
+        matches!(
+            self,
+            Hook::Ingress | Hook::UplinkIngress | Hook::UplinkIngressL3
+        )
+    }
 
     pub fn name(self) -> &'static str {
         match self {
@@ -47,16 +80,21 @@ impl Hook {
             Hook::Egress => "egress",
             Hook::Uplink => "uplink",
             Hook::UplinkIngress => "uplink-ingress",
+            Hook::UplinkL3 => "uplink-l3",
+            Hook::UplinkIngressL3 => "uplink-ingress-l3",
         }
     }
 
     /// The program attached at this hook.
     pub fn program(self) -> &'static str {
+        use policy_common::maps::programs;
         match self {
-            Hook::Ingress => policy_common::maps::programs::FROM_POD,
-            Hook::Egress => policy_common::maps::programs::TO_POD,
-            Hook::Uplink => policy_common::maps::programs::TO_UPLINK,
-            Hook::UplinkIngress => policy_common::maps::programs::FROM_UPLINK,
+            Hook::Ingress => programs::FROM_POD,
+            Hook::Egress => programs::TO_POD,
+            Hook::Uplink => programs::TO_UPLINK,
+            Hook::UplinkIngress => programs::FROM_UPLINK,
+            Hook::UplinkL3 => programs::TO_UPLINK_L3,
+            Hook::UplinkIngressL3 => programs::FROM_UPLINK_L3,
         }
     }
 }

@@ -69,8 +69,8 @@ pub(crate) fn tcx_attach_and_pin(
     pin: &Path,
 ) -> std::io::Result<()> {
     let attach_type = match hook {
-        Hook::Ingress | Hook::UplinkIngress => BPF_TCX_INGRESS,
-        Hook::Egress | Hook::Uplink => BPF_TCX_EGRESS,
+        h if h.at_ingress() => BPF_TCX_INGRESS,
+        _ => BPF_TCX_EGRESS,
     };
     // BPF_LINK_CREATE: { u32 prog_fd; u32 target_ifindex; u32 attach_type;
     // u32 flags; tcx { u32 relative_fd; u64 expected_revision } }.
@@ -92,8 +92,8 @@ pub(crate) fn tcx_attach_and_pin(
 /// The tc attach point of a hook.
 pub(crate) fn tc_type(hook: Hook) -> TcAttachType {
     match hook {
-        Hook::Ingress | Hook::UplinkIngress => TcAttachType::Ingress,
-        Hook::Egress | Hook::Uplink => TcAttachType::Egress,
+        h if h.at_ingress() => TcAttachType::Ingress,
+        _ => TcAttachType::Egress,
     }
 }
 

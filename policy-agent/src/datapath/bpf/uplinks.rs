@@ -14,34 +14,55 @@
 //! everything on to these, and the pod's CNI hand-off finds them in place.
 use std::collections::{BTreeMap, BTreeSet};
 
-use policy_common::endpoint::{ATTACH_STANDBY, ATTACH_UPLINK, ATTACH_UPLINK_INGRESS};
+use policy_common::endpoint::{ATTACH_ANY_UPLINK, ATTACH_STANDBY};
 use tracing::{info, warn};
 
 use super::{
+    attach::hook_bit,
     loader::{PinnedClassifier, standby_label, uplink_label},
     pins::Hook,
 };
 use crate::{
     cluster::Problem,
     datapath::SyncReport,
-    netlink::{self, Link},
+    netlink::{self, Framing, Link},
 };
 
 /// The interfaces the uplink classifier belongs on: every one but
 /// loopback and those carrying the pod classifiers (which judge marked
-/// packets themselves).
-pub fn uplink_candidates(links: Vec<Link>, pods: &BTreeSet<u32>) -> BTreeMap<u32, String> {
+/// packets themselves), with how their packets are framed.
+pub fn uplink_candidates(
+    links: Vec<Link>,
+    pods: &BTreeSet<u32>,
+) -> BTreeMap<u32, (String, Framing)> {
     links
         .into_iter()
-        .filter(|l| l.name != "lo" && !pods.contains(&l.index))
-        .map(|l| (l.index, l.name))
+        .filter(|l| l.name != "lo" && l.framing != Framing::Loopback && !pods.contains(&l.index))
+        .map(|l| (l.index, (l.name, l.framing)))
         .collect()
+}
+
+/// The uplink hooks wanted on a device of `framing` (the ingress one only
+/// when `ingress`: pod ranges are configured) and their attach bits; None:
+/// no classifier can read its packets.
+fn wanted_hooks(framing: Framing, ingress: bool) -> Option<(Vec<Hook>, u32)> {
+    let [egress, at_ingress] = Hook::uplinks(framing)?;
+    let hooks = if ingress {
+        vec![egress, at_ingress]
+    } else {
+        vec![egress]
+    };
+    let bits = hooks.iter().fold(0, |b, h| b | hook_bit(*h));
+    Some((hooks, bits))
 }
 
 /// Attaches the uplink classifiers where they are missing (every
 /// candidate, re-checked when `verify`; the ingress one only when
 /// `ingress`: pod ranges are configured), and removes them from interfaces
 /// that are no longer candidates (they became endpoints, or are gone).
+/// Each device gets the programs that read its framing; one whose packets
+/// no program here can read gets none and is reported, rather than judged
+/// by a parse that would misread it.
 pub fn sync_uplinks(
     dp: &mut PinnedClassifier,
     pods: &BTreeSet<u32>,
@@ -49,14 +70,6 @@ pub fn sync_uplinks(
     verify: bool,
     report: &mut SyncReport,
 ) {
-    let (hooks, bits): (&[Hook], u32) = if ingress {
-        (
-            &[Hook::Uplink, Hook::UplinkIngress],
-            ATTACH_UPLINK | ATTACH_UPLINK_INGRESS,
-        )
-    } else {
-        (&[Hook::Uplink], ATTACH_UPLINK)
-    };
     let links = match netlink::links() {
         Ok(links) => links,
         Err(e) => {
@@ -71,7 +84,7 @@ pub fn sync_uplinks(
     };
     let present: BTreeSet<u32> = links.iter().map(|l| l.index).collect();
     let wanted = uplink_candidates(links, pods);
-    let meta = match dp.maps.read_meta() {
+    let meta = match dp.maps().read_meta() {
         Ok(meta) => meta,
         Err(e) => {
             report.incomplete = true;
@@ -81,7 +94,13 @@ pub fn sync_uplinks(
             return;
         }
     };
-    for (ifindex, name) in &wanted {
+    for (ifindex, (name, framing)) in &wanted {
+        let Some((hooks, bits)) = wanted_hooks(*framing, ingress) else {
+            report.problems.push(Problem::node(format!(
+                "not attaching the uplink classifier to {name}: no classifier here reads its packets ({framing:?}); a pod's traffic to a Service whose backend is reached through it is not judged after DNAT"
+            )));
+            continue;
+        };
         let known = meta.get(ifindex).map_or(0, |m| m.attach);
         let standby = known & ATTACH_STANDBY != 0;
         if standby
@@ -91,7 +110,21 @@ pub fn sync_uplinks(
             // Only the hand-off's attach is slower then: no report.
             warn!(interface = %name, error = %e, "standby classifiers not attached");
         }
-        let has = known & bits == bits;
+        // The other framing's programs (an interface index reused by a
+        // device of another kind) go first.
+        let pair = Hook::uplinks(*framing).unwrap_or([hooks[0], hooks[0]]);
+        let stale: Vec<Hook> = Hook::ALL
+            .into_iter()
+            .filter(|h| known & ATTACH_ANY_UPLINK & hook_bit(*h) != 0 && !pair.contains(h))
+            .collect();
+        if !stale.is_empty()
+            && let Err(errors) = dp.detach_uplink(*ifindex, &stale)
+        {
+            for e in errors {
+                warn!(interface = %name, error = %e, "uplink classifier of another framing detach");
+            }
+        }
+        let has = known & bits == bits && stale.is_empty();
         if has && !verify {
             continue;
         }
@@ -100,10 +133,10 @@ pub fn sync_uplinks(
         } else {
             uplink_label(*ifindex)
         };
-        match dp.attach_uplink(*ifindex, &label, hooks) {
+        match dp.attach_uplink(*ifindex, &label, &hooks) {
             Ok(()) => {
                 if !has {
-                    info!(interface = %name, "uplink classifier attached");
+                    info!(interface = %name, framing = ?framing, "uplink classifier attached");
                 }
                 check_order(dp, *ifindex, name, report);
             }
@@ -126,17 +159,22 @@ pub fn sync_uplinks(
             }
             continue;
         }
-        let gone: &[Hook] = if wanted.contains_key(ifindex) {
-            if ingress || m.attach & ATTACH_UPLINK_INGRESS == 0 {
-                continue;
-            }
-            &[Hook::UplinkIngress] // --pod-cidr no longer given.
-        } else if m.attach & (ATTACH_UPLINK | ATTACH_UPLINK_INGRESS) != 0 {
-            &[Hook::Uplink, Hook::UplinkIngress]
-        } else {
-            continue;
+        let gone: Vec<Hook> = match wanted.get(ifindex) {
+            // --pod-cidr no longer given: the ingress ones go.
+            Some(_) if !ingress => [Hook::UplinkIngress, Hook::UplinkIngressL3]
+                .into_iter()
+                .filter(|h| m.attach & hook_bit(*h) != 0)
+                .collect(),
+            Some(_) => Vec::new(),
+            None => Hook::ALL
+                .into_iter()
+                .filter(|h| m.attach & ATTACH_ANY_UPLINK & hook_bit(*h) != 0)
+                .collect(),
         };
-        if let Err(errors) = dp.detach_uplink(*ifindex, gone) {
+        if gone.is_empty() {
+            continue;
+        }
+        if let Err(errors) = dp.detach_uplink(*ifindex, &gone) {
             for e in errors {
                 warn!(ifindex, error = %e, "uplink classifier detach");
                 report.problems.push(Problem::node(format!(
@@ -212,6 +250,11 @@ mod tests {
             index,
             name: name.to_owned(),
             kind: kind.map(str::to_owned),
+            framing: if name == "lo" {
+                Framing::Loopback
+            } else {
+                Framing::Ethernet
+            },
         }
     }
 

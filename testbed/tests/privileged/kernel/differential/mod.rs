@@ -469,10 +469,11 @@ impl PodRangeGuard {
     }
 }
 
-/// The uplinks count drops only: at most one counter moves.
-fn run_uplink(h: &mut Harness, hook: Hook, pkt: &Packet) -> Option<policy_common::verdict::Reason> {
+/// The uplinks count drops only: at most one counter moves. `frame`:
+/// the packet as the hook's device frames it.
+fn run_uplink(h: &mut Harness, hook: Hook, frame: &[u8]) -> Option<policy_common::verdict::Reason> {
     let before = h.dp.maps.counters().unwrap();
-    let verdict = h.run(hook, &pkt.frame());
+    let verdict = h.run(hook, frame);
     let after = h.dp.maps.counters().unwrap();
     let moved: Vec<_> = after
         .iter()
@@ -552,11 +553,23 @@ fn run_seed(seed: u64, seen: &mut Seen, coverage: &mut Coverage) -> usize {
             } else {
                 model.uplink_ingress(&m)
             };
-            let got = run_uplink(&mut h, hook, &pkt);
+            let got = run_uplink(&mut h, hook, &pkt.frame());
             assert_eq!(
                 got,
                 want.reason(),
                 "seed {seed}, packet {i}: {pkt:?} at {hook:?}\nmodel: {want:?}"
+            );
+            // The same packet on a device without a link-layer header.
+            let l3 = if hook == Hook::Uplink {
+                Hook::UplinkL3
+            } else {
+                Hook::UplinkIngressL3
+            };
+            let got_l3 = run_uplink(&mut h, l3, &pkt.ip_bytes());
+            assert_eq!(
+                got_l3,
+                want.reason(),
+                "seed {seed}, packet {i}: {pkt:?} at {l3:?} (no link-layer header)\nmodel: {want:?}"
             );
             if let Some(r) = got {
                 *seen.entry(r).or_default() += 1;
