@@ -4,6 +4,7 @@
 //! addresses) describe it with [`Change`]s; only the fields policy needs
 //! are kept, so 10,000 pods stay small. [`Problem`] is how every layer
 //! says what it could not enforce as written.
+mod address;
 mod change;
 mod convert;
 mod problem;
@@ -15,12 +16,13 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 
 pub(crate) use self::convert::protocol_number;
 pub use self::{
+    address::{parse_cidr_sloppy, parse_ip_sloppy},
     change::{Change, Keyed, changes_between, keyed_changes},
     convert::{ConvertError, namespace_info, pod_info},
     problem::{ObjectKind, Problem, Subject},
     service::{
         Backend, Endpoint, EndpointSliceInfo, SERVICE_NAME_LABEL, ServiceInfo, ServicePort,
-        ServiceRef, SlicePort, backends, endpoint_slice_info, service_info,
+        ServiceRef, SlicePort, Unreadable, backends, endpoint_slice_info, service_info,
     },
 };
 

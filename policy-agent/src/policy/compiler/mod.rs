@@ -268,7 +268,8 @@ impl Compiler {
     }
 
     /// Everything not enforced as written: invalid policies, identity
-    /// numbers exhausted, local pods without an address yet.
+    /// numbers exhausted, local pods without an address yet, Service and
+    /// EndpointSlice fields that do not read.
     pub fn problems(&self) -> Vec<Problem> {
         let mut out: Vec<Problem> = self.errors().iter().map(PolicyError::problem).collect();
         out.extend(
@@ -277,6 +278,12 @@ impl Compiler {
                 .map(|e| Problem::node(format!("identity allocation failed: {e}"))),
         );
         out.extend(unready_local_pods(&self.node_name, &self.pods));
+        for (name, svc) in &self.services {
+            out.extend(svc.problems(name));
+        }
+        for (name, slice) in &self.endpoint_slices {
+            out.extend(slice.problems(name));
+        }
         out
     }
 
