@@ -43,6 +43,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let mut config = Config::new(args.node.node.clone(), args.enforce.pins.layout());
     config.listen = args.listen;
     config.datapath = args.enforce.open_options();
+    config.service_ranges = args.enforce.service_ranges();
     config.debounce = Duration::from_millis(args.debounce_ms);
     config.cni_socket = args.cni_socket.clone();
     config.cni_wait = Duration::from_secs(args.cni_wait_secs);

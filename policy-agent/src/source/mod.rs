@@ -25,6 +25,9 @@ pub enum SourceId {
     Manifests,
     Kube,
     Node,
+    /// What the command line says of the cluster (`--service-cidr`,
+    /// `--pod-cidr`), sent once, before any other source.
+    CommandLine,
 }
 
 /// What a source publishes.

@@ -21,10 +21,11 @@ use self::{
     reconcile::Context,
 };
 use crate::{
+    cluster::{Change, normalized_ranges},
     datapath::{Choice, OpenOptions, bpf::pins::PinLayout, iptables::Backend},
     metrics::{self, Metrics},
     netlink,
-    source::{self, SourceId},
+    source::{self, SourceId, SourceUpdate},
 };
 
 /// Settings of the daemon.
@@ -51,6 +52,10 @@ pub struct Config {
     pub cni_socket: Option<PathBuf>,
     /// Longest a CNI ADD waits for its pod to be enforced.
     pub cni_wait: Duration,
+    /// `--service-cidr`: the Service ranges, over what the cluster
+    /// publishes (None: its ServiceCIDRs in cluster mode, none with
+    /// manifests).
+    pub service_ranges: Option<Vec<ipnet::IpNet>>,
 }
 
 impl Config {
@@ -72,6 +77,7 @@ impl Config {
             order_check: Duration::from_secs(5),
             cni_socket: None,
             cni_wait: Duration::from_secs(30),
+            service_ranges: None,
         }
     }
 }
@@ -132,6 +138,19 @@ pub async fn run(
         })?;
 
     let (inbox, sink) = inbox::new();
+    // The command line's word on the cluster goes in first.
+    let given: Vec<Change> = config
+        .service_ranges
+        .iter()
+        .map(|r| Change::ServiceRanges(normalized_ranges(r.iter().copied())))
+        .collect();
+    if !given.is_empty() {
+        sink.send(Trigger::Update(SourceUpdate {
+            source: SourceId::CommandLine,
+            changes: given,
+            problems: Vec::new(),
+        }));
+    }
     // The CNI plugin's socket is bound before anything else can fail late:
     // a plugin finding no socket fails its ADD (fail closed) and retries.
     let cni = match &config.cni_socket {
@@ -175,6 +194,7 @@ pub async fn run(
             client,
             config.debounce,
             sink.for_source(),
+            config.service_ranges.is_none(),
         )),
     };
     source::node::watch(config.node.clone(), sink.for_source()).map_err(Error::NodeSource)?;

@@ -1,17 +1,19 @@
-//! Service frontends as the compiler writes them (`SERVICES`) from input
-//! kube-proxy reads but a strict parser would not: an address with
+//! Service frontends as the compiler writes them (`SERVICES`): from input
+//! kube-proxy reads but a strict parser would not (an address with
 //! leading zeros is the frontend kube-proxy makes of it, and one field
 //! that does not read costs only that field, never the Service's other
-//! frontends.
+//! frontends), and the Service ranges as a change of the cluster model.
 use std::path::PathBuf;
 
 use ipnet::IpNet;
 use policy_agent::{
-    cluster::{ClusterState, Subject},
+    cluster::{Change, ClusterState, Subject, changes_between},
     identity::IdentityAllocator,
+    mapstate::MapOp,
     policy::{CompileOptions, Compiler},
     source::manifests::load_dir,
 };
+use policy_common::service::SERVICE_RANGE;
 
 /// A scratch directory of manifests, removed on drop.
 struct Scratch(PathBuf);
@@ -122,5 +124,60 @@ fn one_unreadable_field_keeps_the_rest_of_the_service() {
             "shop/web spec.ports[1].port",
             "shop/web spec.externalIPs[1]",
         ]
+    );
+}
+
+/// The Service ranges are part of the cluster model: each is one
+/// frontend beside the addresses in it (`SERVICE_RANGE`), and a change of
+/// them while the agent runs is a change like any other, written as the
+/// few ops it takes.
+#[test]
+fn the_service_ranges_are_frontends_and_change_at_run_time() {
+    let dir = Scratch::with(
+        "ranges",
+        &service("web", "{clusterIPs: [10.96.0.50], ports: [{port: 80}]}"),
+    );
+    let mut state = dir.state();
+    state.service_ranges = vec!["10.96.0.0/12".parse().unwrap()];
+    let mut ids = IdentityAllocator::new();
+    let mut c = Compiler::new(CompileOptions::default());
+    c.apply(changes_between(&ClusterState::default(), &state), &mut ids);
+    let flags = |c: &Compiler| -> Vec<(String, bool)> {
+        c.maps()
+            .services
+            .iter()
+            .map(|(n, e)| (n.to_string(), e.flags & SERVICE_RANGE != 0))
+            .collect()
+    };
+    assert_eq!(
+        flags(&c),
+        [
+            ("10.96.0.0/12".into(), true),
+            ("10.96.0.50/32".into(), false)
+        ]
+    );
+    let ranges: Vec<IpNet> = vec![
+        "10.96.0.0/16".parse().unwrap(),
+        "fd00:96::/108".parse().unwrap(),
+    ];
+    let ops = c.apply([Change::ServiceRanges(ranges.clone())], &mut ids);
+    let touched: Vec<String> = ops
+        .iter()
+        .map(|op| match op {
+            MapOp::UpsertService(n, _) => format!("+{n}"),
+            MapOp::DeleteService(n) => format!("-{n}"),
+            other => panic!("only frontends change: {other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        touched,
+        ["+10.96.0.0/16", "+fd00:96::/108", "-10.96.0.0/12"]
+    );
+    state.service_ranges = ranges;
+    let full = compile(&state);
+    assert_eq!(
+        c.maps().services,
+        full.maps().services,
+        "same as a full compile"
     );
 }

@@ -15,7 +15,7 @@ use super::{
     pins::PinLayout,
     pod_range_guard::Enforcement,
     standing_problems::StandingProblems,
-    sync_pass::{Compiled, link_ops, sync_full, sync_ops, touches_range},
+    sync_pass::{Compiled, link_ops, sync_full, sync_ops},
     uplinks::sync_uplinks,
 };
 use crate::{
@@ -34,8 +34,6 @@ pub struct BpfDriver {
     interfaces: InterfaceCache,
     drop_log: bool,
     kernel_log: bool,
-    /// Configured Service ranges, written beside the compiled frontends.
-    service_ranges: Vec<ipnet::IpNet>,
     /// `--pod-cidr` and the enforced local addresses.
     enforcement: Enforcement,
     /// What ran before the classifiers after the last full pass.
@@ -56,7 +54,6 @@ impl BpfDriver {
             interfaces: InterfaceCache::default(),
             drop_log: false,
             kernel_log: false,
-            service_ranges: opts.service_ranges.clone(),
             order: OrderWatch::default(),
             standing: StandingProblems::default(),
         })
@@ -72,11 +69,7 @@ impl BpfDriver {
         let links_changed = self.interfaces.take_links_changed();
         let incremental = self.last.is_some() && !self.interfaces.needs_full_pass();
         if incremental {
-            let mut ops: Vec<MapOp<PodRef>> = ops
-                .iter()
-                .filter(|op| !touches_range(op, &self.service_ranges))
-                .cloned()
-                .collect();
+            let mut ops: Vec<MapOp<PodRef>> = ops.to_vec();
             // A full pass looks every interface up itself.
             if links_changed {
                 ops.extend(link_ops(&self.interfaces, desired));
@@ -128,7 +121,6 @@ impl BpfDriver {
                 Compiled {
                     maps: desired.maps,
                     local_pods: desired.local_pods,
-                    service_ranges: &self.service_ranges,
                 },
                 &mut report,
             )?;

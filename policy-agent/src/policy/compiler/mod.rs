@@ -55,7 +55,7 @@ use super::{Compiled, classes::Classes, error::PolicyError, parse::ParsedPolicy}
 use crate::{
     cluster::{
         Change, ClusterState, EndpointSliceInfo, NamespaceInfo, ObjectRef, PodInfo, PodRef,
-        PolicyRef, Problem, ServiceInfo, ServiceRef, unready_local_pods,
+        PolicyRef, Problem, ServiceInfo, ServiceRef, normalized_ranges, unready_local_pods,
     },
     identity::{IdentityAllocator, IdentityError},
     mapstate::{MapOp, MapState, RuleOrigin, diff, identity_name},
@@ -81,6 +81,11 @@ pub struct Compiler {
     policies: BTreeMap<PolicyRef, PolicyState>,
     services: BTreeMap<ServiceRef, ServiceInfo>,
     endpoint_slices: BTreeMap<ObjectRef, EndpointSliceInfo>,
+    /// The cluster's Service ranges: frontends as a whole.
+    service_ranges: BTreeSet<IpNet>,
+    /// The node's pod ranges (None: not known yet). Not compiled: handed
+    /// to the datapath, which keeps the guard it holds until they are.
+    pod_ranges: Option<Vec<IpNet>>,
 
     carving: Carving,
     classes: Classes,
@@ -123,6 +128,8 @@ impl Compiler {
         c.pods = state.pods.clone();
         c.services = state.services.clone();
         c.endpoint_slices = state.endpoint_slices.clone();
+        c.service_ranges = state.service_ranges.iter().map(IpNet::trunc).collect();
+        c.pod_ranges = state.pod_ranges.clone().map(normalized_ranges);
         for (name, np) in &state.policies {
             let parsed = ParsedPolicy::parse(name, np);
             c.policies
@@ -149,10 +156,17 @@ impl Compiler {
         let services = (
             std::mem::take(&mut self.services),
             std::mem::take(&mut self.endpoint_slices),
+            std::mem::take(&mut self.service_ranges),
+            self.pod_ranges.take(),
         );
         *self = Self::new(self.options);
         (self.node_name, self.node_ips, self.namespaces, self.pods) = inputs;
-        (self.services, self.endpoint_slices) = services;
+        (
+            self.services,
+            self.endpoint_slices,
+            self.service_ranges,
+            self.pod_ranges,
+        ) = services;
         self.built = true;
 
         self.carve(&parsed, ids);
@@ -257,6 +271,11 @@ impl Compiler {
     /// The addresses of each local endpoint pod.
     pub fn local_pods(&self) -> &BTreeMap<PodRef, Vec<IpAddr>> {
         &self.local_pods
+    }
+
+    /// The node's pod ranges, once known (sorted, host bits clear).
+    pub fn pod_ranges(&self) -> Option<&[IpNet]> {
+        self.pod_ranges.as_deref()
     }
 
     /// Every policy problem found, policies in name order.
