@@ -195,7 +195,6 @@ impl EnforceArgs {
             layout: self.pins.layout(),
             load: LoadOptions {
                 tcx: self.datapath.attach == AttachChoice::Tcx,
-                pod_ranges: self.datapath.pod_cidrs.iter().map(|n| n.trunc()).collect(),
                 capacities: Sizing {
                     max_pods: self.sizing.max_pods,
                     cluster_pods: self.sizing.cluster_pods,

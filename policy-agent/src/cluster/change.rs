@@ -208,4 +208,24 @@ mod tests {
         assert_eq!(replay.node_ips, new.node_ips);
         assert!(changes_between(&new, &replay).is_empty());
     }
+
+    #[test]
+    fn pod_ranges_are_unknown_until_said_and_never_forgotten() {
+        let old = ClusterState::default();
+        let mut new = old.clone();
+        assert!(changes_between(&old, &new).is_empty());
+        new.pod_ranges = Some(Vec::new());
+        assert_eq!(
+            changes_between(&old, &new),
+            [Change::PodRanges(Vec::new())],
+            "none is news"
+        );
+        let mut replay = old.clone();
+        replay.apply(&Change::PodRanges(Vec::new()));
+        assert_eq!(replay.pod_ranges, Some(Vec::new()));
+        assert!(
+            changes_between(&new, &old).is_empty(),
+            "not known is no change"
+        );
+    }
 }

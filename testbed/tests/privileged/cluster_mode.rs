@@ -15,8 +15,8 @@ use std::{
 
 use policy_testbed::NetNs;
 use policy_testbed::fixtures::{
-    conformance::{Backend, Conformance, cluster_yaml, ns_of},
-    fake_apiserver::{FakeApi, Served},
+    conformance::{Backend, Conformance, NODE, cluster_yaml, ns_of},
+    fake_apiserver::{FakeApi, Served, node},
 };
 use serde::Deserialize as _;
 use serde_json::{Value, json};
@@ -28,6 +28,17 @@ fn objects(yaml: &str) -> Vec<Value> {
             (!v.is_null()).then_some(v)
         })
         .collect()
+}
+
+/// The cluster's objects, `more` (YAML) and this node's Node (without pod
+/// ranges: its IPAM does not use them).
+fn cluster_objects(c: &Conformance, more: &str) -> Vec<Value> {
+    let mut out = objects(&format!(
+        "{}---\n{more}",
+        cluster_yaml(&c.namespaces, &c.pods)
+    ));
+    out.push(node(NODE, &[]));
+    out
 }
 
 fn policy(ns: &str, name: &str, spec: Value) -> Value {
@@ -63,13 +74,7 @@ fn cluster_mode_matches_apply_follows_watches_and_rides_out_outages() {
     let want = comparable(&c.dump());
     c.reset();
 
-    let api = FakeApi::start(
-        &c.node().node,
-        objects(&format!(
-            "{}---\n{DENY_GAMMA}",
-            cluster_yaml(&c.namespaces, &c.pods)
-        )),
-    );
+    let api = FakeApi::start(&c.node().node, cluster_objects(&c, DENY_GAMMA));
     let kubeconfig = c.dir.join("kubeconfig");
     api.kubeconfig(&kubeconfig);
     let kc = kubeconfig.to_str().unwrap().to_owned();
@@ -465,7 +470,7 @@ fn service_ranges(c: &Conformance) -> Vec<String> {
 #[test]
 fn the_service_ranges_follow_the_clusters_service_cidrs() {
     let mut c = Conformance::new("kcidr", Backend::Bpf);
-    let mut objs = objects(&cluster_yaml(&c.namespaces, &c.pods));
+    let mut objs = cluster_objects(&c, "");
     objs.push(service_cidr(
         "kubernetes",
         &["10.96.0.0/16", "fd00:96::/112"],
@@ -515,13 +520,7 @@ fn the_service_ranges_follow_the_clusters_service_cidrs() {
 #[test]
 fn a_cluster_without_the_service_cidr_api_is_normal() {
     let mut c = Conformance::new("knocidr", Backend::Bpf);
-    let api = FakeApi::start(
-        &c.node().node,
-        objects(&format!(
-            "{}---\n{DENY_GAMMA}",
-            cluster_yaml(&c.namespaces, &c.pods)
-        )),
-    );
+    let api = FakeApi::start(&c.node().node, cluster_objects(&c, DENY_GAMMA));
     api.set_served("servicecidrs", false);
     let kubeconfig = c.dir.join("kubeconfig");
     api.kubeconfig(&kubeconfig);

@@ -35,9 +35,6 @@ pub struct LoadOptions {
     /// Map capacity overrides (map name → entries), applied when a map is
     /// first created.
     pub capacities: Vec<(&'static str, u32)>,
-    /// The ranges the node hands to its own pods (`--pod-cidr`): an
-    /// address in them that is not enforced is unreachable.
-    pub pod_ranges: Vec<ipnet::IpNet>,
 }
 
 /// The classifiers, loaded or opened from their pins.

@@ -13,6 +13,7 @@
 //! server is unreachable nothing is published, so the last state stays
 //! enforced; the watchers retry with backoff.
 mod events;
+mod pod_ranges;
 mod service_cidrs;
 mod store;
 
@@ -33,7 +34,10 @@ use kube::{
 };
 use tracing::{debug, info, warn};
 
-pub use self::events::publish_events;
+pub use self::{
+    events::publish_events,
+    pod_ranges::{node_pod_cidrs, read_pod_ranges},
+};
 use self::{
     service_cidrs::ServiceCidrs,
     store::{Converted, Pods, Store},
@@ -45,33 +49,8 @@ use crate::cluster::{
 };
 
 /// What is read once, with `get` only: this node's own Node object (its
-/// `spec.podCIDRs`, when `--pod-cidr` is not given).
+/// `spec.podCIDRs`, when `--pod-cidr` is not given; see `pod_ranges.rs`).
 pub const READ_ONCE: [(&str, &str); 1] = [("", "nodes")];
-
-/// This node's pod ranges (`spec.podCIDRs`, else `spec.podCIDR`): what
-/// its IPAM hands to local pods. Empty when the node has none (the IPAM
-/// does not use them).
-pub async fn node_pod_cidrs(client: Client, node: &str) -> Result<Vec<ipnet::IpNet>, kube::Error> {
-    let n = Api::<k8s_openapi::api::core::v1::Node>::all(client)
-        .get(node)
-        .await?;
-    let spec = n.spec.unwrap_or_default();
-    let cidrs = spec
-        .pod_cidrs
-        .filter(|v| !v.is_empty())
-        .or_else(|| spec.pod_cidr.map(|c| vec![c]))
-        .unwrap_or_default();
-    let mut out = Vec::new();
-    for c in cidrs {
-        match c.parse::<ipnet::IpNet>() {
-            Ok(net) => out.push(net.trunc()),
-            Err(e) => {
-                warn!(node, cidr = %c, error = %e, "a podCIDR of this node does not parse; ignored")
-            }
-        }
-    }
-    Ok(out)
-}
 
 /// What the watchers read, as RBAC names it: (API group, resource).
 pub const WATCHED: [(&str, &str); 6] = [
