@@ -21,7 +21,9 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let node = &args.node.node;
-    let (state, mut problems) = args.manifests.load_for(&args.node)?;
+    let (mut state, mut problems) = args.manifests.load_for(&args.node)?;
+    state.service_ranges = args.enforce.service_ranges().unwrap_or_default();
+    state.pod_ranges = Some(args.enforce.datapath.pod_cidrs.clone());
 
     let mut enforcer =
         Enforcer::open(&args.enforce.open_options()).context("opening the datapath")?;

@@ -106,7 +106,9 @@ pub struct DatapathArgs {
     /// --service-cluster-ip-range; repeatable, one per family). Every
     /// address in them is a frontend from the start, before its Service
     /// is seen: an isolated pod's egress to it is judged after DNAT, on
-    /// the backend (BPF datapath).
+    /// the backend (BPF datapath). In cluster mode the ranges are read
+    /// from the cluster's ServiceCIDR objects (Kubernetes >= 1.33); when
+    /// this flag is given it wins and ServiceCIDRs are not read.
     #[arg(long = "service-cidr", value_name = "CIDR")]
     pub service_cidrs: Vec<ipnet::IpNet>,
     /// The range(s) this node's IPAM hands to its own pods (the Node's
@@ -181,19 +183,18 @@ pub struct EnforceArgs {
 }
 
 impl EnforceArgs {
+    /// `--service-cidr`, if given: it wins over the cluster's ServiceCIDRs.
+    pub fn service_ranges(&self) -> Option<Vec<ipnet::IpNet>> {
+        let given = &self.datapath.service_cidrs;
+        (!given.is_empty()).then(|| given.clone())
+    }
+
     pub fn open_options(&self) -> OpenOptions {
         OpenOptions {
             choice: self.datapath.datapath.into(),
             layout: self.pins.layout(),
             load: LoadOptions {
                 tcx: self.datapath.attach == AttachChoice::Tcx,
-                service_ranges: self
-                    .datapath
-                    .service_cidrs
-                    .iter()
-                    .map(|n| n.trunc())
-                    .collect(),
-                pod_ranges: self.datapath.pod_cidrs.iter().map(|n| n.trunc()).collect(),
                 capacities: Sizing {
                     max_pods: self.sizing.max_pods,
                     cluster_pods: self.sizing.cluster_pods,

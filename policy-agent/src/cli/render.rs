@@ -44,6 +44,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         maps: compiler.maps(),
         local_pods: compiler.local_pods(),
         rules: &rules,
+        pod_ranges: compiler.pod_ranges(),
     };
     // Rendering needs no iptables tools: nothing is applied.
     let (ruleset, mut problems, _) = IptablesDriver::unchecked(Backend::Auto).ruleset(&desired);

@@ -2,7 +2,7 @@
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use anyhow::Context as _;
-use policy_agent::worker::{self, Config, Sources};
+use policy_agent::worker::{self, Config, PodRanges, Sources};
 
 use super::common::{EnforceArgs, NodeArg};
 
@@ -43,6 +43,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let mut config = Config::new(args.node.node.clone(), args.enforce.pins.layout());
     config.listen = args.listen;
     config.datapath = args.enforce.open_options();
+    config.service_ranges = args.enforce.service_ranges();
+    config.pod_ranges = PodRanges::Given(args.enforce.datapath.pod_cidrs.clone());
     config.debounce = Duration::from_millis(args.debounce_ms);
     config.cni_socket = args.cni_socket.clone();
     config.cni_wait = Duration::from_secs(args.cni_wait_secs);
@@ -71,10 +73,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 let client = kube::Client::try_default()
                     .await
                     .context("connecting to the API server (in-cluster config or KUBECONFIG)")?;
-                if config.datapath.load.pod_ranges.is_empty()
+                if args.enforce.datapath.pod_cidrs.is_empty()
                     && !args.enforce.datapath.ignore_node_pod_cidrs
                 {
-                    config.datapath.load.pod_ranges = node_pod_ranges(&client, &config.node).await;
+                    config.pod_ranges = PodRanges::FromNode;
                 }
                 Sources::Cluster(client)
             }
@@ -84,27 +86,4 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             .map_err(anyhow::Error::from)
     })?;
     Ok(ExitCode::SUCCESS)
-}
-
-/// Without `--pod-cidr` in cluster mode: this node's `spec.podCIDRs`. If
-/// they cannot be read the agent runs without the pod-range guard (as before),
-/// and says so.
-async fn node_pod_ranges(client: &kube::Client, node: &str) -> Vec<ipnet::IpNet> {
-    match policy_agent::source::kube::node_pod_cidrs(client.clone(), node).await {
-        Ok(ranges) if ranges.is_empty() => {
-            tracing::warn!(
-                node,
-                "the Node has no spec.podCIDRs and --pod-cidr is not given: a new pod is unjudged until the agent attaches to it"
-            );
-            ranges
-        }
-        Ok(ranges) => {
-            tracing::info!(node, ?ranges, "pod ranges from the Node's spec.podCIDRs");
-            ranges
-        }
-        Err(e) => {
-            tracing::warn!(node, error = %e, "cannot read the Node's spec.podCIDRs and --pod-cidr is not given: a new pod is unjudged until the agent attaches to it");
-            Vec::new()
-        }
-    }
 }

@@ -7,6 +7,7 @@
 //! [`keyed_changes`] (which [`changes_between`] and every source use).
 use std::{collections::BTreeMap, net::IpAddr};
 
+use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 
 use super::{
@@ -32,6 +33,13 @@ pub enum Change {
         name: String,
         ips: Vec<IpAddr>,
     },
+    /// The cluster's Service ranges (its ServiceCIDRs, or
+    /// `--service-cidr`): every address in them is a frontend.
+    ServiceRanges(Vec<IpNet>),
+    /// The ranges this node's IPAM hands to its own pods (the Node's
+    /// `spec.podCIDRs`, or `--pod-cidr`); empty: none, the pod-range
+    /// guard is off. Until the first one, they are not known.
+    PodRanges(Vec<IpNet>),
 }
 
 /// A kind of object kept by key, and how its changes are spelled.
@@ -91,9 +99,10 @@ pub fn keyed_changes<V: Keyed>(
     }
 }
 
-/// What changed from `old` to `new`: the node first, then namespaces,
-/// pods, policies, Services and their slices (a namespace exists before
-/// its pods are read).
+/// What changed from `old` to `new`: the node and the ranges first,
+/// then namespaces, pods, policies, Services and their slices (a
+/// namespace exists before its pods are read). Pod ranges once known are
+/// not forgotten: a state that does not know them changes nothing.
 pub fn changes_between(old: &ClusterState, new: &ClusterState) -> Vec<Change> {
     let mut out = Vec::new();
     if old.node_name != new.node_name || old.node_ips != new.node_ips {
@@ -101,6 +110,14 @@ pub fn changes_between(old: &ClusterState, new: &ClusterState) -> Vec<Change> {
             name: new.node_name.clone(),
             ips: new.node_ips.clone(),
         });
+    }
+    if old.service_ranges != new.service_ranges {
+        out.push(Change::ServiceRanges(new.service_ranges.clone()));
+    }
+    if let Some(ranges) = &new.pod_ranges
+        && old.pod_ranges.as_ref() != Some(ranges)
+    {
+        out.push(Change::PodRanges(ranges.clone()));
     }
     keyed_changes(&old.namespaces, &new.namespaces, &mut out);
     keyed_changes(&old.pods, &new.pods, &mut out);
@@ -148,6 +165,12 @@ impl ClusterState {
                 self.node_name.clone_from(name);
                 self.node_ips.clone_from(ips);
             }
+            Change::ServiceRanges(ranges) => {
+                self.service_ranges.clone_from(ranges);
+            }
+            Change::PodRanges(ranges) => {
+                self.pod_ranges = Some(ranges.clone());
+            }
         }
     }
 }
@@ -184,5 +207,25 @@ mod tests {
         assert_eq!(replay.namespaces, new.namespaces);
         assert_eq!(replay.node_ips, new.node_ips);
         assert!(changes_between(&new, &replay).is_empty());
+    }
+
+    #[test]
+    fn pod_ranges_are_unknown_until_said_and_never_forgotten() {
+        let old = ClusterState::default();
+        let mut new = old.clone();
+        assert!(changes_between(&old, &new).is_empty());
+        new.pod_ranges = Some(Vec::new());
+        assert_eq!(
+            changes_between(&old, &new),
+            [Change::PodRanges(Vec::new())],
+            "none is news"
+        );
+        let mut replay = old.clone();
+        replay.apply(&Change::PodRanges(Vec::new()));
+        assert_eq!(replay.pod_ranges, Some(Vec::new()));
+        assert!(
+            changes_between(&new, &old).is_empty(),
+            "not known is no change"
+        );
     }
 }

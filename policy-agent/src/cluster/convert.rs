@@ -16,17 +16,6 @@ pub enum ConvertError {
     BadContainerPort { pod: ObjectRef, port: i32 },
     #[error("pod {pod}: container port protocol {protocol:?} is not TCP, UDP or SCTP")]
     BadProtocol { pod: ObjectRef, protocol: String },
-    #[error("service {service}: {ip:?} is not an IP address")]
-    BadServiceIp { service: ObjectRef, ip: String },
-    #[error("service {service}: port {port} is outside 1-65535")]
-    BadServicePort { service: ObjectRef, port: i32 },
-    #[error("service {service}: protocol {protocol:?} is not TCP, UDP or SCTP")]
-    BadServiceProtocol {
-        service: ObjectRef,
-        protocol: String,
-    },
-    #[error("endpointslice {slice}: {ip:?} is not an IP address")]
-    BadEndpointIp { slice: ObjectRef, ip: String },
 }
 
 /// Parses a NetworkPolicy/container protocol name (default TCP).

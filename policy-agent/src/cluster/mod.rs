@@ -4,6 +4,7 @@
 //! addresses) describe it with [`Change`]s; only the fields policy needs
 //! are kept, so 10,000 pods stay small. [`Problem`] is how every layer
 //! says what it could not enforce as written.
+mod address;
 mod change;
 mod convert;
 mod problem;
@@ -11,16 +12,18 @@ mod service;
 
 use std::{collections::BTreeMap, fmt, net::IpAddr};
 
+use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 
 pub(crate) use self::convert::protocol_number;
 pub use self::{
+    address::{parse_cidr_sloppy, parse_ip_sloppy},
     change::{Change, Keyed, changes_between, keyed_changes},
     convert::{ConvertError, namespace_info, pod_info},
     problem::{ObjectKind, Problem, Subject},
     service::{
         Backend, Endpoint, EndpointSliceInfo, SERVICE_NAME_LABEL, ServiceInfo, ServicePort,
-        ServiceRef, SlicePort, backends, endpoint_slice_info, service_info,
+        ServiceRef, SlicePort, Unreadable, backends, endpoint_slice_info, service_info,
     },
 };
 
@@ -100,6 +103,11 @@ pub struct ClusterState {
     pub policies: BTreeMap<PolicyRef, NetworkPolicy>,
     pub services: BTreeMap<ServiceRef, ServiceInfo>,
     pub endpoint_slices: BTreeMap<ObjectRef, EndpointSliceInfo>,
+    /// The cluster's Service ranges, sorted, host bits clear.
+    pub service_ranges: Vec<IpNet>,
+    /// This node's pod ranges, sorted, host bits clear; None: not known
+    /// (yet): a datapath keeps the guard it holds.
+    pub pod_ranges: Option<Vec<IpNet>>,
 }
 
 impl ClusterState {
@@ -114,6 +122,14 @@ impl ClusterState {
             .map(|(_, s)| s)
             .filter(move |s| s.service.as_ref() == Some(service))
     }
+}
+
+/// Ranges as the model keeps them: host bits clear, sorted, once each.
+pub fn normalized_ranges(nets: impl IntoIterator<Item = IpNet>) -> Vec<IpNet> {
+    let mut out: Vec<IpNet> = nets.into_iter().map(|n| n.trunc()).collect();
+    out.sort();
+    out.dedup();
+    out
 }
 
 /// Local pods that cannot be enforced yet because they hold no IP.

@@ -17,6 +17,8 @@ pub enum ObjectKind {
     NetworkPolicy,
     Service,
     EndpointSlice,
+    /// `networking.k8s.io/v1` ServiceCIDR (cluster-scoped).
+    ServiceCidr,
 }
 
 impl ObjectKind {
@@ -28,6 +30,7 @@ impl ObjectKind {
             Self::NetworkPolicy => ("networking.k8s.io/v1", "NetworkPolicy"),
             Self::Service => ("v1", "Service"),
             Self::EndpointSlice => ("discovery.k8s.io/v1", "EndpointSlice"),
+            Self::ServiceCidr => ("networking.k8s.io/v1", "ServiceCIDR"),
         }
     }
 
@@ -39,6 +42,7 @@ impl ObjectKind {
             Self::NetworkPolicy => "networkpolicy",
             Self::Service => "service",
             Self::EndpointSlice => "endpointslice",
+            Self::ServiceCidr => "servicecidr",
         }
     }
 }

@@ -36,6 +36,10 @@ pub struct Desired<'a> {
     pub local_pods: &'a BTreeMap<PodRef, Vec<IpAddr>>,
     /// The rule behind each `rule_ref` (renderers name chains by policy).
     pub rules: &'a BTreeMap<u32, RuleOrigin>,
+    /// The node's pod ranges (the pod-range guard). None: not known yet:
+    /// the datapath keeps the guard it holds (what the pins or the
+    /// installed rules say); an empty list turns it off.
+    pub pod_ranges: Option<&'a [ipnet::IpNet]>,
 }
 
 /// The outcome of one sync.
@@ -157,10 +161,7 @@ pub struct OpenOptions {
 /// the iptables fallback is used.
 pub fn open(opts: &OpenOptions) -> Result<Box<dyn Datapath>, Error> {
     let iptables = || -> Result<Box<dyn Datapath>, Error> {
-        Ok(Box::new(iptables::IptablesDriver::open(
-            opts.iptables,
-            &opts.load.pod_ranges,
-        )?))
+        Ok(Box::new(iptables::IptablesDriver::open(opts.iptables)?))
     };
     match opts.choice {
         Choice::Bpf => Ok(Box::new(bpf::BpfDriver::open(&opts.layout, &opts.load)?)),

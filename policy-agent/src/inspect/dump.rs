@@ -8,6 +8,7 @@ use policy_common::{
         ENDPOINT_INGRESS_ISOLATED,
     },
     identity,
+    service::{SERVICE_NODE_ADDRESS, SERVICE_RANGE},
 };
 use serde::Serialize;
 
@@ -28,6 +29,8 @@ pub struct Dump {
     pub policy: Vec<PolicyRow>,
     pub conntrack: Vec<CtRow>,
     pub counters: Vec<CounterRow>,
+    /// Service frontends (`SERVICES`): addresses and ranges.
+    pub services: Vec<ServiceRow>,
     /// `--pod-cidr` (the pod-range guard: see docs/design/pod-range-guard.md), and whether
     /// the classifier checks it.
     pub pod_ranges: Vec<String>,
@@ -36,6 +39,15 @@ pub struct Dump {
     pub guard_on: bool,
     /// Enforced local addresses and whose they are.
     pub enforced: Vec<EnforcedRow>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ServiceRow {
+    pub prefix: String,
+    /// A Service range (ServiceCIDR or `--service-cidr`).
+    pub range: bool,
+    /// One of this node's addresses (some Service has a nodePort).
+    pub node_address: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -213,6 +225,15 @@ pub fn dump(layout: &PinLayout) -> Result<Dump, Error> {
             packets,
         })
         .collect();
+    let services = state
+        .services
+        .iter()
+        .map(|(net, e)| ServiceRow {
+            prefix: net.to_string(),
+            range: e.flags & SERVICE_RANGE != 0,
+            node_address: e.flags & SERVICE_NODE_ADDRESS != 0,
+        })
+        .collect();
     let (ranges, guard_on, held) = maps.read_pod_range_guard()?;
     let enforced = held
         .into_iter()
@@ -238,6 +259,7 @@ pub fn dump(layout: &PinLayout) -> Result<Dump, Error> {
         policy,
         conntrack,
         counters,
+        services,
     })
 }
 
@@ -297,6 +319,15 @@ impl fmt::Display for Dump {
                 "  {:<28} {:<6} {} -> {} (opened {}, rev {})",
                 c.endpoint, c.protocol, c.src, c.dst, c.opened, c.revision
             )?;
+        }
+        writeln!(f, "\nSERVICES ({})", self.services.len())?;
+        for s in &self.services {
+            let why = match (s.range, s.node_address) {
+                (true, _) => "range",
+                (false, true) => "node address",
+                (false, false) => "address",
+            };
+            writeln!(f, "  {:<44} {why}", s.prefix)?;
         }
         writeln!(
             f,

@@ -50,14 +50,14 @@ pub async fn serve(
                         ("200 OK", "text/plain; version=0.0.4", body)
                     }
                     ("GET", "/healthz") => ("200 OK", "text/plain", "ok\n".to_owned()),
-                    ("GET", "/readyz") if metrics.ready() => {
-                        ("200 OK", "text/plain", "ready\n".to_owned())
-                    }
-                    ("GET", "/readyz") => (
-                        "503 Service Unavailable",
-                        "text/plain",
-                        "not ready: first sync not enforced yet\n".to_owned(),
-                    ),
+                    ("GET", "/readyz") => match metrics.not_ready() {
+                        None => ("200 OK", "text/plain", "ready\n".to_owned()),
+                        Some(why) => (
+                            "503 Service Unavailable",
+                            "text/plain",
+                            format!("not ready: {why}\n"),
+                        ),
+                    },
                     ("GET", _) => ("404 Not Found", "text/plain", "not found\n".to_owned()),
                     _ => (
                         "405 Method Not Allowed",

@@ -27,7 +27,10 @@ struct Histogram {
 /// Shared by the sync worker (writes) and the HTTP server (reads).
 pub struct Metrics {
     datapath: Mutex<Option<MetricsSource>>,
-    ready: AtomicBool,
+    /// A sync has been enforced.
+    synced: AtomicBool,
+    /// The node's pod ranges are known (not only what the pins held).
+    pod_ranges_known: AtomicBool,
     syncs_ok: AtomicU64,
     syncs_failed: AtomicU64,
     problems: AtomicU64,
@@ -50,7 +53,8 @@ impl Metrics {
     pub fn new() -> Self {
         Self {
             datapath: Mutex::new(None),
-            ready: AtomicBool::new(false),
+            synced: AtomicBool::new(false),
+            pod_ranges_known: AtomicBool::new(false),
             syncs_ok: AtomicU64::new(0),
             syncs_failed: AtomicU64::new(0),
             problems: AtomicU64::new(0),
@@ -74,12 +78,32 @@ impl Metrics {
         }
     }
 
+    /// Ready: a sync is enforced and the pod ranges are known. An agent
+    /// that could not read its Node keeps enforcing (with the guard the
+    /// pins hold) but is not ready: a rolling update stops at it instead
+    /// of carrying on to nodes that may have no guard to keep.
     pub fn ready(&self) -> bool {
-        self.ready.load(Ordering::Relaxed)
+        self.not_ready().is_none()
     }
 
-    pub fn set_ready(&self) {
-        self.ready.store(true, Ordering::Relaxed);
+    /// Why the agent is not ready, if it is not.
+    pub fn not_ready(&self) -> Option<&'static str> {
+        if !self.synced.load(Ordering::Relaxed) {
+            Some("first sync not enforced yet")
+        } else if !self.pod_ranges_known.load(Ordering::Relaxed) {
+            Some(
+                "this node's pod ranges are not known (its Node could not be read): the pod-range guard is as the pins held it",
+            )
+        } else {
+            None
+        }
+    }
+
+    /// A sync was enforced; `pod_ranges_known`: with the node's pod ranges.
+    pub fn set_synced(&self, pod_ranges_known: bool) {
+        self.synced.store(true, Ordering::Relaxed);
+        self.pod_ranges_known
+            .store(pod_ranges_known, Ordering::Relaxed);
     }
 
     /// Records one sync that reached the datapath.
@@ -150,9 +174,15 @@ impl Metrics {
         };
         gauge(
             "policy_agent_ready",
-            "1 once the first full sync is enforced.",
+            "1 once the first full sync is enforced and the node's pod ranges are known.",
             "gauge",
             u64::from(self.ready()).to_string(),
+        );
+        gauge(
+            "policy_agent_pod_ranges_known",
+            "1 once the node's pod ranges are known (0: its Node could not be read; the pod-range guard is as the pins held it).",
+            "gauge",
+            u64::from(self.pod_ranges_known.load(Ordering::Relaxed)).to_string(),
         );
         gauge(
             "policy_agent_endpoints",
@@ -259,5 +289,23 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ready_once_synced_with_the_pod_ranges_known() {
+        let m = Metrics::new();
+        assert_eq!(m.not_ready(), Some("first sync not enforced yet"));
+        m.set_synced(false);
+        assert!(!m.ready());
+        assert!(m.not_ready().is_some_and(|w| w.contains("pod ranges")));
+        assert!(m.render().contains("\npolicy_agent_pod_ranges_known 0\n"));
+        m.set_synced(true);
+        assert!(m.ready());
+        assert!(m.render().contains("\npolicy_agent_ready 1\n"));
     }
 }

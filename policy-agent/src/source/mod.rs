@@ -25,6 +25,11 @@ pub enum SourceId {
     Manifests,
     Kube,
     Node,
+    /// What the command line says of the cluster (`--service-cidr`,
+    /// `--pod-cidr`), sent once, before any other source.
+    CommandLine,
+    /// This node's pod ranges from its Node object.
+    PodRanges,
 }
 
 /// What a source publishes.

@@ -48,6 +48,12 @@ impl Enforcer {
         &self.compiler
     }
 
+    /// Whether the node's pod ranges are known (the pod-range guard is
+    /// what they say, not only what was held).
+    pub fn pod_ranges_known(&self) -> bool {
+        self.compiler.pod_ranges().is_some()
+    }
+
     /// Compiles `changes` (in full the first time) and makes the datapath
     /// enforce the result. The report's problems start with the
     /// compiler's (invalid policies, pods without an address).
@@ -60,6 +66,7 @@ impl Enforcer {
             maps: self.compiler.maps(),
             local_pods: self.compiler.local_pods(),
             rules: &rules,
+            pod_ranges: self.compiler.pod_ranges(),
         };
         let mut report = self.datapath.sync(&desired, &ops)?;
         let mut problems = self.compiler.problems();

@@ -21,10 +21,11 @@ use self::{
     reconcile::Context,
 };
 use crate::{
+    cluster::{Change, normalized_ranges},
     datapath::{Choice, OpenOptions, bpf::pins::PinLayout, iptables::Backend},
     metrics::{self, Metrics},
     netlink,
-    source::{self, SourceId},
+    source::{self, SourceId, SourceUpdate},
 };
 
 /// Settings of the daemon.
@@ -51,6 +52,24 @@ pub struct Config {
     pub cni_socket: Option<PathBuf>,
     /// Longest a CNI ADD waits for its pod to be enforced.
     pub cni_wait: Duration,
+    /// `--service-cidr`: the Service ranges, over what the cluster
+    /// publishes (None: its ServiceCIDRs in cluster mode, none with
+    /// manifests).
+    pub service_ranges: Option<Vec<ipnet::IpNet>>,
+    /// Where the node's pod ranges come from.
+    pub pod_ranges: PodRanges,
+}
+
+/// Where the node's pod ranges (the pod-range guard) come from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PodRanges {
+    /// Given: `--pod-cidr`, or none at all (no flag with manifests, or
+    /// `--ignore-node-pod-cidrs`).
+    Given(Vec<ipnet::IpNet>),
+    /// The Node object's `spec.podCIDRs` (cluster mode), read until the
+    /// API server answers; until then the guard held stays. With
+    /// manifests there is no Node to read: none.
+    FromNode,
 }
 
 impl Config {
@@ -72,6 +91,8 @@ impl Config {
             order_check: Duration::from_secs(5),
             cni_socket: None,
             cni_wait: Duration::from_secs(30),
+            service_ranges: None,
+            pod_ranges: PodRanges::Given(Vec::new()),
         }
     }
 }
@@ -132,6 +153,30 @@ pub async fn run(
         })?;
 
     let (inbox, sink) = inbox::new();
+    // The command line's word on the cluster goes in first.
+    let mut given: Vec<Change> = config
+        .service_ranges
+        .iter()
+        .map(|r| Change::ServiceRanges(normalized_ranges(r.iter().copied())))
+        .collect();
+    let read_node = match (&config.pod_ranges, &sources) {
+        (PodRanges::Given(r), _) => {
+            given.push(Change::PodRanges(normalized_ranges(r.iter().copied())));
+            None
+        }
+        (PodRanges::FromNode, Sources::Manifests(_)) => {
+            given.push(Change::PodRanges(Vec::new()));
+            None
+        }
+        (PodRanges::FromNode, Sources::Cluster(client)) => Some(client.clone()),
+    };
+    if !given.is_empty() {
+        sink.send(Trigger::Update(SourceUpdate {
+            source: SourceId::CommandLine,
+            changes: given,
+            problems: Vec::new(),
+        }));
+    }
     // The CNI plugin's socket is bound before anything else can fail late:
     // a plugin finding no socket fails its ADD (fail closed) and retries.
     let cni = match &config.cni_socket {
@@ -175,9 +220,17 @@ pub async fn run(
             client,
             config.debounce,
             sink.for_source(),
+            config.service_ranges.is_none(),
         )),
     };
     source::node::watch(config.node.clone(), sink.for_source()).map_err(Error::NodeSource)?;
+    let pod_ranges_task = read_node.map(|client| {
+        tokio::spawn(source::kube::read_pod_ranges(
+            client,
+            config.node.clone(),
+            sink.for_source(),
+        ))
+    });
     let resync_task = tokio::spawn(every(config.resync, sink.clone(), || Trigger::Resync));
     let order_task = tokio::spawn(every(config.order_check, sink.clone(), || {
         Trigger::OrderCheck
@@ -188,7 +241,7 @@ pub async fn run(
     for task in [cluster_task, resync_task, order_task, http] {
         task.abort();
     }
-    if let Some(t) = events_task {
+    for t in [events_task, pod_ranges_task].into_iter().flatten() {
         t.abort();
     }
     if let Some(t) = cni {

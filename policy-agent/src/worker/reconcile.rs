@@ -284,7 +284,11 @@ fn record(ctx: &Context, state: &mut State, result: &Result<SyncReport, Error>, 
             ctx.metrics
                 .sync_done(took, report.writes, report.endpoints, problems.len());
             ctx.metrics.map_shortfall(&report.map_failures);
-            ctx.metrics.set_ready();
+            let known = state
+                .enforcer
+                .as_ref()
+                .is_some_and(Enforcer::pod_ranges_known);
+            ctx.metrics.set_synced(known);
             if report.writes > 0 || !report.attached.is_empty() || !report.detached.is_empty() {
                 info!(
                     writes = report.writes,

@@ -16,4 +16,5 @@ mod deploy;
 mod iptables_golden;
 mod properties;
 mod semantics;
+mod services;
 mod support;

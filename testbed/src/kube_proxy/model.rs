@@ -149,6 +149,7 @@ pub fn service_ports(state: &ClusterState, node: &str, family: Family) -> Vec<Sv
                     .filter(|e| family.holds(&e.address))
                     .cloned()
                     .collect(),
+                unreadable: Vec::new(),
             })
             .collect();
         let of_family = |ips: &[IpAddr]| -> Vec<IpAddr> {

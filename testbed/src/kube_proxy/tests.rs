@@ -64,6 +64,7 @@ fn state(endpoints: &[(&str, &str)]) -> ClusterState {
                 port: 8080,
             }],
             endpoints: endpoints.iter().map(|(a, n)| endpoint(a, n)).collect(),
+            unreadable: Vec::new(),
         },
     );
     s

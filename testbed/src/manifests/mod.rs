@@ -206,6 +206,10 @@ pub struct ServiceManifest {
     pub selector: BTreeMap<String, String>,
     pub internal_local: bool,
     pub external_local: bool,
+    /// How the object spells an address, where not as Rust prints it
+    /// (`010.096.000.050`: what an older API server stored). kube-proxy
+    /// reads such a spelling as the address (see [`Manifests::canonical`]).
+    pub spelled: BTreeMap<IpAddr, String>,
 }
 
 impl ServiceManifest {
@@ -222,7 +226,21 @@ impl ServiceManifest {
             selector: BTreeMap::new(),
             internal_local: false,
             external_local: false,
+            spelled: BTreeMap::new(),
         }
+    }
+
+    /// Spells `ip` as `text` in the object.
+    pub fn spell(mut self, ip: IpAddr, text: &str) -> Self {
+        self.spelled.insert(ip, text.into());
+        self
+    }
+
+    fn text(&self, ip: &IpAddr) -> String {
+        self.spelled
+            .get(ip)
+            .cloned()
+            .unwrap_or_else(|| ip.to_string())
     }
 
     pub fn select(mut self, key: &str, value: &str) -> Self {
@@ -279,8 +297,8 @@ impl ServiceManifest {
                     }
                     .into(),
                 ),
-                cluster_ip: self.cluster_ips.first().map(ToString::to_string),
-                cluster_ips: Some(self.cluster_ips.iter().map(ToString::to_string).collect()),
+                cluster_ip: self.cluster_ips.first().map(|ip| self.text(ip)),
+                cluster_ips: Some(self.cluster_ips.iter().map(|ip| self.text(ip)).collect()),
                 ip_families: Some(families),
                 ip_family_policy: Some(
                     if self.cluster_ips.len() > 1 {
@@ -308,7 +326,7 @@ impl ServiceManifest {
                 ),
                 selector: (!self.selector.is_empty()).then(|| self.selector.clone()),
                 external_ips: (!self.external_ips.is_empty())
-                    .then(|| self.external_ips.iter().map(ToString::to_string).collect()),
+                    .then(|| self.external_ips.iter().map(|ip| self.text(ip)).collect()),
                 internal_traffic_policy: Some(
                     if self.internal_local {
                         "Local"
@@ -333,7 +351,7 @@ impl ServiceManifest {
                         self.load_balancer_ips
                             .iter()
                             .map(|ip| LoadBalancerIngress {
-                                ip: Some(ip.to_string()),
+                                ip: Some(self.text(ip)),
                                 ..Default::default()
                             })
                             .collect(),
@@ -453,6 +471,17 @@ pub struct Manifests {
 }
 
 impl Manifests {
+    /// Every address spelled as Rust prints it: the objects as kube-proxy
+    /// reads them (`ParseIPSloppy`), whatever the agent under test makes
+    /// of the spellings.
+    pub fn canonical(&self) -> Self {
+        let mut out = self.clone();
+        for s in &mut out.services {
+            s.spelled.clear();
+        }
+        out
+    }
+
     pub fn pod_mut(&mut self, id: &str) -> Option<&mut PodManifest> {
         self.pods.iter_mut().find(|p| p.id() == id)
     }

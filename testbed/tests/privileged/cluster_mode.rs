@@ -4,8 +4,9 @@
 //! (the server's record shows each change arrived as a watch event, not
 //! through a re-list), reports invalid policies as Events, rides out an
 //! outage with the last state enforced, and converges after a re-list
-//! (410 Gone at the start of a watch, and in the middle of one). Needs
-//! root.
+//! (410 Gone at the start of a watch, and in the middle of one). The
+//! Service ranges come from the cluster's ServiceCIDRs and follow them at
+//! run time; a cluster without that API is normal. Needs root.
 
 use std::{
     io::{Read as _, Write as _},
@@ -14,8 +15,8 @@ use std::{
 
 use policy_testbed::NetNs;
 use policy_testbed::fixtures::{
-    conformance::{Backend, Conformance, cluster_yaml, ns_of},
-    fake_apiserver::{FakeApi, Served},
+    conformance::{Backend, Conformance, NODE, cluster_yaml, ns_of},
+    fake_apiserver::{FakeApi, Served, node},
 };
 use serde::Deserialize as _;
 use serde_json::{Value, json};
@@ -27,6 +28,17 @@ fn objects(yaml: &str) -> Vec<Value> {
             (!v.is_null()).then_some(v)
         })
         .collect()
+}
+
+/// The cluster's objects, `more` (YAML) and this node's Node (without pod
+/// ranges: its IPAM does not use them).
+fn cluster_objects(c: &Conformance, more: &str) -> Vec<Value> {
+    let mut out = objects(&format!(
+        "{}---\n{more}",
+        cluster_yaml(&c.namespaces, &c.pods)
+    ));
+    out.push(node(NODE, &[]));
+    out
 }
 
 fn policy(ns: &str, name: &str, spec: Value) -> Value {
@@ -62,13 +74,7 @@ fn cluster_mode_matches_apply_follows_watches_and_rides_out_outages() {
     let want = comparable(&c.dump());
     c.reset();
 
-    let api = FakeApi::start(
-        &c.node().node,
-        objects(&format!(
-            "{}---\n{DENY_GAMMA}",
-            cluster_yaml(&c.namespaces, &c.pods)
-        )),
-    );
+    let api = FakeApi::start(&c.node().node, cluster_objects(&c, DENY_GAMMA));
     let kubeconfig = c.dir.join("kubeconfig");
     api.kubeconfig(&kubeconfig);
     let kc = kubeconfig.to_str().unwrap().to_owned();
@@ -437,4 +443,98 @@ fn the_fake_api_server_keeps_resource_version_semantics() {
         kind: "namespaces",
         mid_stream: true
     }));
+}
+
+fn service_cidr(name: &str, cidrs: &[&str], ready: Option<bool>) -> Value {
+    let mut v = json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR", "metadata": {"name": name}, "spec": {"cidrs": cidrs}});
+    if let Some(ready) = ready {
+        v["status"] = json!({"conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }, "reason": "", "message": "", "lastTransitionTime": "2025-01-01T00:00:00Z"}]});
+    }
+    v
+}
+
+/// The Service ranges in the pinned `SERVICES` map.
+fn service_ranges(c: &Conformance) -> Vec<String> {
+    c.dump()["services"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no services in the dump"))
+        .iter()
+        .filter(|s| s["range"] == true)
+        .map(|s| s["prefix"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// The Service ranges come from the cluster's ServiceCIDRs (those whose
+/// Ready is not False) and follow them while the agent runs, without a
+/// restart; `--service-cidr` wins over them.
+#[test]
+fn the_service_ranges_follow_the_clusters_service_cidrs() {
+    let mut c = Conformance::new("kcidr", Backend::Bpf);
+    let mut objs = cluster_objects(&c, "");
+    objs.push(service_cidr(
+        "kubernetes",
+        &["10.96.0.0/16", "fd00:96::/112"],
+        Some(true),
+    ));
+    let api = FakeApi::start(&c.node().node, objs);
+    let kubeconfig = c.dir.join("kubeconfig");
+    api.kubeconfig(&kubeconfig);
+    let kc = kubeconfig.to_str().unwrap().to_owned();
+    c.start_daemon_with(19412, &[], &[("KUBECONFIG", &kc)]);
+    assert_eq!(service_ranges(&c), ["10.96.0.0/16", "fd00:96::/112"]);
+
+    // A new ServiceCIDR (not Ready yet: new) covers its range at once.
+    api.apply(service_cidr("extra", &["10.97.0.0/16"], None));
+    wait_for("a new ServiceCIDR", Duration::from_secs(5), || {
+        service_ranges(&c).contains(&"10.97.0.0/16".to_owned())
+    });
+    // Ready False: it hands out no ClusterIP any more.
+    api.apply(service_cidr("extra", &["10.97.0.0/16"], Some(false)));
+    wait_for(
+        "a ServiceCIDR no longer Ready",
+        Duration::from_secs(5),
+        || service_ranges(&c) == ["10.96.0.0/16", "fd00:96::/112"],
+    );
+    // Pod traffic is untouched throughout.
+    c.check("no policy", |_, _, _, _| true);
+
+    // The flag wins: ServiceCIDRs are not read at all.
+    c.stop_daemon();
+    let before = api.requests().len();
+    c.start_daemon_with(
+        19412,
+        &["--service-cidr", "10.100.0.0/16"],
+        &[("KUBECONFIG", &kc)],
+    );
+    assert_eq!(service_ranges(&c), ["10.100.0.0/16"]);
+    let read: Vec<String> = api.requests()[before..]
+        .iter()
+        .filter(|r| r.contains("servicecidrs"))
+        .cloned()
+        .collect();
+    assert!(read.is_empty(), "with --service-cidr: {read:?}");
+}
+
+/// A cluster without the ServiceCIDR API (before Kubernetes 1.33) answers
+/// 404: the agent runs on without ranges, asks once, and does not retry.
+#[test]
+fn a_cluster_without_the_service_cidr_api_is_normal() {
+    let mut c = Conformance::new("knocidr", Backend::Bpf);
+    let api = FakeApi::start(&c.node().node, cluster_objects(&c, DENY_GAMMA));
+    api.set_served("servicecidrs", false);
+    let kubeconfig = c.dir.join("kubeconfig");
+    api.kubeconfig(&kubeconfig);
+    let kc = kubeconfig.to_str().unwrap().to_owned();
+    c.start_daemon_with(19413, &[], &[("KUBECONFIG", &kc)]);
+    c.check("deny gamma, without ServiceCIDRs", |f, t, _, _| {
+        f == t || f == "(node)" || ns_of(t) != "gamma"
+    });
+    assert!(service_ranges(&c).is_empty());
+    std::thread::sleep(Duration::from_secs(3));
+    let asked = api
+        .requests()
+        .iter()
+        .filter(|r| r.contains("servicecidrs"))
+        .count();
+    assert_eq!(asked, 1, "{:?}", api.requests());
 }

@@ -3,6 +3,8 @@
 //! classifier, no chains) gets no packet in or out from the pods next to
 //! it, while they keep talking; once the agent learns it, its traffic
 //! follows policy. The node's own address inside the range keeps working.
+//! In cluster mode the ranges come from the Node object; a Node that
+//! cannot be read at start keeps the guard the previous run armed.
 //! Judged at the receivers (the pods' servers, a listener on the node).
 //! Needs root.
 
@@ -13,12 +15,14 @@ use std::{
 
 use policy_testbed::fixtures::{
     conformance::{Backend, Conformance, NODE, NsSpec, PodSpec, cluster_yaml, labels},
-    fake_apiserver::FakeApi,
+    fake_apiserver::{FakeApi, node},
 };
 use policy_testbed::{NODE_ROW, NetNs, SimPod};
 
 const FRESH: &str = "t/fresh";
 const PEER: &str = "t/peer";
+/// The node's pod ranges.
+const POD_CIDRS: [&str; 2] = ["10.244.9.0/24", "fd00:244:9::/64"];
 /// The node's address inside the pod range (ptp puts its gateway there).
 const NODE_IN_RANGE: [&str; 2] = ["10.244.9.1", "fd00:244:9::1"];
 
@@ -160,8 +164,16 @@ fn add_unknown_pod(c: &mut Conformance) -> PodSpec {
     c.node.as_mut().unwrap().add(&sim).unwrap();
     let fresh_ns = &c.node.as_ref().unwrap().pod(FRESH).unwrap().netns;
     c.servers.as_mut().unwrap().add(fresh_ns, &sim).unwrap();
-    // Nothing reaches it or comes from it but its node (and itself); the
-    // others still talk to each other.
+    check_unknown(c, "an unenforced pod");
+    // Given time (the agent resyncs on the new link), still nothing.
+    std::thread::sleep(Duration::from_secs(1));
+    check_unknown(c, "an unenforced pod, later");
+    fresh
+}
+
+/// Nothing reaches the unknown pod or comes from it but its node (and
+/// itself); the others still talk to each other.
+fn check_unknown(c: &Conformance, what: &str) {
     let unknown = |from: &str, to: &str| {
         let ends = [from, to];
         // A pod's traffic to itself stays inside it.
@@ -171,11 +183,7 @@ fn add_unknown_pod(c: &mut Conformance) -> PodSpec {
             true
         }
     };
-    c.check("an unenforced pod", |f, t, _, _| unknown(f, t));
-    // Given time (the agent resyncs on the new link), still nothing.
-    std::thread::sleep(Duration::from_secs(1));
-    c.check("an unenforced pod, later", |f, t, _, _| unknown(f, t));
-    fresh
+    c.check(what, |f, t, _, _| unknown(f, t));
 }
 
 fn setup(prefix: &'static str, backend: Backend) -> Conformance {
@@ -195,18 +203,7 @@ fn setup(prefix: &'static str, backend: Backend) -> Conformance {
 #[test]
 fn in_cluster_mode_the_ranges_come_from_the_node_object() {
     let mut c = setup("cak", Backend::Bpf);
-    let yaml = cluster_yaml(&c.namespaces, &c.pods);
-    let mut objects: Vec<serde_json::Value> = serde_yaml::Deserializer::from_str(&yaml)
-        .filter_map(|doc| {
-            let v = <serde_json::Value as serde::Deserialize>::deserialize(doc).unwrap();
-            (!v.is_null()).then_some(v)
-        })
-        .collect();
-    objects.push(serde_json::json!({
-        "apiVersion": "v1", "kind": "Node",
-        "metadata": {"name": NODE},
-        "spec": {"podCIDR": "10.244.9.0/24", "podCIDRs": ["10.244.9.0/24", "fd00:244:9::/64"]}
-    }));
+    let objects = cluster_objects(&c);
     let api = FakeApi::start(&c.node().node, objects);
     let kubeconfig = c.dir.join("kubeconfig");
     api.kubeconfig(&kubeconfig);
@@ -221,6 +218,103 @@ fn in_cluster_mode_the_ranges_come_from_the_node_object() {
     );
     c.check("known pods, no policy", |_, _, _, _| true);
     add_unknown_pod(&mut c);
+}
+
+/// The cluster's objects and this node's Node (with its pod ranges).
+fn cluster_objects(c: &Conformance) -> Vec<serde_json::Value> {
+    let yaml = cluster_yaml(&c.namespaces, &c.pods);
+    let mut objects: Vec<serde_json::Value> = serde_yaml::Deserializer::from_str(&yaml)
+        .filter_map(|doc| {
+            let v = <serde_json::Value as serde::Deserialize>::deserialize(doc).unwrap();
+            (!v.is_null()).then_some(v)
+        })
+        .collect();
+    objects.push(node(NODE, &POD_CIDRS));
+    objects
+}
+
+/// `metric` as `/metrics` says it.
+fn metric(c: &Conformance, port: u16, metric: &str) -> Option<String> {
+    c.http_get(port, "/metrics")
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{metric} ")).map(str::to_owned))
+}
+
+/// A Node read that fails at start. With nothing pinned the guard cannot
+/// be on; it arms once the Node answers. After a restart whose Node read
+/// fails, the guard the previous run armed stays armed (the pins on BPF,
+/// the installed rules on iptables): the unknown pod still gets nothing.
+/// Meanwhile the agent enforces everything else, is not ready, and says
+/// why (`/readyz`, `policy_agent_pod_ranges_known` 0); once the Node
+/// answers it is ready.
+fn node_read_fails_at_start(prefix: &'static str, backend: Backend) {
+    let mut c = setup(prefix, backend);
+    let api = FakeApi::start(&c.node().node, cluster_objects(&c));
+    let kubeconfig = c.dir.join("kubeconfig");
+    api.kubeconfig(&kubeconfig);
+    let kc = kubeconfig.to_str().unwrap().to_owned();
+    let env = [("KUBECONFIG", kc.as_str())];
+    let port = 19442;
+
+    // A fresh node, its Node not readable: enforcing, not ready.
+    api.set_nodes_failing(true);
+    let why = c.start_daemon_unready(port, &[], &env);
+    assert!(why.contains("pod ranges are not known"), "{why}");
+    assert_eq!(
+        metric(&c, port, "policy_agent_pod_ranges_known").as_deref(),
+        Some("0")
+    );
+    c.check("known pods, no policy", |_, _, _, _| true);
+    // The Node answers: the ranges apply, the guard is on.
+    api.set_nodes_failing(false);
+    let within = Duration::from_secs(45);
+    let start = std::time::Instant::now();
+    while !c.http_get(port, "/readyz").starts_with("HTTP/1.1 200") {
+        assert!(start.elapsed() < within, "not ready once the Node answers");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(
+        metric(&c, port, "policy_agent_pod_ranges_known").as_deref(),
+        Some("1")
+    );
+    add_unknown_pod(&mut c);
+
+    // Restarted while the Node cannot be read: the guard stays armed.
+    c.stop_daemon();
+    api.set_nodes_failing(true);
+    let why = c.start_daemon_unready(port, &[], &env);
+    assert!(why.contains("pod ranges are not known"), "{why}");
+    if matches!(backend, Backend::Bpf) {
+        let d = c.dump();
+        assert_eq!(d["catchall_on"], true, "the guard stays armed");
+        let ranges: Vec<&str> = d["pod_ranges"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r.as_str().unwrap())
+            .collect();
+        assert_eq!(ranges, POD_CIDRS, "the pinned ranges stay");
+    }
+    check_unknown(&c, "restarted, the Node unreadable");
+    std::thread::sleep(Duration::from_secs(1));
+    check_unknown(&c, "restarted, the Node unreadable, later");
+    api.set_nodes_failing(false);
+    let start = std::time::Instant::now();
+    while !c.http_get(port, "/readyz").starts_with("HTTP/1.1 200") {
+        assert!(start.elapsed() < within, "not ready once the Node answers");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    check_unknown(&c, "the Node read again");
+}
+
+#[test]
+fn a_failed_node_read_keeps_the_guard_armed_bpf() {
+    node_read_fails_at_start("cakeepb", Backend::Bpf);
+}
+
+#[test]
+fn a_failed_node_read_keeps_the_guard_armed_iptables() {
+    node_read_fails_at_start("cakeepi", Backend::Iptables);
 }
 
 #[test]

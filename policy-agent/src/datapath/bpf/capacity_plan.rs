@@ -17,7 +17,7 @@
 //!    A new endpoint that does not fit is left unattached and reported.
 //!    A Service frontend that does not fit is reported: flows to it are
 //!    judged at the client by its address (closed, unless an ipBlock
-//!    allows it; a `--service-cidr` range covers every frontend in it
+//!    allows it; a Service range covers every frontend in it
 //!    with one entry, which is why ranges are kept before addresses).
 use std::collections::{BTreeMap, BTreeSet};
 

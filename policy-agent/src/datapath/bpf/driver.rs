@@ -15,7 +15,7 @@ use super::{
     pins::PinLayout,
     pod_range_guard::Enforcement,
     standing_problems::StandingProblems,
-    sync_pass::{Compiled, link_ops, sync_full, sync_ops, touches_range},
+    sync_pass::{Compiled, link_ops, sync_full, sync_ops},
     uplinks::sync_uplinks,
 };
 use crate::{
@@ -34,9 +34,7 @@ pub struct BpfDriver {
     interfaces: InterfaceCache,
     drop_log: bool,
     kernel_log: bool,
-    /// Configured Service ranges, written beside the compiled frontends.
-    service_ranges: Vec<ipnet::IpNet>,
-    /// `--pod-cidr` and the enforced local addresses.
+    /// The pod ranges and the enforced local addresses.
     enforcement: Enforcement,
     /// What ran before the classifiers after the last full pass.
     order: OrderWatch,
@@ -48,7 +46,7 @@ impl BpfDriver {
     /// Opens (or creates) the pinned datapath.
     pub fn open(layout: &PinLayout, opts: &LoadOptions) -> Result<Self, Error> {
         let mut dp = PinnedClassifier::open(layout, opts)?;
-        let enforcement = Enforcement::open(&mut dp.maps, &opts.pod_ranges)?;
+        let enforcement = Enforcement::open(&mut dp.maps)?;
         Ok(Self {
             dp,
             enforcement,
@@ -56,7 +54,6 @@ impl BpfDriver {
             interfaces: InterfaceCache::default(),
             drop_log: false,
             kernel_log: false,
-            service_ranges: opts.service_ranges.clone(),
             order: OrderWatch::default(),
             standing: StandingProblems::default(),
         })
@@ -69,14 +66,13 @@ impl BpfDriver {
     ) -> Result<SyncReport, Error> {
         let t = std::time::Instant::now();
         let mut report = SyncReport::default();
+        let ranges_changed =
+            self.enforcement
+                .set_ranges(&mut self.dp.maps, desired.pod_ranges, &mut report);
         let links_changed = self.interfaces.take_links_changed();
         let incremental = self.last.is_some() && !self.interfaces.needs_full_pass();
         if incremental {
-            let mut ops: Vec<MapOp<PodRef>> = ops
-                .iter()
-                .filter(|op| !touches_range(op, &self.service_ranges))
-                .cloned()
-                .collect();
+            let mut ops: Vec<MapOp<PodRef>> = ops.to_vec();
             // A full pass looks every interface up itself.
             if links_changed {
                 ops.extend(link_ops(&self.interfaces, desired));
@@ -107,10 +103,12 @@ impl BpfDriver {
                 &ops,
                 &mut report,
             )?;
-            if links_changed && let Some(state) = &self.last {
+            if (links_changed || ranges_changed)
+                && let Some(state) = &self.last
+            {
                 // A new interface that is no pod's carries the uplink
                 // classifiers from now on; one that became a pod's loses
-                // them.
+                // them. The ingress one is there only with pod ranges.
                 let pods: BTreeSet<u32> = state.endpoints.keys().copied().collect();
                 let ingress = !self.enforcement.ranges().is_empty();
                 sync_uplinks(&mut self.dp, &pods, ingress, false, &mut report);
@@ -128,7 +126,6 @@ impl BpfDriver {
                 Compiled {
                     maps: desired.maps,
                     local_pods: desired.local_pods,
-                    service_ranges: &self.service_ranges,
                 },
                 &mut report,
             )?;

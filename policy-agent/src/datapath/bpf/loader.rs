@@ -35,11 +35,6 @@ pub struct LoadOptions {
     /// Map capacity overrides (map name → entries), applied when a map is
     /// first created.
     pub capacities: Vec<(&'static str, u32)>,
-    /// Service ranges: frontends whether their Services are known or not.
-    pub service_ranges: Vec<ipnet::IpNet>,
-    /// The ranges the node hands to its own pods (`--pod-cidr`): an
-    /// address in them that is not enforced is unreachable.
-    pub pod_ranges: Vec<ipnet::IpNet>,
 }
 
 /// The classifiers, loaded or opened from their pins. Those of a device

@@ -1,6 +1,11 @@
 //! The pod-range guard's maps (see `policy_common::pod_range_guard`): `POD_RANGES`, the
-//! node's pod ranges (`--pod-cidr`), and `ENFORCED`, every local address
-//! whose interface carries both pod classifiers (and the node's own).
+//! node's pod ranges (the Node's `spec.podCIDRs` or `--pod-cidr`), and
+//! `ENFORCED`, every local address whose interface carries both pod
+//! classifiers (and the node's own).
+//!
+//! The ranges in the pins stay until the node's are known: an agent that
+//! cannot read its Node at start keeps the guard the previous one armed.
+//! Only ranges known to be none turn it off.
 //!
 //! Order is the point. An address enters `ENFORCED` only after its
 //! interface is attached ([`Enforcement::grant`], last in a sync) and
@@ -9,9 +14,9 @@
 //! bit that turns the kernel check on is set only once `ENFORCED` has
 //! been filled, so turning the flag on never cuts enforced pods off.
 //!
-//! `ENFORCED` is written whether or not ranges are configured (it costs
+//! `ENFORCED` is written whether or not there are ranges (it costs
 //! nothing then: the kernel does not read it), so `Datapath::enforced`
-//! means the same with and without `--pod-cidr`.
+//! means the same with and without them.
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
@@ -65,7 +70,8 @@ fn key_ip(key: &LocalAddr) -> Option<IpAddr> {
 /// The driver's side of the pod-range guard.
 #[derive(Debug, Default)]
 pub struct Enforcement {
-    /// `--pod-cidr`.
+    /// What `POD_RANGES` holds: read from the pins at open, then as
+    /// written. Until the node's ranges are known, they stay.
     ranges: Vec<IpNet>,
     /// What `ENFORCED` holds (this agent is its only writer); None: read
     /// it back first.
@@ -80,42 +86,94 @@ pub struct Enforcement {
 }
 
 impl Enforcement {
-    /// Writes `POD_RANGES` to exactly `ranges`. Without ranges the kernel
-    /// check is turned off first; with them it is turned on by the first
-    /// [`Self::grant`].
-    pub fn open(maps: &mut BpfMaps, ranges: &[IpNet]) -> Result<Self, Error> {
-        let ranges: Vec<IpNet> = ranges.iter().map(IpNet::trunc).collect();
-        let mut config = maps.config()?;
-        if ranges.is_empty() && config.flags & CONFIG_POD_RANGES != 0 {
-            config.flags &= !CONFIG_POD_RANGES;
-            maps.set_config(config)?;
-            info!(
-                "--pod-cidr not given: the pod-range guard for unenforced local addresses is off"
-            );
-        }
+    /// What the pins hold: `POD_RANGES` (keys this agent does not write
+    /// are removed) and whether the kernel check is on. Nothing else is
+    /// touched: an agent that does not know the node's ranges yet keeps
+    /// the guard an earlier one armed ([`Self::set_ranges`] changes it).
+    pub fn open(maps: &mut BpfMaps) -> Result<Self, Error> {
         let present: Vec<_> = maps
             .pod_ranges
             .keys()
             .collect::<Result<_, _>>()
             .map_err(Error::map(names::POD_RANGES))?;
+        let mut ranges = Vec::new();
         for key in present {
-            if service_net(&key).is_none_or(|n| !ranges.contains(&n)) {
-                remove(names::POD_RANGES, maps.pod_ranges.remove(&key))?;
+            match service_net(&key) {
+                Some(net) => ranges.push(net),
+                None => remove(names::POD_RANGES, maps.pod_ranges.remove(&key))?,
             }
         }
-        for net in &ranges {
-            let r = maps.pod_ranges.insert(&service_key(net), POD_RANGE, 0);
-            insert(names::POD_RANGES, r, maps.pod_ranges.map())?;
+        ranges.sort();
+        let on = maps.config()?.flags & CONFIG_POD_RANGES != 0;
+        if !ranges.is_empty() {
+            info!(
+                ?ranges,
+                guard_on = on,
+                "pod ranges as pinned, kept until this node's are known"
+            );
         }
-        let armed = !ranges.is_empty() && config.flags & CONFIG_POD_RANGES != 0;
         Ok(Self {
+            armed: on && !ranges.is_empty(),
             ranges,
-            armed,
             ..Self::default()
         })
     }
 
-    /// The configured ranges.
+    /// Makes `POD_RANGES` hold `wanted` (sorted, host bits clear); None:
+    /// not known yet, what is held stays. Without ranges the kernel check
+    /// is turned off first; with them it is turned on by the next
+    /// [`Self::grant`]. True when the ranges changed.
+    pub fn set_ranges(
+        &mut self,
+        maps: &mut BpfMaps,
+        wanted: Option<&[IpNet]>,
+        report: &mut SyncReport,
+    ) -> bool {
+        let Some(wanted) = wanted else {
+            return false;
+        };
+        if wanted == self.ranges.as_slice() {
+            return false;
+        }
+        if wanted.is_empty() {
+            let off = maps.config().and_then(|mut c| {
+                c.flags &= !CONFIG_POD_RANGES;
+                maps.set_config(c)
+            });
+            if let Err(e) = off {
+                fail(report, format!("turning the pod-range guard off: {e}"));
+                return false;
+            }
+            self.armed = false;
+            info!(
+                "this node has no pod ranges: the pod-range guard for unenforced local addresses is off"
+            );
+        }
+        // New ranges first, then the stale ones go: in between the guard
+        // covers both, which drops nothing enforced.
+        for net in wanted {
+            if self.ranges.contains(net) {
+                continue;
+            }
+            let r = maps.pod_ranges.insert(&service_key(net), POD_RANGE, 0);
+            if let Err(e) = insert(names::POD_RANGES, r, maps.pod_ranges.map()) {
+                fail(report, format!("writing pod range {net}: {e}"));
+            }
+        }
+        for net in &self.ranges {
+            if wanted.contains(net) {
+                continue;
+            }
+            if let Err(e) = remove(names::POD_RANGES, maps.pod_ranges.remove(&service_key(net))) {
+                fail(report, format!("removing pod range {net}: {e}"));
+            }
+        }
+        info!(ranges = ?wanted, "pod ranges");
+        self.ranges = wanted.to_vec();
+        true
+    }
+
+    /// The ranges `POD_RANGES` holds.
     pub fn ranges(&self) -> &[IpNet] {
         &self.ranges
     }
@@ -238,7 +296,7 @@ impl Enforcement {
     }
 
     /// Last in a sync: adds the addresses of attached interfaces, then
-    /// turns the kernel check on if ranges are configured.
+    /// turns the kernel check on if there are ranges.
     pub fn grant(
         &mut self,
         maps: &mut BpfMaps,

@@ -12,10 +12,7 @@ use std::{
 
 use tracing::{debug, error, info, warn};
 
-use policy_common::{
-    endpoint::{ATTACH_POD, ATTACH_STANDBY},
-    service::{SERVICE_RANGE, ServiceEntry},
-};
+use policy_common::endpoint::{ATTACH_POD, ATTACH_STANDBY};
 
 use super::{
     error::Error,
@@ -29,12 +26,6 @@ use crate::{
     datapath::{Desired, Interface, InterfaceCache, SyncReport, resolve_interfaces},
     mapstate::{MapOp, MapState, assign_revisions, diff},
 };
-
-/// A configured range is the driver's own entry: the compiler's writes
-/// of the same prefix are left out.
-pub(super) fn touches_range<K>(op: &MapOp<K>, ranges: &[ipnet::IpNet]) -> bool {
-    matches!(op, MapOp::UpsertService(net, _) | MapOp::DeleteService(net) if ranges.contains(net))
-}
 
 /// After a link or pod-route event, without a full pass: every local
 /// pod's interface is looked up again (one route lookup per address, no
@@ -64,12 +55,10 @@ pub(super) fn link_ops(cache: &InterfaceCache, desired: &Desired<'_>) -> Vec<Map
     deletes
 }
 
-/// What a full pass writes: the compiled state and the driver's own
-/// entries.
+/// What a full pass writes: the compiled state.
 pub(super) struct Compiled<'a> {
     pub(super) maps: &'a MapState<PodRef>,
     pub(super) local_pods: &'a BTreeMap<PodRef, Vec<IpAddr>>,
-    pub(super) service_ranges: &'a [ipnet::IpNet],
 }
 
 /// Re-keys the whole state and writes its difference from the maps.
@@ -81,11 +70,7 @@ pub(super) fn sync_full(
     compiled: Compiled<'_>,
     report: &mut SyncReport,
 ) -> Result<(), Error> {
-    let Compiled {
-        maps,
-        local_pods,
-        service_ranges,
-    } = compiled;
+    let Compiled { maps, local_pods } = compiled;
     let t = std::time::Instant::now();
     let (interfaces, problems) = cache.resolve(local_pods);
     report.problems.extend(problems);
@@ -100,13 +85,6 @@ pub(super) fn sync_full(
         None => dp.maps.read_state()?,
     };
     let mut new = maps.rekey(|pod| interfaces.get(pod).map(|i| i.ifindex));
-    for net in service_ranges {
-        let range = ServiceEntry {
-            flags: SERVICE_RANGE,
-            ..ServiceEntry::default()
-        };
-        new.services.insert(*net, range);
-    }
     assign_revisions(&old, &mut new);
     let mut ops = diff(&old, &new);
     let diff_us = t.elapsed().as_micros() as u64;

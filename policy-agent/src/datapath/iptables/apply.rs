@@ -283,6 +283,19 @@ impl Executor {
         Ok(inst)
     }
 
+    /// The ranges of the installed pod-range guard: the leading drops of
+    /// the agent's FORWARD chain (`-s <range> ... "pa-agent: unenforced"`).
+    pub fn installed_pod_ranges(&self) -> Result<Vec<IpNet>, Error> {
+        let mut out = Vec::new();
+        for fam in Family::BOTH {
+            let text = run(&self.tables(fam, "-save"), &["-t", "filter"], None)?;
+            out.extend(super::pod_range_guard::installed_ranges(&text));
+        }
+        out.sort();
+        out.dedup();
+        Ok(out)
+    }
+
     /// Makes the installed state equal `desired`, writing nothing when it
     /// already is.
     pub fn apply(&mut self, desired: &Ruleset) -> Result<ApplyReport, Error> {

@@ -24,18 +24,24 @@ pub struct IptablesDriver {
     /// The pods whose rules the last successful sync installed, and their
     /// interfaces.
     installed: BTreeMap<PodRef, u32>,
-    /// `--pod-cidr`: traffic from or to an address in them that no
-    /// installed pod holds is dropped.
+    /// The pod ranges: traffic from or to an address in them that no
+    /// installed pod holds is dropped. Read from the installed rules at
+    /// open, they stay until the node's are known.
     pub pod_ranges: Vec<ipnet::IpNet>,
 }
 
 impl IptablesDriver {
-    /// Checks that ipset and the iptables tools of `backend` are usable.
-    pub fn open(backend: Backend, pod_ranges: &[ipnet::IpNet]) -> Result<Self, Error> {
+    /// Checks that ipset and the iptables tools of `backend` are usable,
+    /// and reads the pod ranges the installed guard holds.
+    pub fn open(backend: Backend) -> Result<Self, Error> {
         let exec = Executor::new(backend);
         exec.check()?;
+        let held = exec.installed_pod_ranges()?;
+        if !held.is_empty() {
+            info!(ranges = ?held, "pod ranges as installed, kept until this node's are known");
+        }
         let mut this = Self::unchecked_with(exec);
-        this.pod_ranges = pod_ranges.to_vec();
+        this.pod_ranges = held;
         Ok(this)
     }
 
@@ -119,10 +125,16 @@ impl Datapath for IptablesDriver {
         desired: &Desired<'_>,
         _ops: &[MapOp<PodRef>],
     ) -> Result<SyncReport, datapath::Error> {
+        if let Some(ranges) = desired.pod_ranges
+            && ranges != self.pod_ranges.as_slice()
+        {
+            info!(?ranges, "pod ranges");
+            self.pod_ranges = ranges.to_vec();
+        }
         let (ruleset, mut problems, interfaces) = self.ruleset_for(desired);
         let endpoints = interfaces.len();
         problems.extend(ruleset.problems.iter().cloned());
-        // With --pod-cidr, a new pod's address joins the enforced set only
+        // With pod ranges, a new pod's address joins the enforced set only
         // once its chains are in (a second apply), and a gone pod's leaves
         // it before its chains go (the first: sets are written first).
         let installed = std::mem::take(&mut self.installed);

@@ -1,4 +1,4 @@
-//! The pod-range guard on the iptables datapath (`--pod-cidr`; the BPF one is
+//! The pod-range guard on the iptables datapath (the node's pod ranges; the BPF one is
 //! `policy_common::pod_range_guard`): per family a `hash:ip` set of the enforced
 //! local addresses (pods whose chains are installed, and the node's own)
 //! and, first in the agent's FORWARD chain, a drop of whatever comes from
@@ -58,12 +58,28 @@ pub fn add(ruleset: &mut Ruleset, ranges: &[IpNet], enforced: &BTreeSet<IpAddr>)
         for net in fam_ranges {
             for (side, set_side) in [("-s", "src"), ("-d", "dst")] {
                 lead.push(format!(
-                    "{side} {net} -m set ! --match-set {name} {set_side} -m comment --comment \"pa-agent: unenforced\" -j DROP"
+                    "{side} {net} -m set ! --match-set {name} {set_side} -m comment --comment \"{COMMENT}\" -j DROP"
                 ));
             }
         }
         forward.rules.splice(0..0, lead);
     }
+}
+
+/// The comment on the guard's drops.
+const COMMENT: &str = "pa-agent: unenforced";
+
+/// The ranges of the guard's drops in `iptables-save` output: what an
+/// earlier agent installed, kept until the node's ranges are known.
+pub fn installed_ranges(save: &str) -> Vec<IpNet> {
+    let prefix = format!("-A {FORWARD_CHAIN} -s ");
+    save.lines()
+        .filter(|l| l.contains(COMMENT))
+        .filter_map(|l| l.strip_prefix(&prefix))
+        .filter_map(|rest| rest.split_whitespace().next())
+        .filter_map(|net| net.parse::<IpNet>().ok())
+        .map(|n| n.trunc())
+        .collect()
 }
 
 fn enforced_set(name: &str, fam: Family, enforced: &BTreeSet<IpAddr>) -> IpSet {
@@ -118,5 +134,18 @@ mod tests {
         assert_eq!(r.sets[&name].entries.len(), 1);
         // No IPv6 range: no IPv6 set, no IPv6 rules.
         assert!(!r.sets.contains_key(&set_name(Family::V6)));
+    }
+
+    #[test]
+    fn the_installed_ranges_are_read_back_from_iptables_save() {
+        let name = set_name(Family::V4);
+        let save = format!(
+            "*filter\n:{FORWARD_CHAIN} - [0:0]\n-A {FORWARD_CHAIN} -m comment --comment \"policy-agent:00ff\"\n-A {FORWARD_CHAIN} -s 10.244.1.0/24 -m set ! --match-set {name} src -m comment --comment \"{COMMENT}\" -j DROP\n-A {FORWARD_CHAIN} -d 10.244.1.0/24 -m set ! --match-set {name} dst -m comment --comment \"{COMMENT}\" -j DROP\n-A {FORWARD_CHAIN} -s 10.0.0.0/8 -j RETURN\nCOMMIT\n"
+        );
+        let got: Vec<String> = installed_ranges(&save)
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(got, ["10.244.1.0/24"]);
     }
 }

@@ -2,13 +2,15 @@
 //! input and, unless a full rebuild is pending, what depends on it.
 use std::{borrow::Cow, collections::BTreeSet, net::IpAddr};
 
+use ipnet::IpNet;
+
 use super::{
     Compiler,
     keys::{Write, write_rule},
     selection::{PolicyState, rule_state},
 };
 use crate::{
-    cluster::{Change, Labels, PodInfo, PodRef, PolicyRef},
+    cluster::{Change, Labels, PodInfo, PodRef, PolicyRef, normalized_ranges},
     identity::{IdentityAllocator, default_namespace_labels},
     policy::parse::ParsedPolicy,
 };
@@ -59,6 +61,13 @@ impl Compiler {
             Change::DeleteEndpointSlice(name) => {
                 self.endpoint_slices.remove(&name);
             }
+            Change::ServiceRanges(ranges) => {
+                self.service_ranges = ranges.iter().map(IpNet::trunc).collect();
+                if !self.rebuild_pending {
+                    self.sync_frontends();
+                }
+            }
+            Change::PodRanges(ranges) => self.pod_ranges = Some(normalized_ranges(ranges)),
             Change::Node { name, ips } => {
                 let ips: BTreeSet<IpAddr> = ips.into_iter().collect();
                 if name != self.node_name {

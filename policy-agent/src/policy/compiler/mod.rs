@@ -55,7 +55,7 @@ use super::{Compiled, classes::Classes, error::PolicyError, parse::ParsedPolicy}
 use crate::{
     cluster::{
         Change, ClusterState, EndpointSliceInfo, NamespaceInfo, ObjectRef, PodInfo, PodRef,
-        PolicyRef, Problem, ServiceInfo, ServiceRef, unready_local_pods,
+        PolicyRef, Problem, ServiceInfo, ServiceRef, normalized_ranges, unready_local_pods,
     },
     identity::{IdentityAllocator, IdentityError},
     mapstate::{MapOp, MapState, RuleOrigin, diff, identity_name},
@@ -81,6 +81,11 @@ pub struct Compiler {
     policies: BTreeMap<PolicyRef, PolicyState>,
     services: BTreeMap<ServiceRef, ServiceInfo>,
     endpoint_slices: BTreeMap<ObjectRef, EndpointSliceInfo>,
+    /// The cluster's Service ranges: frontends as a whole.
+    service_ranges: BTreeSet<IpNet>,
+    /// The node's pod ranges (None: not known yet). Not compiled: handed
+    /// to the datapath, which keeps the guard it holds until they are.
+    pod_ranges: Option<Vec<IpNet>>,
 
     carving: Carving,
     classes: Classes,
@@ -123,6 +128,8 @@ impl Compiler {
         c.pods = state.pods.clone();
         c.services = state.services.clone();
         c.endpoint_slices = state.endpoint_slices.clone();
+        c.service_ranges = state.service_ranges.iter().map(IpNet::trunc).collect();
+        c.pod_ranges = state.pod_ranges.clone().map(normalized_ranges);
         for (name, np) in &state.policies {
             let parsed = ParsedPolicy::parse(name, np);
             c.policies
@@ -149,10 +156,17 @@ impl Compiler {
         let services = (
             std::mem::take(&mut self.services),
             std::mem::take(&mut self.endpoint_slices),
+            std::mem::take(&mut self.service_ranges),
+            self.pod_ranges.take(),
         );
         *self = Self::new(self.options);
         (self.node_name, self.node_ips, self.namespaces, self.pods) = inputs;
-        (self.services, self.endpoint_slices) = services;
+        (
+            self.services,
+            self.endpoint_slices,
+            self.service_ranges,
+            self.pod_ranges,
+        ) = services;
         self.built = true;
 
         self.carve(&parsed, ids);
@@ -259,6 +273,11 @@ impl Compiler {
         &self.local_pods
     }
 
+    /// The node's pod ranges, once known (sorted, host bits clear).
+    pub fn pod_ranges(&self) -> Option<&[IpNet]> {
+        self.pod_ranges.as_deref()
+    }
+
     /// Every policy problem found, policies in name order.
     pub fn errors(&self) -> Vec<PolicyError> {
         self.policies
@@ -268,7 +287,8 @@ impl Compiler {
     }
 
     /// Everything not enforced as written: invalid policies, identity
-    /// numbers exhausted, local pods without an address yet.
+    /// numbers exhausted, local pods without an address yet, Service and
+    /// EndpointSlice fields that do not read.
     pub fn problems(&self) -> Vec<Problem> {
         let mut out: Vec<Problem> = self.errors().iter().map(PolicyError::problem).collect();
         out.extend(
@@ -277,6 +297,12 @@ impl Compiler {
                 .map(|e| Problem::node(format!("identity allocation failed: {e}"))),
         );
         out.extend(unready_local_pods(&self.node_name, &self.pods));
+        for (name, svc) in &self.services {
+            out.extend(svc.problems(name));
+        }
+        for (name, slice) in &self.endpoint_slices {
+            out.extend(slice.problems(name));
+        }
         out
     }
 

@@ -1,4 +1,6 @@
-//! Invalid NetworkPolicies as Kubernetes Events on them.
+//! Problems as Kubernetes Events on what they are about: invalid
+//! NetworkPolicies, Service and EndpointSlice fields that do not read,
+//! ServiceCIDRs, and the node itself.
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::ObjectReference;
@@ -11,16 +13,29 @@ use tracing::warn;
 
 use crate::cluster::{ObjectKind, ObjectRef, Problem, Subject};
 
-/// What an Event is about: a policy, or the node itself.
+/// What an Event is about: an object, or the node itself.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Target {
-    Policy(ObjectRef),
+    Object(ObjectKind, ObjectRef),
     Node,
 }
 
+/// The Event reason for a problem with an object of `kind`; None: no
+/// Event (pods and namespaces: their problems are the node's to log).
+fn event_reason(kind: ObjectKind) -> Option<&'static str> {
+    match kind {
+        ObjectKind::NetworkPolicy => Some("InvalidNetworkPolicy"),
+        ObjectKind::Service => Some("InvalidService"),
+        ObjectKind::EndpointSlice => Some("InvalidEndpointSlice"),
+        ObjectKind::ServiceCidr => Some("InvalidServiceCIDR"),
+        ObjectKind::Pod | ObjectKind::Namespace => None,
+    }
+}
+
 /// Reports problems as Kubernetes Events, once per distinct problem:
-/// invalid NetworkPolicies on the policy, node problems (a full map, an
-/// interface that cannot be attached) on the Node.
+/// invalid NetworkPolicies on the policy, unreadable fields on their
+/// Service, EndpointSlice or ServiceCIDR, node problems (a full map, an
+/// interface that cannot be attached, pod ranges not known) on the Node.
 pub async fn publish_events(client: Client, node: String, mut rx: UnboundedReceiver<Vec<Problem>>) {
     let recorder = Recorder::new(
         client,
@@ -34,26 +49,33 @@ pub async fn publish_events(client: Client, node: String, mut rx: UnboundedRecei
         let current: BTreeMap<(Target, String), ()> = problems
             .iter()
             .filter_map(|p| {
-                let target = match (&p.subject, p.policy()) {
-                    (_, Some(policy)) => Target::Policy(policy.clone()),
-                    (Subject::Node, None) => Target::Node,
+                let target = match (&p.subject, p.subject.object()) {
+                    (_, Some((kind, name))) if event_reason(kind).is_some() => {
+                        Target::Object(kind, name.clone())
+                    }
+                    (Subject::Node, _) => Target::Node,
                     _ => return None,
                 };
-                Some(((target, p.reason.clone()), ()))
+                // A field's problem names the field: one Event each.
+                let note = match &p.subject {
+                    Subject::Field { field, .. } => format!("{field}: {}", p.reason),
+                    _ => p.reason.clone(),
+                };
+                Some(((target, note), ()))
             })
             .collect();
         for (target, reason) in current.keys().filter(|k| !reported.contains_key(*k)) {
             let (reference, why) = match target {
-                Target::Policy(policy) => {
-                    let (api_version, kind) = ObjectKind::NetworkPolicy.api();
+                Target::Object(object, name) => {
+                    let (api_version, kind) = object.api();
                     let reference = ObjectReference {
                         api_version: Some(api_version.into()),
                         kind: Some(kind.into()),
-                        namespace: Some(policy.namespace.clone()),
-                        name: Some(policy.name.clone()),
+                        namespace: (!name.namespace.is_empty()).then(|| name.namespace.clone()),
+                        name: Some(name.name.clone()),
                         ..Default::default()
                     };
-                    (reference, "InvalidNetworkPolicy")
+                    (reference, event_reason(*object).unwrap_or("NotEnforced"))
                 }
                 Target::Node => {
                     let reference = ObjectReference {

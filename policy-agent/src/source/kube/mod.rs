@@ -1,8 +1,10 @@
 //! The API server as a source: watchers on Pods (every node: remote pod
 //! IPs feed the ipcache), Namespaces, NetworkPolicies, Services and
 //! EndpointSlices (the frontends judged after DNAT, and `explain`'s
-//! backends), kept as plain values (no managed fields, annotations or
-//! status beyond what policy reads).
+//! backends), and ServiceCIDRs (the Service ranges, unless
+//! `--service-cidr` gives them; see `service_cidrs.rs`), kept as plain
+//! values (no managed fields, annotations or status beyond what policy
+//! reads).
 //!
 //! Changes are published only once every watcher has completed its
 //! initial list, and a re-list (410 Gone, a reconnect) is buffered until
@@ -11,6 +13,8 @@
 //! server is unreachable nothing is published, so the last state stays
 //! enforced; the watchers retry with backoff.
 mod events;
+mod pod_ranges;
+mod service_cidrs;
 mod store;
 
 use std::time::Duration;
@@ -19,7 +23,7 @@ use futures::{StreamExt as _, stream::BoxStream};
 use k8s_openapi::api::{
     core::v1::{Namespace, Pod, Service},
     discovery::v1::EndpointSlice,
-    networking::v1::NetworkPolicy,
+    networking::v1::{NetworkPolicy, ServiceCIDR},
 };
 use kube::{
     Api, Client, ResourceExt as _,
@@ -30,8 +34,14 @@ use kube::{
 };
 use tracing::{debug, info, warn};
 
-pub use self::events::publish_events;
-use self::store::{Converted, Pods, Store};
+pub use self::{
+    events::publish_events,
+    pod_ranges::{node_pod_cidrs, read_pod_ranges},
+};
+use self::{
+    service_cidrs::ServiceCidrs,
+    store::{Converted, Pods, Store},
+};
 use super::{Sink, SourceId, SourceUpdate};
 use crate::cluster::{
     Change, EndpointSliceInfo, NamespaceInfo, ObjectKind, ObjectRef, Problem, ServiceInfo,
@@ -39,41 +49,17 @@ use crate::cluster::{
 };
 
 /// What is read once, with `get` only: this node's own Node object (its
-/// `spec.podCIDRs`, when `--pod-cidr` is not given).
+/// `spec.podCIDRs`, when `--pod-cidr` is not given; see `pod_ranges.rs`).
 pub const READ_ONCE: [(&str, &str); 1] = [("", "nodes")];
 
-/// This node's pod ranges (`spec.podCIDRs`, else `spec.podCIDR`): what
-/// its IPAM hands to local pods. Empty when the node has none (the IPAM
-/// does not use them).
-pub async fn node_pod_cidrs(client: Client, node: &str) -> Result<Vec<ipnet::IpNet>, kube::Error> {
-    let n = Api::<k8s_openapi::api::core::v1::Node>::all(client)
-        .get(node)
-        .await?;
-    let spec = n.spec.unwrap_or_default();
-    let cidrs = spec
-        .pod_cidrs
-        .filter(|v| !v.is_empty())
-        .or_else(|| spec.pod_cidr.map(|c| vec![c]))
-        .unwrap_or_default();
-    let mut out = Vec::new();
-    for c in cidrs {
-        match c.parse::<ipnet::IpNet>() {
-            Ok(net) => out.push(net.trunc()),
-            Err(e) => {
-                warn!(node, cidr = %c, error = %e, "a podCIDR of this node does not parse; ignored")
-            }
-        }
-    }
-    Ok(out)
-}
-
 /// What the watchers read, as RBAC names it: (API group, resource).
-pub const WATCHED: [(&str, &str); 5] = [
+pub const WATCHED: [(&str, &str); 6] = [
     ("", "pods"),
     ("", "namespaces"),
     ("networking.k8s.io", "networkpolicies"),
     ("", "services"),
     ("discovery.k8s.io", "endpointslices"),
+    ("networking.k8s.io", "servicecidrs"),
 ];
 
 enum Update {
@@ -82,6 +68,7 @@ enum Update {
     Policy(Box<Event<NetworkPolicy>>),
     Service(Box<Event<Service>>),
     Slice(Box<Event<EndpointSlice>>),
+    ServiceCidr(Box<Event<ServiceCIDR>>),
     Failed(&'static str, watcher::Error),
 }
 
@@ -98,6 +85,27 @@ where
         .map(move |r| match r {
             Ok(e) => wrap(e),
             Err(e) => Update::Failed(label, e),
+        })
+        .boxed()
+}
+
+/// The ServiceCIDR watch: as [`stream`], ending after a 404 (the cluster
+/// does not serve the API; said once, by [`ServiceCidrs::failed`]).
+fn service_cidr_stream(api: Api<ServiceCIDR>) -> BoxStream<'static, Update> {
+    watcher::watcher(api, watcher::Config::default())
+        .default_backoff()
+        .scan(false, |ended, r| {
+            if *ended {
+                return futures::future::ready(None);
+            }
+            let update = match r {
+                Ok(e) => Update::ServiceCidr(Box::new(e)),
+                Err(e) => {
+                    *ended = service_cidrs::not_served(&e);
+                    Update::Failed("servicecidrs", e)
+                }
+            };
+            futures::future::ready(Some(update))
         })
         .boxed()
 }
@@ -127,9 +135,10 @@ fn namespace_entry(n: &Namespace) -> Option<(String, NamespaceInfo)> {
 
 /// Watches the cluster and publishes every object once each kind is
 /// listed, then what changed after each settled burst, until `sink` is
-/// closed.
-pub async fn watch(client: Client, settle: Duration, sink: Sink) {
-    let mut updates = futures::stream::select_all([
+/// closed. With `service_cidrs`, the Service ranges too (without:
+/// `--service-cidr` gives them).
+pub async fn watch(client: Client, settle: Duration, sink: Sink, service_cidrs: bool) {
+    let mut streams = vec![
         stream(Api::<Pod>::all(client.clone()), "pods", |e| {
             Update::Pod(Box::new(e))
         }),
@@ -149,7 +158,14 @@ pub async fn watch(client: Client, settle: Duration, sink: Sink) {
             "endpointslices",
             |e| Update::Slice(Box::new(e)),
         ),
-    ]);
+    ];
+    let mut cidrs = ServiceCidrs::default();
+    if service_cidrs {
+        streams.push(service_cidr_stream(Api::<ServiceCIDR>::all(client.clone())));
+    } else {
+        cidrs.not_watched();
+    }
+    let mut updates = futures::stream::select_all(streams);
     let mut pods = Pods::default();
     let mut services: Converted<Service, ServiceInfo> =
         Converted::new(ObjectKind::Service, service_info);
@@ -176,6 +192,12 @@ pub async fn watch(client: Client, settle: Duration, sink: Sink) {
                     Update::Policy(e) => policies.apply(*e, policy_entry, &mut changes),
                     Update::Service(e) => services.apply(*e, &mut changes),
                     Update::Slice(e) => slices.apply(*e, &mut changes),
+                    Update::ServiceCidr(e) => cidrs.apply(*e),
+                    Update::Failed("servicecidrs", e) => {
+                        // Optional: never holds the other kinds back.
+                        cidrs.failed(&e);
+                        false
+                    }
                     Update::Failed(kind, e) => {
                         if !failing {
                             warn!(kind, error = %e, "watch failed; keeping the last state enforced and retrying");
@@ -198,16 +220,19 @@ pub async fn watch(client: Client, settle: Duration, sink: Sink) {
                     && namespaces.synced()
                     && policies.synced()
                     && services.store.synced()
-                    && slices.store.synced();
+                    && slices.store.synced()
+                    && cidrs.settled();
                 if !synced {
                     continue;
                 }
-                let problems: Vec<Problem> = pods
+                cidrs.changes(&mut changes);
+                let mut problems: Vec<Problem> = pods
                     .problems()
                     .chain(services.problems())
                     .chain(slices.problems())
                     .cloned()
                     .collect();
+                problems.extend(cidrs.problems());
                 if changes.is_empty() && published.as_ref() == Some(&problems) {
                     continue;
                 }

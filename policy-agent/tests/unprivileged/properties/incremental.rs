@@ -106,6 +106,20 @@ fn step(state: &mut ClusterState, target: &ClusterState, kind: u8, i: usize) -> 
                 ips: state.node_ips.clone(),
             }
         }
+        // The Service ranges change: none, one, or one beside a pod
+        // range (a frontend over pod addresses is deferred, never allowed).
+        8 if i % 4 == 1 => {
+            let ranges: Vec<IpNet> = match (i / 4) % 3 {
+                0 => Vec::new(),
+                1 => vec!["10.96.0.0/12".parse().unwrap()],
+                _ => vec![
+                    "10.96.0.0/12".parse().unwrap(),
+                    "10.0.0.0/24".parse().unwrap(),
+                ],
+            };
+            state.service_ranges = ranges.clone();
+            Change::ServiceRanges(ranges)
+        }
         _ => {
             state.namespaces.remove("ns2");
             Change::DeleteNamespace("ns2".into())

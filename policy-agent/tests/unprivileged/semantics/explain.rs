@@ -303,6 +303,7 @@ fn a_service_flow_is_explained_per_backend_after_dnat() {
                 endpoint("10.0.0.20", "default/db-a"),
                 endpoint("10.0.0.21", "default/db-b"),
             ],
+            unreadable: Vec::new(),
         },
     );
     let run = w.compile_all_local();

@@ -1,5 +1,6 @@
 //! Services on real traffic: the kube-proxy stand-in in iptables,
 //! nftables and IPVS mode, with and without the agents.
+mod addresses;
 mod basics;
 mod changes;
 mod ipvs;
