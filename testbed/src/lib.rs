@@ -39,6 +39,7 @@ pub mod packet;
 mod poll;
 mod serve;
 mod through;
+pub mod tunnel;
 pub mod workspace_bins;
 
 pub use self::{

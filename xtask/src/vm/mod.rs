@@ -94,6 +94,9 @@ pub const MODULES: &[&str] = &[
     "ip_vs",
     "ip_vs_rr",
     "sctp",
+    "ip_gre",
+    "ipip",
+    "vxlan",
 ];
 
 /// Boots the guest, runs `spec.command` in it and returns what it did.

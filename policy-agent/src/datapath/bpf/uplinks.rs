@@ -259,6 +259,28 @@ mod tests {
     }
 
     #[test]
+    fn each_framing_gets_the_programs_that_read_it_and_no_other() {
+        assert_eq!(
+            wanted_hooks(Framing::Ethernet, true),
+            Some((
+                vec![Hook::Uplink, Hook::UplinkIngress],
+                policy_common::endpoint::ATTACH_UPLINK
+                    | policy_common::endpoint::ATTACH_UPLINK_INGRESS
+            ))
+        );
+        assert_eq!(
+            wanted_hooks(Framing::Ip, false),
+            Some((
+                vec![Hook::UplinkL3],
+                policy_common::endpoint::ATTACH_UPLINK_L3
+            ))
+        );
+        // A device no program here reads (SLIP, say) gets none.
+        assert_eq!(wanted_hooks(Framing::Other(256), true), None);
+        assert_eq!(wanted_hooks(Framing::Loopback, true), None);
+    }
+
+    #[test]
     fn every_interface_but_loopback_and_endpoints_is_an_uplink() {
         let links = vec![
             link(1, "lo", None),

@@ -10,6 +10,7 @@
 use std::{net::SocketAddr, time::Duration};
 
 use policy_testbed::fixtures::{conformance::Backend, services::*};
+use policy_testbed::tunnel::{TunnelKind, kernel_has_gre};
 use policy_testbed::{
     backend::{L4, Reply},
     dns::{RecordType, Resolution, resolve},
@@ -122,6 +123,33 @@ fn some_backends(prefix: &'static str, datapath: Backend, mode: ProxyMode) {
         "ingress at web-c denies the client",
         &["default/web-a", "default/web-b", "default/web-d"],
         &["default/web-c"],
+    );
+}
+
+/// (a) over a pod network routed through an L3 tunnel between the nodes
+/// (GRE where the kernel has it, a tun pair elsewhere): the remote
+/// backends are reached by a device without a link-layer header, where
+/// the client's egress is judged after DNAT as on an Ethernet uplink.
+fn some_backends_over_a_tunnel(prefix: &'static str, datapath: Backend) {
+    let (namespaces, m) = cluster();
+    let mut env = Env::new(prefix, datapath, ProxyMode::Iptables, namespaces, m);
+    let kind = if kernel_has_gre() {
+        TunnelKind::Gre
+    } else {
+        TunnelKind::Tun
+    };
+    env.tunnel(kind);
+    env.write_policies(&client_policy(
+        "    - to: [{podSelector: {matchLabels: {tier: ok}}}]\n      ports: [{protocol: TCP, port: http}, {protocol: UDP, port: 8082}]\n",
+    ));
+    env.start_agents();
+    // web-c answering proves the tunnel carries the remote backends'
+    // traffic; web-d (remote, denied) must never be reached through it.
+    spread(
+        &env,
+        &format!("egress to tier=ok over a {kind:?} tunnel"),
+        &["default/web-a", "default/web-c"],
+        &["default/web-b", "default/web-d"],
     );
 }
 
@@ -315,6 +343,21 @@ macro_rules! suite {
 
 suite!(bpf, Backend::Bpf, ProxyMode::Iptables, "bi");
 suite!(iptables, Backend::Iptables, ProxyMode::Iptables, "ii");
+
+/// The pod network over an L3 tunnel: both datapaths.
+mod tunnel {
+    use super::*;
+
+    #[test]
+    fn bpf_egress_to_a_service_over_a_tunnel_is_judged_per_backend() {
+        some_backends_over_a_tunnel("svtb", Backend::Bpf);
+    }
+
+    #[test]
+    fn iptables_egress_to_a_service_over_a_tunnel_is_judged_per_backend() {
+        some_backends_over_a_tunnel("svti", Backend::Iptables);
+    }
+}
 
 /// kube-proxy in nftables mode: the key case on both datapaths.
 mod nftables_mode {
