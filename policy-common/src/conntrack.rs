@@ -141,6 +141,12 @@ pub const ORIGIN_FORWARDED: u16 = 0xffff;
 // that pod, as if its packet had arrived unchanged.
 
 impl CtEntry {
+    /// Whether the entry is still in its lifetime at `now` (its clock).
+    #[inline(always)]
+    pub const fn is_live(&self, protocol: u8, now: u64) -> bool {
+        now.wrapping_sub(self.last_seen_ns) <= self.timeout_ns(protocol)
+    }
+
     /// Lifetime of an idle entry.
     #[inline(always)]
     pub const fn timeout_ns(&self, protocol: u8) -> u64 {

@@ -12,6 +12,7 @@
 
 pub mod config;
 pub mod conntrack;
+pub mod conntrack_share;
 pub mod endpoint;
 pub mod event;
 pub mod identity;

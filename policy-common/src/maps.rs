@@ -22,6 +22,12 @@ pub const POLICY: &str = "POLICY";
 pub const CONNTRACK: &str = "CONNTRACK";
 /// [`crate::conntrack::FragKey`] → [`crate::conntrack::FragEntry`] (LRU hash).
 pub const FRAGMENTS: &str = "FRAGMENTS";
+/// [`crate::conntrack_share::CtUsageKey`] → u64 (hash): what each
+/// interface opened in `CONNTRACK`, and what of it the agent found gone.
+pub const CT_USAGE: &str = "CT_USAGE";
+/// Single-slot array holding [`crate::conntrack_share::CtShare`]: the
+/// bound on one interface's entries, and when the agent last counted.
+pub const CT_SHARE: &str = "CT_SHARE";
 /// [`crate::service::ServiceAddr`] prefix → [`crate::service::ServiceEntry`]:
 /// the Service frontend addresses and ranges (LPM trie, both families).
 pub const SERVICES: &str = "SERVICES";
@@ -49,7 +55,7 @@ pub const IDENTITY_NAMES: &str = "IDENTITY_NAMES";
 pub const ENDPOINT_META: &str = "ENDPOINT_META";
 
 /// Every map the agent pins, in the order `dump` prints them.
-pub const ALL: [&str; 16] = [
+pub const ALL: [&str; 18] = [
     CONFIG,
     ENDPOINT_SLOTS,
     ENDPOINTS,
@@ -60,6 +66,8 @@ pub const ALL: [&str; 16] = [
     POLICY,
     SERVICES,
     CONNTRACK,
+    CT_SHARE,
+    CT_USAGE,
     SERVICE_FLOWS,
     POD_RANGES,
     ENFORCED,
@@ -77,6 +85,8 @@ pub mod capacity {
     pub const POLICY: u32 = 262_144;
     pub const CONNTRACK: u32 = 131_072;
     pub const FRAGMENTS: u32 = 8192;
+    /// Two counters per interface that opened a flow since the last count.
+    pub const CT_USAGE: u32 = 8192;
     pub const IDENTITIES: u32 = 65536;
     pub const SERVICES: u32 = 65536;
     pub const SERVICE_FLOWS: u32 = 65536;

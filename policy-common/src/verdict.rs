@@ -51,6 +51,9 @@ pub enum Reason {
     /// an endpoint that tracks flows (an evicted entry, or a flow opened
     /// before its pod was isolated): conntrack pressure.
     CtMidstreamMiss = 50,
+    /// Not a verdict: a flow was not tracked because its interface holds
+    /// its whole share of `CONNTRACK` (see `crate::conntrack_share`).
+    CtShareFull = 51,
 }
 
 /// Reasons at or above this value drop the packet.
@@ -69,7 +72,7 @@ pub const fn counter_index(reason: Reason, direction: u8) -> u32 {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 21] = [
+    pub const ALL: [Reason; 22] = [
         Reason::AllowPolicy,
         Reason::AllowEstablished,
         Reason::AllowReply,
@@ -91,6 +94,7 @@ impl Reason {
         Reason::EventLost,
         Reason::CtCreateFailed,
         Reason::CtMidstreamMiss,
+        Reason::CtShareFull,
     ];
 
     /// Whether packets with this reason are dropped.
@@ -130,6 +134,7 @@ impl Reason {
             48 => Reason::EventLost,
             49 => Reason::CtCreateFailed,
             50 => Reason::CtMidstreamMiss,
+            51 => Reason::CtShareFull,
             _ => return None,
         })
     }
@@ -158,6 +163,7 @@ impl Reason {
             Reason::EventLost => "event_lost",
             Reason::CtCreateFailed => "ct_create_failed",
             Reason::CtMidstreamMiss => "ct_midstream_miss",
+            Reason::CtShareFull => "ct_share_full",
         }
     }
 }

@@ -7,6 +7,10 @@
 //! `docs/ARCHITECTURE.md` for the maps and the lookup order.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
+// An atomic add on a map value (BPF_ATOMIC): the target has no
+// compare-and-swap, so `core::sync::atomic` offers no read-modify-write.
+#![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
+#![cfg_attr(target_arch = "bpf", allow(internal_features))]
 
 #[cfg(target_arch = "bpf")]
 mod classify;

@@ -9,6 +9,7 @@ use aya_ebpf::{
 use policy_common::{
     config::Config,
     conntrack::{CtEntry, CtKey, FragEntry, FragKey},
+    conntrack_share::{CtShare, CtUsageKey},
     endpoint::{EndpointInfo, EndpointMeta},
     event::DropEvent,
     identity::IdentityName,
@@ -61,6 +62,14 @@ pub static POLICY: HashMap<PolicyKey, PolicyEntry, { capacity::POLICY as usize }
 #[btf_map]
 pub static CONNTRACK: LruHashMap<CtKey, CtEntry, { capacity::CONNTRACK as usize }> =
     LruHashMap::new();
+
+/// Each interface's share of `CONNTRACK`: see
+/// `policy_common::conntrack_share`.
+#[btf_map]
+pub static CT_SHARE: Array<CtShare, 1> = Array::new();
+
+#[btf_map]
+pub static CT_USAGE: HashMap<CtUsageKey, u64, { capacity::CT_USAGE as usize }> = HashMap::new();
 
 #[btf_map]
 pub static SERVICES: LpmTrie<ServiceAddr, ServiceEntry, { capacity::SERVICES as usize }> =

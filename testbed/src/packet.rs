@@ -77,6 +77,7 @@ pub struct Packet {
 
 pub const TCP_FIN: u8 = 0x01;
 pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
 pub const TCP_ACK: u8 = 0x10;
 
 impl Packet {

@@ -169,6 +169,11 @@ pub struct SizingArgs {
     /// One map's size, NAME=ENTRIES (repeatable), over the formula.
     #[arg(long = "map-size", value_parser = Sizing::parse_override)]
     pub map_sizes: Vec<(&'static str, u32)>,
+    /// The most conntrack entries one pod may hold; past it, its new flows
+    /// are not tracked (their replies are judged as new). 0: no bound.
+    /// Default: a quarter of the conntrack map.
+    #[arg(long)]
+    pub conntrack_share: Option<u32>,
 }
 
 /// Which datapath to enforce with, and where its pins live.
@@ -201,6 +206,7 @@ impl EnforceArgs {
                     overrides: self.sizing.map_sizes.clone(),
                 }
                 .capacities(),
+                conntrack_share: self.sizing.conntrack_share,
             },
             iptables: self.datapath.iptables_backend.into(),
         }

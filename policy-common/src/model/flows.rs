@@ -1,7 +1,10 @@
 //! Tracked flows and the stateful verdict: conntrack, related ICMP
 //! errors, re-judging on a revision change.
 
-use std::{collections::HashMap, net::IpAddr};
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::IpAddr,
+};
 
 use crate::{
     direction, endpoint::EndpointInfo, ipcache::IpcacheEntry, pod_range_guard::ENFORCED_NODE,
@@ -103,6 +106,38 @@ pub struct Datapath {
     /// Clients' flows to Service frontends, by what survives DNAT
     /// (`SERVICE_FLOWS`).
     pub services: HashMap<ServiceKey, ServiceState>,
+    /// Each interface's share of the tracked flows (`CT_SHARE`,
+    /// `CT_USAGE`).
+    pub share: Share,
+}
+
+/// The bound on one interface's tracked flows, as the kernel keeps it
+/// (see `crate::conntrack_share`): what each interface opened, what the
+/// agent last found gone, and the bound with the time it was counted.
+#[derive(Clone, Debug, Default)]
+pub struct Share {
+    pub bound: crate::conntrack_share::CtShare,
+    /// The classifier's clock.
+    pub now: u64,
+    pub opened: BTreeMap<u32, u64>,
+    pub released: BTreeMap<u32, u64>,
+}
+
+impl Share {
+    /// Whether `ifindex` may open one more flow; if so, it is counted
+    /// (only while a bound is set: without one nothing is counted).
+    pub fn allows(&mut self, ifindex: u32) -> bool {
+        if self.bound.share == 0 {
+            return true;
+        }
+        let opened = self.opened.entry(ifindex).or_default();
+        let released = self.released.get(&ifindex).copied().unwrap_or(0);
+        if !self.bound.may_open(*opened, released, self.now) {
+            return false;
+        }
+        *opened = opened.wrapping_add(1);
+        true
+    }
 }
 
 /// Whether the pod with endpoint `ep` holds `addr`.
@@ -128,6 +163,7 @@ impl Datapath {
             maps,
             flows: HashMap::new(),
             services: HashMap::new(),
+            share: Share::default(),
         }
     }
 
@@ -317,7 +353,7 @@ impl Datapath {
         // in its own name, and the peer's packets would pass as replies).
         let opens = pkt.direction == direction::EGRESS || pod_holds(&ep, pkt.dst);
         let midstream = pkt.protocol == proto::TCP && pkt.tcp_flags & TCP_SYN == 0;
-        if allowed && trackable && opens && !midstream {
+        if allowed && trackable && opens && !midstream && self.share.allows(pkt.ifindex) {
             self.flows.insert(
                 Flow::of(pkt),
                 FlowState {

@@ -53,7 +53,7 @@ use std::net::IpAddr;
 use crate::{direction, family, proto, verdict::Reason};
 
 pub use self::{
-    flows::{Datapath, Flow, FlowState},
+    flows::{Datapath, Flow, FlowState, Share},
     maps::{Judgement, Maps},
     service::{ServiceKey, ServiceState},
 };

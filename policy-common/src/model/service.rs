@@ -174,6 +174,10 @@ impl Datapath {
                 return verdict(Reason::DropPolicy);
             }
         }
+        if !self.share.allows(pkt.ifindex) {
+            // Untracked: judged after DNAT packet by packet.
+            return verdict(Reason::PassService);
+        }
         self.flows.insert(
             flow,
             FlowState {

@@ -1,12 +1,14 @@
 //! Conntrack and fragment keys, what a conntrack hit allows, and ICMP
 //! errors related to a tracked flow.
-use aya_ebpf::programs::TcContext;
+use aya_ebpf::{bindings::BPF_NOEXIST, programs::TcContext};
+use core::intrinsics::{AtomicOrdering, atomic_xadd};
 use policy_common::{
     addr_eq,
     conntrack::{
         CT_FLAG_CLOSING, CT_FLAG_PENDING, CT_FLAG_SERVICE, CT_FLAG_SYN_ONLY, CT_REFRESH_NS,
         CtEntry, CtKey, FragKey,
     },
+    conntrack_share::{CT_USAGE_OPENED, CT_USAGE_RELEASED, CtUsageKey},
     direction,
     endpoint::EndpointInfo,
     family,
@@ -17,7 +19,7 @@ use policy_common::{
 
 use super::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, policy::judge, service::rejudge_backend};
 use crate::{
-    maps::{CONNTRACK, Scratch},
+    maps::{CONNTRACK, CT_SHARE, CT_USAGE, Scratch},
     parse::{IpPacket, quoted_flow},
 };
 
@@ -68,7 +70,7 @@ pub(super) fn on_ct_hit(
 
 #[inline(always)]
 pub(super) fn live(entry: &CtEntry, protocol: u8, now: u64) -> bool {
-    now.wrapping_sub(entry.last_seen_ns) <= entry.timeout_ns(protocol)
+    entry.is_live(protocol, now)
 }
 
 /// A TCP segment that opens a connection (SYN without ACK).
@@ -82,6 +84,48 @@ pub(super) fn syn_only(pkt: &IpPacket) -> bool {
 #[inline(always)]
 pub(super) fn usable(entry: &CtEntry, pkt: &IpPacket, now: u64) -> bool {
     live(entry, pkt.protocol, now) && !(syn_only(pkt) && entry.flags & CT_FLAG_CLOSING != 0)
+}
+
+/// Whether interface `ifindex` may open one more flow: it holds less
+/// than its share of `CONNTRACK` (see `policy_common::conntrack_share`).
+/// If so, the flow is counted as opened. Only new flows pay for this.
+#[inline(always)]
+pub(super) fn share_allows(ifindex: u32, now: u64) -> bool {
+    let Some(share) = CT_SHARE.get(0) else {
+        return true;
+    };
+    if share.share == 0 {
+        return true;
+    }
+    let key = CtUsageKey {
+        ifindex,
+        counter: CT_USAGE_OPENED,
+    };
+    let mut opened = CT_USAGE.get_ptr_mut(&key);
+    if opened.is_none() {
+        let _ = CT_USAGE.insert(&key, &0, BPF_NOEXIST as u64);
+        opened = CT_USAGE.get_ptr_mut(&key);
+    }
+    // No counter (the map is full of counters the agent has not swept
+    // yet): this interface is not bounded until it has one. Refusing would
+    // stall a pod for the agent's bookkeeping; the count says so.
+    let Some(opened) = opened else {
+        return true;
+    };
+    let released_key = CtUsageKey {
+        ifindex,
+        counter: CT_USAGE_RELEASED,
+    };
+    // SAFETY: a map value pointer, valid for this program run.
+    let released = CT_USAGE.get_ptr(&released_key).map_or(0, |r| unsafe { *r });
+    // SAFETY: as above (a racing add makes the read one short: the bound
+    // is that loose).
+    if !share.may_open(unsafe { *opened }, released, now) {
+        return false;
+    }
+    // SAFETY: as above; an aligned u64 every CPU adds to atomically.
+    unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(opened, 1) };
+    true
 }
 
 #[inline(always)]

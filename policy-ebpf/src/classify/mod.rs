@@ -39,7 +39,7 @@ use policy_common::{
 };
 
 use self::{
-    conntrack::{fill_frag_key, on_ct_hit, related, syn_only, usable},
+    conntrack::{fill_frag_key, on_ct_hit, related, share_allows, syn_only, usable},
     policy::judge,
     service::{defer, is_frontend, service_hit},
 };
@@ -325,7 +325,9 @@ fn decide(
             flags,
             origin,
         };
-        if CONNTRACK.insert(&s.ct, &entry, BPF_ANY as u64).is_err() {
+        if !share_allows(ifindex, now) {
+            count(Reason::CtShareFull, dir);
+        } else if CONNTRACK.insert(&s.ct, &entry, BPF_ANY as u64).is_err() {
             count(Reason::CtCreateFailed, dir);
         }
     }

@@ -21,7 +21,7 @@ use policy_common::{
 
 use super::{
     DROP, PASS, TCP_ACK, TCP_FIN, TCP_RST, config_flags,
-    conntrack::{fill_ct_key, live, syn_only},
+    conntrack::{fill_ct_key, live, share_allows, syn_only},
     count, emit_drop, endpoint,
     policy::judge,
 };
@@ -210,6 +210,12 @@ pub(super) fn defer(s: &mut Scratch, ifindex: u32, ep: &EndpointInfo, now: u64) 
                 return Reason::DropPolicy;
             }
         }
+    }
+    if !share_allows(ifindex, now) {
+        // Untracked: each packet is judged after DNAT on its own, and
+        // replies as new.
+        count(Reason::CtShareFull, direction::EGRESS);
+        return Reason::PassService;
     }
     fill_ct_key(&mut s.ct, ifindex, direction::EGRESS, pkt);
     let mut flags = CT_FLAG_SERVICE | CT_FLAG_PENDING;

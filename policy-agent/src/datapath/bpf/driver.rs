@@ -34,6 +34,8 @@ pub struct BpfDriver {
     interfaces: InterfaceCache,
     drop_log: bool,
     kernel_log: bool,
+    /// `--conntrack-share`, and whether its counting thread runs.
+    conntrack_share: (Option<u32>, bool),
     /// The pod ranges and the enforced local addresses.
     enforcement: Enforcement,
     /// What ran before the classifiers after the last full pass.
@@ -54,6 +56,7 @@ impl BpfDriver {
             interfaces: InterfaceCache::default(),
             drop_log: false,
             kernel_log: false,
+            conntrack_share: (opts.conntrack_share, false),
             order: OrderWatch::default(),
             standing: StandingProblems::default(),
         })
@@ -204,7 +207,11 @@ impl Datapath for BpfDriver {
             self.kernel_log = true;
             observe::follow_kernel_log(&self.dp.layout);
         }
-        self.drop_log
+        if !self.conntrack_share.1 {
+            self.conntrack_share.1 =
+                super::conntrack_share::spawn(&self.dp.layout, self.conntrack_share.0);
+        }
+        self.drop_log && self.conntrack_share.1
     }
 
     fn enforced(&self, pod: &PodRef) -> Option<u32> {

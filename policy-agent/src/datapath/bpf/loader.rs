@@ -35,6 +35,9 @@ pub struct LoadOptions {
     /// Map capacity overrides (map name → entries), applied when a map is
     /// first created.
     pub capacities: Vec<(&'static str, u32)>,
+    /// The most `CONNTRACK` entries one interface may hold (0: no bound;
+    /// None: [`super::conntrack_share::share_for`]'s default).
+    pub conntrack_share: Option<u32>,
 }
 
 /// The classifiers, loaded or opened from their pins. Those of a device

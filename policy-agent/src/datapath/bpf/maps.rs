@@ -12,6 +12,7 @@ use ipnet::IpNet;
 use policy_common::{
     config::Config,
     conntrack::{CtEntry, CtKey, FragEntry, FragKey},
+    conntrack_share::{CtShare, CtUsageKey},
     endpoint::{ENDPOINT_SLOT_USED, EndpointInfo, EndpointMeta},
     identity::IdentityName,
     ipcache::IpcacheEntry,
@@ -40,6 +41,9 @@ pub struct BpfMaps {
     pub services: LpmTrie<MapData, ServiceAddr, ServiceEntry>,
     pub conntrack: HashMap<MapData, CtKey, CtEntry>,
     pub fragments: HashMap<MapData, FragKey, FragEntry>,
+    /// Each interface's share of `CONNTRACK` (see `super::conntrack_share`).
+    pub ct_share: Array<MapData, CtShare>,
+    pub ct_usage: HashMap<MapData, CtUsageKey, u64>,
     pub counters: PerCpuArray<MapData, u64>,
     /// The pod-range guard's (see `super::pod_range_guard`).
     pub pod_ranges: LpmTrie<MapData, ServiceAddr, u32>,
@@ -60,6 +64,8 @@ fn expected_sizes(name: &str) -> Option<(usize, usize)> {
         names::SERVICES => (4 + size_of::<ServiceAddr>(), size_of::<ServiceEntry>()),
         names::CONNTRACK => (size_of::<CtKey>(), size_of::<CtEntry>()),
         names::FRAGMENTS => (size_of::<FragKey>(), size_of::<FragEntry>()),
+        names::CT_SHARE => (4, size_of::<CtShare>()),
+        names::CT_USAGE => (size_of::<CtUsageKey>(), 8),
         names::COUNTERS => (4, 8),
         names::POD_RANGES => (4 + size_of::<ServiceAddr>(), 4),
         names::ENFORCED => (size_of::<ServiceAddr>(), 4),
@@ -170,6 +176,8 @@ impl BpfMaps {
             services: field(names::SERVICES, layout, &mut source)?,
             conntrack: field(names::CONNTRACK, layout, &mut source)?,
             fragments: field(names::FRAGMENTS, layout, &mut source)?,
+            ct_share: field(names::CT_SHARE, layout, &mut source)?,
+            ct_usage: field(names::CT_USAGE, layout, &mut source)?,
             counters: field(names::COUNTERS, layout, &mut source)?,
             pod_ranges: field(names::POD_RANGES, layout, &mut source)?,
             enforced: field(names::ENFORCED, layout, &mut source)?,

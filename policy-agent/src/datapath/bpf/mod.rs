@@ -5,6 +5,7 @@
 //! [`crate::datapath::Datapath`] implementation) and its [`Error`].
 pub mod attach;
 mod capacity_plan;
+pub mod conntrack_share;
 pub mod driver;
 pub mod error;
 pub mod events;

@@ -101,6 +101,13 @@ pub(super) fn render_metrics(out: &mut String, layout: &PinLayout) {
             let _ = writeln!(out, "policy_agent_drops_total{{reason=\"{r}\"}} {n}");
         }
     }
+    if let Ok(share) = maps.ct_share.get(&0, 0) {
+        let _ = writeln!(
+            out,
+            "# HELP policy_agent_conntrack_share The most conntrack entries one pod may hold (0: no bound).\n# TYPE policy_agent_conntrack_share gauge\npolicy_agent_conntrack_share {}",
+            share.share
+        );
+    }
     let _ = writeln!(
         out,
         "# HELP policy_agent_map_entries Entries in each datapath map.\n# TYPE policy_agent_map_entries gauge"

@@ -4,6 +4,7 @@
 //! | map | entries | why |
 //! |---|---|---|
 //! | `CONNTRACK` (LRU, preallocated, ~100 B each) | max(16384, max_pods × 1024) | flows of isolated pods; 110 pods: 112,640 (≈ 11 MiB) |
+//! | `CT_USAGE` | max(1024, max_pods × 8) | two counters per interface, kept until a count finds the interface gone (see `conntrack_share`) |
 //! | `FRAGMENTS` (LRU) | max(1024, max_pods × 32) | datagrams in flight |
 //! | `POLICY` (not preallocated) | max(16384, max_pods × 2048) | allow entries of the local pods' identities |
 //! | `IPCACHE_V4`, `IPCACHE_V6` | max(16384, cluster_pods + 4096) | every pod address, the node's, carved prefixes |
@@ -38,8 +39,9 @@ impl Default for Sizing {
 }
 
 /// The maps whose size can be configured.
-pub const SIZED: [&str; 10] = [
+pub const SIZED: [&str; 11] = [
     names::CONNTRACK,
+    names::CT_USAGE,
     names::FRAGMENTS,
     names::POLICY,
     names::IPCACHE_V4,
@@ -58,6 +60,7 @@ impl Sizing {
         let cluster = self.cluster_pods.saturating_add(4096).max(16384);
         let mut out = vec![
             (names::CONNTRACK, pods.saturating_mul(1024).max(16384)),
+            (names::CT_USAGE, pods.saturating_mul(8).max(1024)),
             (names::FRAGMENTS, pods.saturating_mul(32).max(1024)),
             (names::POLICY, pods.saturating_mul(2048).max(16384)),
             (names::IPCACHE_V4, cluster),

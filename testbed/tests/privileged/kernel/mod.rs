@@ -1,6 +1,7 @@
 //! The classifier on the real kernel through BPF_PROG_TEST_RUN: crafted
 //! packets against chosen map content, judged by verdict, reason,
 //! counters and events.
+mod conntrack_share;
 mod differential;
 mod hardening;
 mod node_traffic;

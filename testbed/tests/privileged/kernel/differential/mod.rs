@@ -7,14 +7,16 @@ mod services;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use policy_agent::datapath::bpf::pins::Hook;
+use policy_agent::datapath::bpf::{conntrack_share, pins::Hook};
 use policy_common::{
+    conntrack_share::{CT_USAGE_OPENED, CtUsageKey},
     direction,
     endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED},
     identity::{ANY, FIRST_CIDR, NODE, WORLD},
     model::{self, Datapath},
     policy::PolicyKey,
     proto,
+    verdict::Reason::CtShareFull,
 };
 use policy_testbed::fixtures::harness::{Harness, TEST_IFINDEX, Verdict, hook_direction};
 use policy_testbed::packet::{L4, Packet, TCP_ACK, TCP_FIN, TCP_SYN};
@@ -503,6 +505,8 @@ struct Coverage {
     encapsulated_to_node: usize,
     /// Neighbour-discovery types with hop limit 255 the pod sends.
     nd_from_pod: usize,
+    /// Flows the pod's conntrack share kept untracked.
+    share_full: u64,
 }
 
 fn run_seed(seed: u64, seen: &mut Seen, coverage: &mut Coverage) -> usize {
@@ -519,6 +523,14 @@ fn run_seed(seed: u64, seen: &mut Seen, coverage: &mut Coverage) -> usize {
     guard.write(&mut h);
     let mut model = Datapath::new(h.state.to_model(|k| *k));
     guard.model(&mut model.maps);
+    // One seed in three bounds the pod's conntrack share to a few flows.
+    if seed.is_multiple_of(3) {
+        let share = rng.random_range(2..8);
+        let now = conntrack_share::now_ns();
+        conntrack_share::count(&mut h.dp.maps, share, now).unwrap();
+        model.share.bound = h.dp.maps.ct_share.get(&0, 0).unwrap();
+        model.share.now = now;
+    }
     let mut sent: Vec<(Packet, Hook, u32)> = Vec::new();
     let mut checked = 0;
     for i in 0..PACKETS_PER_ROUND {
@@ -639,6 +651,21 @@ fn run_seed(seed: u64, seen: &mut Seen, coverage: &mut Coverage) -> usize {
         sent.push((pkt, hook, iif));
         checked += 1;
     }
+    // The kernel counted the flows it opened as the model did.
+    let opened = CtUsageKey {
+        ifindex: TEST_IFINDEX,
+        counter: CT_USAGE_OPENED,
+    };
+    assert_eq!(
+        h.dp.maps.ct_usage.get(&opened, 0).ok(),
+        model.share.opened.get(&TEST_IFINDEX).copied(),
+        "seed {seed}: flows opened"
+    );
+    let counters = h.dp.maps.counters().unwrap();
+    coverage.share_full += [direction::INGRESS, direction::EGRESS]
+        .iter()
+        .filter_map(|d| counters.get(&(CtShareFull, *d)))
+        .sum::<u64>();
     checked
 }
 
@@ -685,7 +712,8 @@ fn kernel_verdicts_equal_the_model() {
         assert!(
             coverage.masqueraded >= 20
                 && coverage.encapsulated_to_node >= 5
-                && coverage.nd_from_pod >= 10,
+                && coverage.nd_from_pod >= 10
+                && coverage.share_full >= 10,
             "{coverage:?}"
         );
     }
