@@ -44,6 +44,8 @@ pub struct Metrics {
     /// Entries the last sync could not write, by map (0 when all landed).
     shortfall: Mutex<std::collections::BTreeMap<String, u64>>,
     shortfall_total: Mutex<std::collections::BTreeMap<String, u64>>,
+    /// HTTP connections closed unanswered, by reason.
+    http_dropped: Mutex<std::collections::BTreeMap<&'static str, u64>>,
 }
 
 impl Metrics {
@@ -64,6 +66,7 @@ impl Metrics {
             errors_by_kind: Mutex::new(Default::default()),
             shortfall: Mutex::new(Default::default()),
             shortfall_total: Mutex::new(Default::default()),
+            http_dropped: Mutex::new(Default::default()),
         }
     }
 
@@ -114,6 +117,14 @@ impl Metrics {
                 now.insert((*map).to_owned(), *n as u64);
                 *total.entry((*map).to_owned()).or_default() += *n as u64;
             }
+        }
+    }
+
+    /// One HTTP connection closed unanswered (or one accept failed):
+    /// `evicted`, `full`, `read_timeout`, `write_timeout`, `accept_error`.
+    pub fn http_dropped(&self, reason: &'static str) {
+        if let Ok(mut m) = self.http_dropped.lock() {
+            *m.entry(reason).or_default() += 1;
         }
     }
 
@@ -246,6 +257,16 @@ impl Metrics {
                     out,
                     "policy_agent_map_write_failures_total{{map=\"{map}\"}} {n}"
                 );
+            }
+        }
+        if let Ok(m) = self.http_dropped.lock() {
+            let name = "policy_agent_http_dropped_total";
+            let _ = writeln!(
+                out,
+                "# HELP {name} HTTP connections closed unanswered (and failed accepts), by reason.\n# TYPE {name} counter"
+            );
+            for (reason, n) in m.iter() {
+                let _ = writeln!(out, "{name}{{reason=\"{reason}\"}} {n}");
             }
         }
         let source = self.datapath.lock().ok().and_then(|d| d.clone());

@@ -19,6 +19,7 @@ mod cluster_mode;
 mod cni;
 mod conformance;
 mod full_maps;
+mod http_limits;
 mod identity_adoption;
 mod iptables;
 mod iptables_hardening;
