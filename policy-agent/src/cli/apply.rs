@@ -23,8 +23,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let node = &args.node.node;
     let (state, mut problems) = args.manifests.load_for(&args.node)?;
 
-    let mut enforcer =
-        Enforcer::open(&args.enforce.open_options()).context("opening the datapath")?;
+    let mut enforcer = Enforcer::open(&args.enforce.open_options(), args.enforce.compile_options())
+        .context("opening the datapath")?;
     let report = enforcer
         .enforce(changes_between(&ClusterState::default(), &state))
         .context("enforcing")?;

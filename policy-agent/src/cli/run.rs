@@ -52,6 +52,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     config.listen = args.listen;
     config.metrics_listen = args.metrics_listen;
     config.datapath = args.enforce.open_options();
+    config.compile = args.enforce.compile_options();
     config.debounce = Duration::from_millis(args.debounce_ms);
     config.cni_socket = args.cni_socket.clone();
     config.cni_wait = Duration::from_secs(args.cni_wait_secs);

@@ -44,6 +44,10 @@ pub struct Metrics {
     /// Entries the last sync could not write, by map (0 when all landed).
     shortfall: Mutex<std::collections::BTreeMap<String, u64>>,
     shortfall_total: Mutex<std::collections::BTreeMap<String, u64>>,
+    /// Entries the admitted policies compile to, and policies refused for
+    /// a budget.
+    compiled_entries: AtomicU64,
+    policies_refused: AtomicU64,
     /// HTTP connections closed unanswered, by reason.
     http_dropped: Mutex<std::collections::BTreeMap<&'static str, u64>>,
 }
@@ -66,6 +70,8 @@ impl Metrics {
             errors_by_kind: Mutex::new(Default::default()),
             shortfall: Mutex::new(Default::default()),
             shortfall_total: Mutex::new(Default::default()),
+            compiled_entries: AtomicU64::new(0),
+            policies_refused: AtomicU64::new(0),
             http_dropped: Mutex::new(Default::default()),
         }
     }
@@ -118,6 +124,13 @@ impl Metrics {
                 *total.entry((*map).to_owned()).or_default() += *n as u64;
             }
         }
+    }
+
+    /// What the compiler holds against its budgets after a sync.
+    pub fn compiled(&self, entries: u64, refused: usize) {
+        self.compiled_entries.store(entries, Ordering::Relaxed);
+        self.policies_refused
+            .store(refused as u64, Ordering::Relaxed);
     }
 
     /// One HTTP connection closed unanswered (or one accept failed):
@@ -176,6 +189,18 @@ impl Metrics {
             "Objects not enforced as written in the last sync (invalid policies fail closed).",
             "gauge",
             self.problems.load(Ordering::Relaxed).to_string(),
+        );
+        gauge(
+            "policy_agent_compiled_entries",
+            "Entries (policy-map keys and identities reached) the admitted policies compile to, against --compiled-entries-max.",
+            "gauge",
+            self.compiled_entries.load(Ordering::Relaxed).to_string(),
+        );
+        gauge(
+            "policy_agent_policies_refused",
+            "Policies compiled to nothing for a budget (they fail closed, and are among the problems).",
+            "gauge",
+            self.policies_refused.load(Ordering::Relaxed).to_string(),
         );
         gauge(
             "policy_agent_map_writes_total",

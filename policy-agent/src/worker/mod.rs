@@ -24,6 +24,7 @@ use crate::{
     datapath::{Choice, OpenOptions, bpf::pins::PinLayout, iptables::Backend},
     metrics::{self, Metrics},
     netlink,
+    policy::CompileOptions,
     source::{self, SourceId},
 };
 
@@ -32,6 +33,8 @@ use crate::{
 pub struct Config {
     pub node: String,
     pub datapath: OpenOptions,
+    /// How the compiler runs (its budgets).
+    pub compile: CompileOptions,
     /// /healthz, /readyz and /metrics for the probes (loopback: no pod
     /// can reach it).
     pub listen: SocketAddr,
@@ -71,6 +74,7 @@ impl Config {
                 load: Default::default(),
                 iptables: Backend::Auto,
             },
+            compile: CompileOptions::default(),
             listen: SocketAddr::from(([127, 0, 0, 1], 9402)),
             metrics_listen: None,
             http_limits: metrics::Limits::default(),

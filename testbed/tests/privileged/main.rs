@@ -27,5 +27,6 @@ mod kernel;
 mod netns;
 mod node_addresses;
 mod pod_range_guard_netns;
+mod policy_budget;
 mod sctp;
 mod services;
