@@ -241,12 +241,14 @@ fn report() -> Vec<serde_json::Value> {
             1_000,
             CompileOptions {
                 all_pods_local: true,
+                ..CompileOptions::default()
             },
         ),
         (
             10_000,
             CompileOptions {
                 all_pods_local: true,
+                ..CompileOptions::default()
             },
         ),
     ] {
@@ -351,6 +353,7 @@ fn bench_full(c: &mut Criterion) {
             10_000,
             CompileOptions {
                 all_pods_local: true,
+                ..CompileOptions::default()
             },
         ),
     ] {
@@ -387,6 +390,7 @@ fn bench_relabel(c: &mut Criterion) {
             10_000,
             CompileOptions {
                 all_pods_local: true,
+                ..CompileOptions::default()
             },
             true,
         ),

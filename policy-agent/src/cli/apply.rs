@@ -25,8 +25,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     state.service_ranges = args.enforce.service_ranges().unwrap_or_default();
     state.pod_ranges = Some(args.enforce.datapath.pod_cidrs.clone());
 
-    let mut enforcer =
-        Enforcer::open(&args.enforce.open_options()).context("opening the datapath")?;
+    let mut enforcer = Enforcer::open(&args.enforce.open_options(), args.enforce.compile_options())
+        .context("opening the datapath")?;
     let report = enforcer
         .enforce(changes_between(&ClusterState::default(), &state))
         .context("enforcing")?;

@@ -14,7 +14,9 @@ use policy_agent::{
         },
         iptables::Backend,
     },
-    netlink, source,
+    netlink,
+    policy::{Budget, CompileOptions},
+    source,
 };
 
 pub fn init_tracing() {
@@ -176,6 +178,38 @@ pub struct SizingArgs {
     pub conntrack_share: Option<u32>,
 }
 
+/// How much compiled state policies may hold (docs/design/semantics.md).
+#[derive(clap::Args, Clone, Debug)]
+pub struct BudgetArgs {
+    /// Entries one NetworkPolicy may compile to: its policy-map keys (for
+    /// each local endpoint identity it selects, each peer its rules reach
+    /// times their port blocks) plus the identities its rules reach. A
+    /// policy past it allows nothing, isolates what it selects, and is
+    /// reported. Default: a quarter of --compiled-entries-max (56,320 for
+    /// --max-pods 110).
+    #[arg(long, value_name = "ENTRIES")]
+    pub policy_entries_max: Option<u64>,
+    /// Entries all policies may compile to together; a policy that does
+    /// not fit in what the others leave is refused the same way (a full
+    /// compile takes the smallest first). Default: the POLICY map's size
+    /// by the formula, max(16384, max-pods × 2048) (225,280 for 110 pods;
+    /// the agent holds about 350 bytes per key).
+    #[arg(long, value_name = "ENTRIES")]
+    pub compiled_entries_max: Option<u64>,
+}
+
+impl BudgetArgs {
+    /// The budgets for a node of `max_pods`, flags over the defaults.
+    pub fn budget(&self, max_pods: u32) -> Budget {
+        let default = Budget::for_node(max_pods);
+        let total = self.compiled_entries_max.unwrap_or(default.total);
+        Budget {
+            per_policy: self.policy_entries_max.unwrap_or(total / 4),
+            total,
+        }
+    }
+}
+
 /// Which datapath to enforce with, and where its pins live.
 #[derive(clap::Args, Clone, Debug)]
 pub struct EnforceArgs {
@@ -185,6 +219,8 @@ pub struct EnforceArgs {
     pub pins: PinArgs,
     #[command(flatten)]
     pub sizing: SizingArgs,
+    #[command(flatten)]
+    pub budget: BudgetArgs,
 }
 
 impl EnforceArgs {
@@ -192,6 +228,14 @@ impl EnforceArgs {
     pub fn service_ranges(&self) -> Option<Vec<ipnet::IpNet>> {
         let given = &self.datapath.service_cidrs;
         (!given.is_empty()).then(|| given.clone())
+    }
+
+    /// How the agent compiles: within the budgets.
+    pub fn compile_options(&self) -> CompileOptions {
+        CompileOptions {
+            budget: self.budget.budget(self.sizing.max_pods),
+            ..CompileOptions::default()
+        }
     }
 
     pub fn open_options(&self) -> OpenOptions {

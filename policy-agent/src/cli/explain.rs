@@ -96,6 +96,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         &mut ids,
         CompileOptions {
             all_pods_local: true,
+            ..CompileOptions::default()
         },
     );
     if let Some(service) = service_target(&args.to, &state)? {

@@ -12,7 +12,7 @@ use policy_agent::{
     policy::{CompileOptions, Compiler},
 };
 
-use super::common::{DatapathChoice, ManifestsArg, NodeArg, print_problems};
+use super::common::{BudgetArgs, DatapathChoice, ManifestsArg, NodeArg, print_problems};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -22,6 +22,11 @@ pub struct Args {
     pub node: NodeArg,
     #[arg(long, value_enum, default_value = "iptables")]
     pub datapath: DatapathChoice,
+    /// Pods this node runs at most: sets the default budgets.
+    #[arg(long, default_value_t = 110)]
+    pub max_pods: u32,
+    #[command(flatten)]
+    pub budget: BudgetArgs,
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -37,7 +42,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let compiler = Compiler::build(
         &state,
         &mut IdentityAllocator::new(),
-        CompileOptions::default(),
+        CompileOptions {
+            budget: args.budget.budget(args.max_pods),
+            ..CompileOptions::default()
+        },
     );
     let rules = compiler.rules();
     let desired = Desired {

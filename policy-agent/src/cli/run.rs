@@ -14,9 +14,17 @@ pub struct Args {
     pub manifests: Option<PathBuf>,
     #[command(flatten)]
     pub node: NodeArg,
-    /// Address for /metrics, /healthz and /readyz.
+    /// Address for /healthz, /readyz and /metrics: what the kubelet's
+    /// probes need. Keep it on loopback: with host networking every pod can
+    /// reach the node's other addresses.
     #[arg(long, default_value = "127.0.0.1:9402")]
     pub listen: SocketAddr,
+    /// A second address serving the same, for a Prometheus elsewhere (e.g.
+    /// 0.0.0.0:9403). Every pod of the node can reach it too; each address
+    /// holds at most 64 connections, a request must arrive within 5 s, and
+    /// a flood here never reaches the probes' address.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<SocketAddr>,
     #[command(flatten)]
     pub enforce: EnforceArgs,
     /// Quiet time (ms) that ends a burst of changes.
@@ -42,9 +50,11 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let mut config = Config::new(args.node.node.clone(), args.enforce.pins.layout());
     config.listen = args.listen;
+    config.metrics_listen = args.metrics_listen;
     config.datapath = args.enforce.open_options();
     config.service_ranges = args.enforce.service_ranges();
     config.pod_ranges = PodRanges::Given(args.enforce.datapath.pod_cidrs.clone());
+    config.compile = args.enforce.compile_options();
     config.debounce = Duration::from_millis(args.debounce_ms);
     config.cni_socket = args.cni_socket.clone();
     config.cni_wait = Duration::from_secs(args.cni_wait_secs);

@@ -143,22 +143,38 @@ impl IdentityAllocator {
     }
 
     /// An allocator for an agent that finds `existing` (the pinned
-    /// `IDENTITY_NAMES` content) from an earlier run: a key whose name hash
-    /// and kind match an entry gets that number back; every other number
-    /// found stays quarantined, as if released now.
-    pub fn adopt(existing: &BTreeMap<u32, IdentityName>) -> Self {
+    /// `IDENTITY_NAMES` content) and `in_use` (every number the pinned rows
+    /// key or hold, [`crate::mapstate::MapState::identities_in_use`]) from
+    /// an earlier run: a key whose name hash and kind match an entry gets
+    /// that number back; every other number found stays quarantined, as if
+    /// released now. A number in use without a name (names go first when
+    /// the maps are full) is quarantined too: its rows survive until late
+    /// in the first sync's write order, and a new key given it meanwhile
+    /// would inherit their allows.
+    pub fn adopt(existing: &BTreeMap<u32, IdentityName>, in_use: &BTreeSet<u32>) -> Self {
         let mut a = Self::new();
+        let unnamed = in_use.iter().filter(|id| !existing.contains_key(id));
+        for &id in unnamed {
+            if a.reserve_quarantined(id) {
+                a.quarantine.insert(
+                    id,
+                    Quarantined {
+                        since: 0,
+                        key: None,
+                        adopted: None,
+                    },
+                );
+            }
+        }
         for (&id, name) in existing {
             let range_ok = match name.kind {
                 kind::LABELS => a.labels.contains(id),
                 kind::CIDR => a.cidrs.contains(id),
                 _ => false,
             };
-            if !a.labels.contains(id) && !a.cidrs.contains(id) {
-                continue; // reserved numbers are never allocated anyway
+            if !a.reserve_quarantined(id) {
+                continue;
             }
-            a.labels.reserve(id);
-            a.cidrs.reserve(id);
             let hash_key = (name.kind, name.name_hash);
             let claimable = range_ok && !a.adopted.contains_key(&hash_key);
             if claimable {
@@ -174,6 +190,17 @@ impl IdentityAllocator {
             );
         }
         a
+    }
+
+    /// Takes `id` out of the free numbers; false for a reserved number
+    /// (never allocated anyway).
+    fn reserve_quarantined(&mut self, id: u32) -> bool {
+        if !self.labels.contains(id) && !self.cidrs.contains(id) {
+            return false;
+        }
+        self.labels.reserve(id);
+        self.cidrs.reserve(id);
+        true
     }
 
     /// The number of `canonical` of `kind`, allocating one if the key is not
@@ -309,7 +336,7 @@ mod tests {
         pinned.insert(FIRST_LABEL + 7, identity_name(kind::LABELS, "web"));
         pinned.insert(FIRST_LABEL, identity_name(kind::LABELS, "gone"));
         pinned.insert(FIRST_CIDR + 3, identity_name(kind::CIDR, "10.0.0.0/8"));
-        let mut a = IdentityAllocator::adopt(&pinned);
+        let mut a = IdentityAllocator::adopt(&pinned, &BTreeSet::new());
         assert_eq!(a.allocate(kind::LABELS, "web").unwrap(), FIRST_LABEL + 7);
         assert_eq!(
             a.allocate(kind::CIDR, "10.0.0.0/8").unwrap(),
@@ -327,9 +354,35 @@ mod tests {
     fn adopted_name_of_the_wrong_kind_is_not_claimed() {
         let mut pinned = BTreeMap::new();
         pinned.insert(FIRST_LABEL + 1, identity_name(kind::CIDR, "10.0.0.0/8"));
-        let mut a = IdentityAllocator::adopt(&pinned);
+        let mut a = IdentityAllocator::adopt(&pinned, &BTreeSet::new());
         assert_eq!(a.allocate(kind::CIDR, "10.0.0.0/8").unwrap(), FIRST_CIDR);
         assert_eq!(a.allocate(kind::LABELS, "x").unwrap(), FIRST_LABEL);
         assert_eq!(a.allocate(kind::LABELS, "y").unwrap(), FIRST_LABEL + 2);
+    }
+
+    #[test]
+    fn a_number_still_in_the_maps_without_a_name_is_not_handed_out() {
+        // 256 and 258 are named; 257's name was dropped (a full map) while
+        // a POLICY row still keys it, and the class 2^24 + 1 survives only
+        // in an ipcache value.
+        let mut pinned = BTreeMap::new();
+        pinned.insert(FIRST_LABEL, identity_name(kind::LABELS, "db"));
+        pinned.insert(FIRST_LABEL + 2, identity_name(kind::LABELS, "api"));
+        let in_use = BTreeSet::from([0, FIRST_LABEL, FIRST_LABEL + 1, FIRST_CIDR + 1]);
+        let mut a = IdentityAllocator::adopt(&pinned, &in_use);
+        assert_eq!(a.allocate(kind::LABELS, "db").unwrap(), FIRST_LABEL);
+        let fresh = a.allocate(kind::LABELS, "new").unwrap();
+        assert_ne!(fresh, FIRST_LABEL + 1, "a number POLICY still keys");
+        assert_eq!(fresh, FIRST_LABEL + 3);
+        let class = a.allocate(kind::CIDR, "10.0.0.0/8").unwrap();
+        assert_eq!(class, FIRST_CIDR, "the lowest class is free");
+        assert_ne!(
+            a.allocate(kind::CIDR, "10.1.0.0/16").unwrap(),
+            FIRST_CIDR + 1
+        );
+        // Quarantined like any adopted number: free after two generations.
+        a.end_generation();
+        a.end_generation();
+        assert_eq!(a.allocate(kind::LABELS, "later").unwrap(), FIRST_LABEL + 1);
     }
 }

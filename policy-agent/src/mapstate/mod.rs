@@ -11,7 +11,7 @@ mod diff;
 mod identity_name;
 mod origin;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use ipnet::IpNet;
 use policy_common::{
@@ -76,6 +76,24 @@ pub fn lookup_bits(policy: &BTreeMap<PolicyKey, PolicyEntry>, identity: u32, dir
 }
 
 impl<K: Ord + Clone> MapState<K> {
+    /// Every identity number a row keys or holds, names aside: policy keys
+    /// (endpoint and peer), ipcache values (identity and class), endpoint
+    /// entries. A number can be here without a name: names are dropped
+    /// first when the maps are full.
+    pub fn identities_in_use(&self) -> BTreeSet<u32> {
+        let mut out = BTreeSet::new();
+        for k in self.policy.keys() {
+            out.insert(k.endpoint_identity);
+            out.insert(k.peer_identity);
+        }
+        for e in self.ipcache.values() {
+            out.insert(e.identity);
+            out.insert(e.cidr_identity);
+        }
+        out.extend(self.endpoints.values().map(|e| e.identity));
+        out
+    }
+
     /// Fills every endpoint's lookup bits from the policy entries.
     pub fn finalize(&mut self) {
         let mut cache: BTreeMap<u32, (u32, u32)> = BTreeMap::new();

@@ -4,6 +4,6 @@ mod http;
 mod registry;
 
 pub use self::{
-    http::serve,
+    http::{Limits, serve},
     registry::{Metrics, MetricsSource},
 };

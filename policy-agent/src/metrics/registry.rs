@@ -47,6 +47,12 @@ pub struct Metrics {
     /// Entries the last sync could not write, by map (0 when all landed).
     shortfall: Mutex<std::collections::BTreeMap<String, u64>>,
     shortfall_total: Mutex<std::collections::BTreeMap<String, u64>>,
+    /// Entries the admitted policies compile to, and policies refused for
+    /// a budget.
+    compiled_entries: AtomicU64,
+    policies_refused: AtomicU64,
+    /// HTTP connections closed unanswered, by reason.
+    http_dropped: Mutex<std::collections::BTreeMap<&'static str, u64>>,
 }
 
 impl Metrics {
@@ -68,6 +74,9 @@ impl Metrics {
             errors_by_kind: Mutex::new(Default::default()),
             shortfall: Mutex::new(Default::default()),
             shortfall_total: Mutex::new(Default::default()),
+            compiled_entries: AtomicU64::new(0),
+            policies_refused: AtomicU64::new(0),
+            http_dropped: Mutex::new(Default::default()),
         }
     }
 
@@ -141,6 +150,21 @@ impl Metrics {
         }
     }
 
+    /// What the compiler holds against its budgets after a sync.
+    pub fn compiled(&self, entries: u64, refused: usize) {
+        self.compiled_entries.store(entries, Ordering::Relaxed);
+        self.policies_refused
+            .store(refused as u64, Ordering::Relaxed);
+    }
+
+    /// One HTTP connection closed unanswered (or one accept failed):
+    /// `evicted`, `full`, `read_timeout`, `write_timeout`, `accept_error`.
+    pub fn http_dropped(&self, reason: &'static str) {
+        if let Ok(mut m) = self.http_dropped.lock() {
+            *m.entry(reason).or_default() += 1;
+        }
+    }
+
     /// Records a sync that failed (the previous state stays enforced).
     pub fn sync_failed(&self, took: Duration, kind: &str) {
         self.syncs_failed.fetch_add(1, Ordering::Relaxed);
@@ -195,6 +219,18 @@ impl Metrics {
             "Objects not enforced as written in the last sync (invalid policies fail closed).",
             "gauge",
             self.problems.load(Ordering::Relaxed).to_string(),
+        );
+        gauge(
+            "policy_agent_compiled_entries",
+            "Entries (policy-map keys and identities reached) the admitted policies compile to, against --compiled-entries-max.",
+            "gauge",
+            self.compiled_entries.load(Ordering::Relaxed).to_string(),
+        );
+        gauge(
+            "policy_agent_policies_refused",
+            "Policies compiled to nothing for a budget (they fail closed, and are among the problems).",
+            "gauge",
+            self.policies_refused.load(Ordering::Relaxed).to_string(),
         );
         gauge(
             "policy_agent_map_writes_total",
@@ -276,6 +312,16 @@ impl Metrics {
                     out,
                     "policy_agent_map_write_failures_total{{map=\"{map}\"}} {n}"
                 );
+            }
+        }
+        if let Ok(m) = self.http_dropped.lock() {
+            let name = "policy_agent_http_dropped_total";
+            let _ = writeln!(
+                out,
+                "# HELP {name} HTTP connections closed unanswered (and failed accepts), by reason.\n# TYPE {name} counter"
+            );
+            for (reason, n) in m.iter() {
+                let _ = writeln!(out, "{name}{{reason=\"{reason}\"}} {n}");
             }
         }
         let source = self.datapath.lock().ok().and_then(|d| d.clone());

@@ -37,6 +37,9 @@ pub enum PolicyErrorKind {
     BadSelector { problem: String },
     #[error("{value:?} is not Ingress or Egress")]
     BadPolicyType { value: String },
+    /// Valid, but past a budget of compiled state: it fails closed too.
+    #[error("{0}")]
+    Refused(super::compiler::Refusal),
 }
 
 impl PolicyError {

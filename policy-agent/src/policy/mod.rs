@@ -32,7 +32,7 @@ mod selector;
 use std::{collections::BTreeMap, net::IpAddr};
 
 pub use self::{
-    compiler::{CompileOptions, Compiler},
+    compiler::{Budget, CompileOptions, Compiler, Refusal},
     error::{PolicyError, PolicyErrorKind},
     explain::{
         BackendReport, DirectionReport, ExplainError, ExplainQuery, Explanation, FlowEnd,

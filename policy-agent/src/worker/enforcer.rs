@@ -21,13 +21,13 @@ pub struct Enforcer {
 impl Enforcer {
     /// Opens the datapath and adopts the identity numbers it already uses,
     /// so unchanged input compiles to unchanged content.
-    pub fn open(opts: &OpenOptions) -> Result<Self, datapath::Error> {
+    pub fn open(opts: &OpenOptions, compile: CompileOptions) -> Result<Self, datapath::Error> {
         let datapath = datapath::open(opts)?;
         let ids = datapath.adopt_identities()?;
         Ok(Self {
             datapath,
             ids,
-            compiler: Compiler::new(CompileOptions::default()),
+            compiler: Compiler::new(compile),
         })
     }
 
@@ -52,6 +52,13 @@ impl Enforcer {
     /// what they say, not only what was held).
     pub fn pod_ranges_known(&self) -> bool {
         self.compiler.pod_ranges().is_some()
+    }
+
+    /// The next enforce compiles in full if a policy is refused for a
+    /// budget (the periodic resync: refused policies come back by
+    /// themselves once they fit).
+    pub fn recompile_refused(&mut self) {
+        self.compiler.recompile_if_refused();
     }
 
     /// Compiles `changes` (in full the first time) and makes the datapath

@@ -25,6 +25,7 @@ use crate::{
     datapath::{Choice, OpenOptions, bpf::pins::PinLayout, iptables::Backend},
     metrics::{self, Metrics},
     netlink,
+    policy::CompileOptions,
     source::{self, SourceId, SourceUpdate},
 };
 
@@ -33,7 +34,17 @@ use crate::{
 pub struct Config {
     pub node: String,
     pub datapath: OpenOptions,
+    /// How the compiler runs (its budgets).
+    pub compile: CompileOptions,
+    /// /healthz, /readyz and /metrics for the probes (loopback: no pod
+    /// can reach it).
     pub listen: SocketAddr,
+    /// The same on a second address the operator chooses, for scraping
+    /// from elsewhere, with its own connection cap (a flood there never
+    /// starves the probes).
+    pub metrics_listen: Option<SocketAddr>,
+    /// Bounds of each HTTP listener.
+    pub http_limits: metrics::Limits,
     /// Quiet time that ends a burst of changes (then one sync).
     pub debounce: Duration,
     /// Longest a burst may delay a sync.
@@ -82,7 +93,10 @@ impl Config {
                 load: Default::default(),
                 iptables: Backend::Auto,
             },
+            compile: CompileOptions::default(),
             listen: SocketAddr::from(([127, 0, 0, 1], 9402)),
+            metrics_listen: None,
+            http_limits: metrics::Limits::default(),
             debounce: Duration::from_millis(20),
             max_delay: Duration::from_millis(250),
             settle: Duration::from_millis(20),
@@ -145,12 +159,13 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), Error> {
     let metrics = Arc::new(Metrics::new());
-    let (_bound, http) = metrics::serve(config.listen, metrics.clone())
-        .await
-        .map_err(|source| Error::Listen {
-            addr: config.listen,
-            source,
-        })?;
+    let mut http = Vec::new();
+    for addr in std::iter::once(config.listen).chain(config.metrics_listen) {
+        let (_bound, task) = metrics::serve(addr, metrics.clone(), config.http_limits)
+            .await
+            .map_err(|source| Error::Listen { addr, source })?;
+        http.push(task);
+    }
 
     let (inbox, sink) = inbox::new();
     // The command line's word on the cluster goes in first.
@@ -238,7 +253,10 @@ pub async fn run(
 
     shutdown.await;
     info!("shutting down; enforcement stays pinned");
-    for task in [cluster_task, resync_task, order_task, http] {
+    for task in [cluster_task, resync_task, order_task]
+        .into_iter()
+        .chain(http)
+    {
         task.abort();
     }
     for t in [events_task, pod_ranges_task].into_iter().flatten() {

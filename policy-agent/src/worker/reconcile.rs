@@ -228,7 +228,8 @@ fn reconcile(ctx: &Context, state: &mut State) -> Result<SyncReport, Error> {
     if state.enforcer.is_none() {
         // Changes wait (uncompiled) until the datapath opens, so the
         // compiler starts from the identity numbers it already uses.
-        let enforcer = Enforcer::open(&ctx.config.datapath).map_err(Error::Open)?;
+        let enforcer =
+            Enforcer::open(&ctx.config.datapath, ctx.config.compile).map_err(Error::Open)?;
         ctx.metrics.set_datapath(enforcer.metrics());
         state.enforcer = Some(enforcer);
     }
@@ -237,6 +238,7 @@ fn reconcile(ctx: &Context, state: &mut State) -> Result<SyncReport, Error> {
     };
     if std::mem::take(&mut state.resync) {
         enforcer.datapath().forget_cache();
+        enforcer.recompile_refused();
         state.links = false;
     } else if std::mem::take(&mut state.links) {
         enforcer.datapath().links_changed();
@@ -284,6 +286,10 @@ fn record(ctx: &Context, state: &mut State, result: &Result<SyncReport, Error>, 
             ctx.metrics
                 .sync_done(took, report.writes, report.endpoints, problems.len());
             ctx.metrics.map_shortfall(&report.map_failures);
+            if let Some(enforcer) = state.enforcer.as_ref() {
+                let (entries, refused) = enforcer.compiler().budget_use();
+                ctx.metrics.compiled(entries, refused);
+            }
             let known = state
                 .enforcer
                 .as_ref()

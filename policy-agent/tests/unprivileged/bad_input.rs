@@ -126,6 +126,7 @@ fn compile(state: &ClusterState) -> Compiled {
         &mut IdentityAllocator::new(),
         CompileOptions {
             all_pods_local: true,
+            ..CompileOptions::default()
         },
     )
 }

@@ -87,6 +87,28 @@ fn the_daemonset_runs_everywhere_with_least_privilege() {
     }
     assert_eq!(path(&c.readiness_probe), Some("/readyz"));
     assert_eq!(path(&c.liveness_probe), Some("/healthz"));
+    // The probes reach loopback; no pod does (host network: the node's
+    // other addresses are open to every pod).
+    let args = c.args.as_deref().unwrap();
+    let listen = args
+        .iter()
+        .position(|a| a == "--listen")
+        .and_then(|at| args.get(at + 1))
+        .expect("run --listen");
+    let listen: std::net::SocketAddr = listen.parse().unwrap();
+    assert!(listen.ip().is_loopback(), "--listen {listen}");
+    for probe in [&c.readiness_probe, &c.liveness_probe] {
+        let get = probe.as_ref().unwrap().http_get.as_ref().unwrap();
+        assert_eq!(get.host.as_deref(), Some("127.0.0.1"));
+        assert_eq!(
+            get.port,
+            k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(listen.port().into())
+        );
+    }
+    assert!(
+        !args.iter().any(|a| a == "--metrics-listen"),
+        "metrics leave the node only where the operator says so"
+    );
     assert!(c.resources.as_ref().unwrap().requests.is_some());
     let env = c.env.as_ref().unwrap();
     assert!(env.iter().any(|e| {

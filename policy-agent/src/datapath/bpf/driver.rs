@@ -152,10 +152,10 @@ impl Datapath for BpfDriver {
         "bpf"
     }
 
-    /// The numbers an earlier agent left in `IDENTITY_NAMES`.
+    /// The numbers an earlier agent left in the maps
+    /// ([`super::maps::BpfMaps::adopt_identities`]).
     fn adopt_identities(&self) -> Result<IdentityAllocator, datapath::Error> {
-        let existing = self.dp.maps.read_identities()?;
-        Ok(IdentityAllocator::adopt(&existing))
+        Ok(self.dp.maps.adopt_identities()?)
     }
 
     fn sync(

@@ -23,7 +23,10 @@ use policy_common::{
 };
 
 use super::{error::Error, pins::PinLayout};
-use crate::mapstate::{MapOp, MapState};
+use crate::{
+    identity::IdentityAllocator,
+    mapstate::{MapOp, MapState},
+};
 
 /// Every map the agent reads or writes (the drop-event ring is opened by
 /// the event reader on its own).
@@ -292,6 +295,19 @@ impl BpfMaps {
             .iter()
             .map(|r| r.map_err(Error::map(names::IDENTITY_NAMES)))
             .collect()
+    }
+
+    /// The identity numbers an earlier agent left: by name where
+    /// `IDENTITY_NAMES` has one, and every number a row of `POLICY`, the
+    /// ipcache or the endpoint maps still holds (quarantined, see
+    /// [`IdentityAllocator::adopt`]). Names are for `dump` and dropped
+    /// first on a full map, so they alone miss numbers still enforced.
+    pub fn adopt_identities(&self) -> Result<IdentityAllocator, Error> {
+        let state = self.read_state()?;
+        Ok(IdentityAllocator::adopt(
+            &state.identities,
+            &state.identities_in_use(),
+        ))
     }
 
     pub fn read_meta(&self) -> Result<BTreeMap<u32, EndpointMeta>, Error> {

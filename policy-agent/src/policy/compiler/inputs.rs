@@ -6,8 +6,8 @@ use ipnet::IpNet;
 
 use super::{
     Compiler,
-    keys::{Write, write_rule},
-    selection::{PolicyState, rule_state},
+    keys::{Keys, write_rule},
+    selection::PolicyState,
 };
 use crate::{
     cluster::{Change, Labels, PodInfo, PodRef, PolicyRef, normalized_ranges},
@@ -157,52 +157,19 @@ impl Compiler {
         {
             for (rule, rs) in ps.rules() {
                 write_rule(
-                    &mut self.out,
+                    &mut Keys::Remove(&mut self.out),
                     &self.index.idents,
                     rule,
                     rs,
                     *e,
-                    Write::Remove,
                 );
             }
             self.flags_dirty.insert(*e);
         }
-        self.carving.remove(&ps.parsed);
-    }
-
-    pub(super) fn add_policy_state(&mut self, parsed: ParsedPolicy) {
-        self.carving.add(&parsed);
-        let rules = parsed
-            .rules
-            .iter()
-            .map(|r| rule_state(r, &self.classes, &self.index.idents))
-            .collect();
-        let selected: BTreeSet<u32> = self
-            .index
-            .in_namespace(&parsed.name.namespace)
-            .filter(|x| {
-                self.index
-                    .idents
-                    .get(x)
-                    .is_some_and(|i| parsed.selects(&i.key.namespace, &i.key.labels))
-            })
-            .collect();
-        let ps = PolicyState {
-            parsed,
-            selected,
-            rules,
-        };
-        for e in ps
-            .selected
-            .iter()
-            .filter(|e| self.index.endpoint_ids.contains(e))
-        {
-            for (rule, rs) in ps.rules() {
-                write_rule(&mut self.out, &self.index.idents, rule, rs, *e, Write::Add);
-            }
-            self.flags_dirty.insert(*e);
+        if ps.refused.is_none() {
+            self.admitted = self.admitted.saturating_sub(ps.entries());
         }
-        self.policies.insert(ps.parsed.name.clone(), ps);
+        self.carving.remove(&ps.parsed);
     }
 
     pub(super) fn namespace_labels(&self, ns: &str) -> Cow<'_, Labels> {

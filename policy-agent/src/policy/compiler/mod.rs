@@ -14,6 +14,8 @@
 //! - [`selection`]: which identities each policy selects and each rule
 //!   reaches, and the prefixes ipBlocks carve;
 //! - [`keys`]: the policy-map keys one rule gives one endpoint identity;
+//! - [`budget`] and [`admission`]: how much compiled state a policy, and
+//!   all of them, may hold, counted before it is built;
 //! - [`output`]: the compiled maps, their bookkeeping and the journal;
 //! - `inputs` (changes of the inputs), `pods` (the steps that follow a
 //!   pod change) and `entries` (endpoint and ipcache entries).
@@ -27,6 +29,8 @@
 //! ipBlock whose identity also has addresses outside it is not matched by
 //! the named port (fail closed: a key for X would open X's other addresses),
 //! and non-pod addresses never are (no pod to resolve the name on).
+mod admission;
+mod budget;
 mod claims;
 mod entries;
 mod frontends;
@@ -51,7 +55,12 @@ use self::{
     output::Output,
     selection::{Carving, PolicyState},
 };
-use super::{Compiled, classes::Classes, error::PolicyError, parse::ParsedPolicy};
+use super::{
+    Compiled,
+    classes::Classes,
+    error::{PolicyError, PolicyErrorKind},
+    parse::ParsedPolicy,
+};
 use crate::{
     cluster::{
         Change, ClusterState, EndpointSliceInfo, NamespaceInfo, ObjectRef, PodInfo, PodRef,
@@ -61,11 +70,15 @@ use crate::{
     mapstate::{MapOp, MapState, RuleOrigin, diff, identity_name},
 };
 
+pub use self::budget::{Budget, Refusal};
+
 /// How to compile.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CompileOptions {
     /// Treat every pod as local (explain, and checks of a whole cluster).
     pub all_pods_local: bool,
+    /// How much compiled state policies may hold (default: no limit).
+    pub budget: Budget,
 }
 
 /// The incremental compiler. It owns its inputs (the cluster state as the
@@ -100,6 +113,10 @@ pub struct Compiler {
     rebuild_pending: bool,
     /// Whether the inputs were ever compiled (the first apply rebuilds).
     built: bool,
+    /// Entries the admitted policies hold (see [`budget`]).
+    admitted: u64,
+    /// The next apply compiles in full (refused policies looked at again).
+    recompile: bool,
 }
 
 fn host_net(ip: IpAddr) -> IpNet {
@@ -170,11 +187,16 @@ impl Compiler {
         self.built = true;
 
         self.carve(&parsed, ids);
+        // Identities and endpoints first, then each policy counted against
+        // them before it is built (see `admission`).
+        let all: BTreeSet<PodRef> = self.pods.keys().cloned().collect();
+        self.sync_pods(all, ids);
         for p in parsed {
             self.add_policy_state(p);
         }
-        let all: BTreeSet<PodRef> = self.pods.keys().cloned().collect();
-        self.sync_pods(all, ids);
+        self.admit_smallest_first();
+        let dirty = std::mem::take(&mut self.flags_dirty);
+        self.refresh_endpoints(dirty);
         self.sync_frontends();
 
         let idents = &self.index.idents;
@@ -241,7 +263,7 @@ impl Compiler {
         ids: &mut IdentityAllocator,
     ) -> Vec<MapOp<PodRef>> {
         self.out.start_journal();
-        self.rebuild_pending = !self.built;
+        self.rebuild_pending = !self.built || std::mem::take(&mut self.recompile);
         for change in changes {
             self.apply_one(change, ids);
         }
@@ -255,7 +277,25 @@ impl Compiler {
             self.out.take_ops()
         };
         ids.end_generation();
+        debug_assert_eq!(
+            self.admitted,
+            self.policies
+                .values()
+                .filter(|p| p.refused.is_none())
+                .map(selection::PolicyState::entries)
+                .sum::<u64>(),
+            "entries of the admitted policies"
+        );
         ops
+    }
+
+    /// Makes the next apply compile in full if a policy is refused for a
+    /// budget, so it comes back by itself once it fits (the periodic
+    /// resync calls this).
+    pub fn recompile_if_refused(&mut self) {
+        if self.has_refusals() {
+            self.recompile = true;
+        }
     }
 
     /// A pod as the compiler last saw it.
@@ -278,11 +318,17 @@ impl Compiler {
         self.pod_ranges.as_deref()
     }
 
-    /// Every policy problem found, policies in name order.
+    /// Every policy problem found, policies in name order: invalid fields,
+    /// and policies refused for a budget (on `spec`).
     pub fn errors(&self) -> Vec<PolicyError> {
         self.policies
             .values()
-            .flat_map(|p| p.parsed.errors.iter().cloned())
+            .flat_map(|p| {
+                let refused = p
+                    .refused
+                    .map(|r| PolicyError::new(&p.parsed.name, "spec", PolicyErrorKind::Refused(r)));
+                p.parsed.errors.iter().cloned().chain(refused)
+            })
             .collect()
     }
 

@@ -10,12 +10,13 @@ use policy_common::identity::kind;
 
 use super::{
     Compiler,
+    admission::refuse,
     claims::eligible,
-    keys::{Write, write_member, write_rule},
-    selection::{member_bits, policies_selecting},
+    keys::{Keys, Plan, write_member, write_rule},
+    selection::member_bits,
 };
 use crate::{
-    cluster::PodRef,
+    cluster::{PodRef, PolicyRef},
     identity::{IdentityAllocator, LabelKey},
     mapstate::identity_name,
 };
@@ -82,6 +83,7 @@ impl Compiler {
         // ones (keys for existing endpoints), and last the new endpoint
         // identities (all their keys).
         for e in ep_gone {
+            self.forget_endpoint(e);
             self.out.remove_endpoint_identity(e);
             self.index.endpoint_ids.remove(&e);
         }
@@ -102,8 +104,10 @@ impl Compiler {
             self.restate_identity(*x, IdentityChange::Born);
         }
         for e in ep_born {
-            self.index.endpoint_ids.insert(e);
+            // Written before it counts as an endpoint: a policy refused
+            // meanwhile removes only the keys it wrote.
             self.write_endpoint_keys(e);
+            self.index.endpoint_ids.insert(e);
         }
         // 5. Endpoint entries, then addresses.
         for pod in &moves.not_endpoints {
@@ -206,15 +210,23 @@ impl Compiler {
     /// The one walk over every rule of every policy when identity `x`
     /// changes: its selection is updated, each rule's member bits for `x`
     /// are recomputed, and where they moved the keys of every endpoint the
-    /// policy selects are rewritten.
+    /// policy selects are rewritten; what a policy gains is counted first,
+    /// and a policy it would take past the budgets is refused instead.
     fn restate_identity(&mut self, x: u32, change: IdentityChange) {
+        let budget = self.options.budget;
         let Self {
             policies,
             index,
             out,
+            admitted,
             ..
         } = self;
         let ident = index.idents.get(&x);
+        // Buffers reused from policy to policy: most are untouched.
+        let mut moved: Vec<(usize, u8, u8)> = Vec::new();
+        let mut endpoints: Vec<u32> = Vec::new();
+        let mut gains: Vec<(usize, u8)> = Vec::new();
+        let mut plan = Plan::new(0);
         for ps in policies.values_mut() {
             match (change, ident) {
                 (IdentityChange::Gone, _) => {
@@ -227,7 +239,11 @@ impl Compiler {
                 }
                 _ => {}
             }
-            for (rule, rs) in ps.parsed.rules.iter().zip(ps.rules.iter_mut()) {
+            if ps.refused.is_some() {
+                continue;
+            }
+            moved.clear();
+            for (i, (rule, rs)) in ps.parsed.rules.iter().zip(&ps.rules).enumerate() {
                 if change == IdentityChange::AddressesMoved && !rs.ip_sensitive {
                     continue;
                 }
@@ -236,38 +252,134 @@ impl Compiler {
                     (IdentityChange::Gone, _) | (_, None) => 0,
                     (_, Some(i)) => member_bits(rule, rs, i),
                 };
-                if new == old {
-                    continue;
-                }
-                for e in ps
-                    .selected
-                    .iter()
-                    .filter(|e| index.endpoint_ids.contains(e))
-                {
-                    if old != 0 {
-                        write_member(out, &index.idents, rule, None, *e, x, old, Write::Remove);
-                    }
-                    if new != 0 {
-                        write_member(out, &index.idents, rule, None, *e, x, new, Write::Add);
-                    }
-                }
-                if new == 0 {
-                    rs.members.remove(&x);
-                } else {
-                    rs.members.insert(x, new);
+                if new != old {
+                    moved.push((i, old, new));
                 }
             }
+            if moved.is_empty() {
+                continue;
+            }
+            endpoints.clear();
+            endpoints.extend(
+                ps.selected
+                    .iter()
+                    .copied()
+                    .filter(|e| index.endpoint_ids.contains(e)),
+            );
+            // Losses at once; gains counted before they are written.
+            gains.clear();
+            for &(i, old, new) in &moved {
+                if old != 0 {
+                    for e in &endpoints {
+                        let n = write_member(
+                            &mut Keys::Remove(out),
+                            &index.idents,
+                            &ps.parsed.rules[i],
+                            None,
+                            *e,
+                            x,
+                            old,
+                        );
+                        ps.remove_keys(*e, n);
+                        *admitted = admitted.saturating_sub(n);
+                    }
+                    ps.rules[i].members.remove(&x);
+                    ps.members = ps.members.saturating_sub(1);
+                    *admitted = admitted.saturating_sub(1);
+                }
+                if new != 0 {
+                    gains.push((i, new));
+                }
+            }
+            if gains.is_empty() {
+                continue;
+            }
+            plan.reset(budget.per_policy.saturating_sub(ps.entries()));
+            plan.tally.add(gains.len() as u64);
+            'plan: for (i, bits) in &gains {
+                for e in &endpoints {
+                    if plan.tally.over() {
+                        break 'plan;
+                    }
+                    write_member(
+                        &mut Keys::Plan(&mut plan),
+                        &index.idents,
+                        &ps.parsed.rules[*i],
+                        None,
+                        *e,
+                        x,
+                        *bits,
+                    );
+                }
+            }
+            if let Some(why) = budget.refusal(ps.entries(), &plan.tally, *admitted) {
+                let freed = refuse(ps, out, &index.idents, why);
+                *admitted = admitted.saturating_sub(freed);
+                continue;
+            }
+            *admitted = admitted.saturating_add(plan.tally.n);
+            for &(i, bits) in &gains {
+                ps.rules[i].members.insert(x, bits);
+                ps.members += 1;
+            }
+            plan.commit(out, |e, n| ps.add_keys(e, n));
         }
     }
 
-    /// Every key of a new endpoint identity, from each policy selecting it.
+    /// Every key of a new endpoint identity, from each policy selecting it
+    /// (counted first: a policy it would take past the budgets is refused).
     fn write_endpoint_keys(&mut self, e: u32) {
+        let budget = self.options.budget;
+        let Self {
+            policies,
+            index,
+            out,
+            admitted,
+            ..
+        } = self;
+        let Some(ident) = index.idents.get(&e) else {
+            return;
+        };
+        let ns = ident.key.namespace.as_str();
+        let selecting = policies
+            .range_mut(PolicyRef::new(ns, "")..)
+            .take_while(|(k, _)| k.namespace == ns)
+            .map(|(_, ps)| ps)
+            .filter(|ps| ps.selected.contains(&e) && ps.refused.is_none());
+        let mut plan = Plan::new(0);
+        for ps in selecting {
+            plan.reset(budget.per_policy.saturating_sub(ps.entries()));
+            for (rule, rs) in ps.rules() {
+                if plan.tally.over() {
+                    break;
+                }
+                write_rule(&mut Keys::Plan(&mut plan), &index.idents, rule, rs, e);
+            }
+            if let Some(why) = budget.refusal(ps.entries(), &plan.tally, *admitted) {
+                let freed = refuse(ps, out, &index.idents, why);
+                *admitted = admitted.saturating_sub(freed);
+                continue;
+            }
+            *admitted = admitted.saturating_add(plan.tally.n);
+            plan.commit(out, |e, n| ps.add_keys(e, n));
+        }
+    }
+
+    /// Endpoint identity `e` loses its keys at once: the policies that
+    /// wrote them stop counting them.
+    fn forget_endpoint(&mut self, e: u32) {
         let Some(ident) = self.index.idents.get(&e) else {
             return;
         };
-        for ps in policies_selecting(&self.policies, &ident.key.namespace, e) {
-            for (rule, rs) in ps.rules() {
-                write_rule(&mut self.out, &self.index.idents, rule, rs, e, Write::Add);
+        let ns = ident.key.namespace.as_str();
+        for (_, ps) in self
+            .policies
+            .range_mut(PolicyRef::new(ns, "")..)
+            .take_while(|(k, _)| k.namespace == ns)
+        {
+            let n = ps.forget_endpoint(e);
+            if ps.refused.is_none() {
+                self.admitted = self.admitted.saturating_sub(n);
             }
         }
     }

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use ipnet::IpNet;
 use policy_common::direction;
 
-use super::index::Ident;
+use super::{budget::Refusal, index::Ident};
 use crate::{
     cluster::PolicyRef,
     policy::{
@@ -36,10 +36,19 @@ pub(super) struct RuleState {
 #[derive(Clone, Debug)]
 pub(super) struct PolicyState {
     pub parsed: ParsedPolicy,
-    /// Label identities the policy selects (its namespace's).
+    /// Label identities the policy selects (its namespace's), refused or
+    /// not: they stay isolated.
     pub selected: BTreeSet<u32>,
-    /// Parallel to `parsed.rules`.
+    /// Parallel to `parsed.rules`; empty when refused.
     pub rules: Vec<RuleState>,
+    /// Why the policy compiles to nothing (see [`super::budget`]).
+    pub refused: Option<Refusal>,
+    /// Entries (keys written) per local endpoint identity.
+    pub keys: BTreeMap<u32, u64>,
+    /// Their sum.
+    pub keys_total: u64,
+    /// Entries of the rules' `members`, summed.
+    pub members: u64,
 }
 
 impl PolicyState {
@@ -49,12 +58,44 @@ impl PolicyState {
             parsed,
             selected: BTreeSet::new(),
             rules: Vec::new(),
+            refused: None,
+            keys: BTreeMap::new(),
+            keys_total: 0,
+            members: 0,
         }
     }
 
     /// Each rule with its state.
     pub fn rules(&self) -> impl Iterator<Item = (&Rule, &RuleState)> {
         self.parsed.rules.iter().zip(&self.rules)
+    }
+
+    /// Entries the policy holds (see [`super::budget`]).
+    pub fn entries(&self) -> u64 {
+        self.keys_total.saturating_add(self.members)
+    }
+
+    pub fn add_keys(&mut self, e: u32, n: u64) {
+        *self.keys.entry(e).or_default() += n;
+        self.keys_total += n;
+    }
+
+    pub fn remove_keys(&mut self, e: u32, n: u64) {
+        if let Some(k) = self.keys.get_mut(&e) {
+            *k = k.saturating_sub(n);
+            if *k == 0 {
+                self.keys.remove(&e);
+            }
+        }
+        self.keys_total = self.keys_total.saturating_sub(n);
+    }
+
+    /// Drops the keys counted for endpoint `e` (its keys went at once);
+    /// returns how many.
+    pub fn forget_endpoint(&mut self, e: u32) -> u64 {
+        let n = self.keys.remove(&e).unwrap_or(0);
+        self.keys_total = self.keys_total.saturating_sub(n);
+        n
     }
 }
 
@@ -68,12 +109,14 @@ pub(super) fn member_bits(rule: &Rule, rs: &RuleState, x: &Ident) -> u8 {
     bits
 }
 
-/// The state of `rule` against the identities in use and the classes.
+/// The state of `rule` against the identities in use and the classes;
+/// None once it reaches more than `limit` identities (not built further).
 pub(super) fn rule_state(
     rule: &Rule,
     classes: &Classes,
     idents: &BTreeMap<u32, Ident>,
-) -> RuleState {
+    limit: u64,
+) -> Option<RuleState> {
     let mut rs = RuleState {
         named_egress: rule.direction == direction::EGRESS && rule.has_named_ports(),
         ..RuleState::default()
@@ -89,11 +132,14 @@ pub(super) fn rule_state(
         for (x, ident) in idents {
             let bits = member_bits(rule, &rs, ident);
             if bits != 0 {
+                if rs.members.len() as u64 >= limit {
+                    return None;
+                }
                 rs.members.insert(*x, bits);
             }
         }
     }
-    rs
+    Some(rs)
 }
 
 /// The policies of `namespace` that select endpoint identity `e` (only a

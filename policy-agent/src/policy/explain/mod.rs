@@ -25,7 +25,7 @@ pub use self::{
         BackendReport, ServiceExplainError, ServiceExplanation, ServiceQuery, explain_service,
     },
 };
-use super::{Compiled, parse::ParsedPolicy};
+use super::{Compiled, PolicyErrorKind, parse::ParsedPolicy};
 use crate::{
     cluster::{ClusterState, PodRef},
     identity::protocol_name,
@@ -112,7 +112,20 @@ pub fn explain(
     let parsed: Vec<ParsedPolicy> = state
         .policies
         .iter()
-        .map(|(n, p)| ParsedPolicy::parse(n, p))
+        .map(|(n, p)| {
+            let mut parsed = ParsedPolicy::parse(n, p);
+            // A policy the compiler refused for a budget fails closed as an
+            // invalid one does: its rules allow nothing.
+            let refused = compiled
+                .errors
+                .iter()
+                .filter(|e| e.policy == *n && matches!(e.kind, PolicyErrorKind::Refused(_)));
+            for e in refused {
+                parsed.errors.push(e.clone());
+                parsed.rules.clear();
+            }
+            parsed
+        })
         .collect();
 
     let mut notes = Vec::new();

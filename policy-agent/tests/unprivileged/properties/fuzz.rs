@@ -155,6 +155,7 @@ fn compile_checked(np: NetworkPolicy) -> Result<Compiled, TestCaseError> {
         &mut ids,
         CompileOptions {
             all_pods_local: true,
+            ..CompileOptions::default()
         },
     );
     prop_assert_eq!(
@@ -174,6 +175,7 @@ fn compile_checked(np: NetworkPolicy) -> Result<Compiled, TestCaseError> {
         &mut ids2,
         CompileOptions {
             all_pods_local: true,
+            ..CompileOptions::default()
         },
     );
     let (name, np) = state.policies.iter().next().unwrap();

@@ -14,7 +14,7 @@ use policy_agent::{
     cluster::{Change, ClusterState, PodRef},
     identity::IdentityAllocator,
     mapstate::{MapOp, MapState, diff},
-    policy::{self, CompileOptions, Compiler},
+    policy::{self, Budget, CompileOptions, Compiler, PolicyErrorKind},
 };
 use policy_common::{
     direction, identity,
@@ -168,6 +168,66 @@ fn run_steps(
     Ok(())
 }
 
+/// With budgets, change by change: the ops are the diff; the content is
+/// the unlimited compile's with policy keys taken away only (refused
+/// policies fail closed: same endpoints, isolation and addresses, a subset
+/// of the allows); the admitted entries stay within the total; and the
+/// full compile a resync asks for gives the budgeted full compile.
+fn run_budgeted(
+    initial: ClusterState,
+    target: ClusterState,
+    steps: Vec<(u8, usize)>,
+    budget: Budget,
+) -> Result<(), TestCaseError> {
+    let options = CompileOptions {
+        budget,
+        ..CompileOptions::default()
+    };
+    let mut state = initial;
+    let mut ids = IdentityAllocator::new();
+    let mut inc = Compiler::build(&state, &mut ids, options);
+    for (kind, i) in steps {
+        let before = inc.maps().clone();
+        let change = step(&mut state, &target, kind, i);
+        let label = format!("{change:?}");
+        let mut unlimited_ids = ids.clone();
+        let ops = inc.apply([change], &mut ids);
+        prop_assert_eq!(&ops, &diff(&before, inc.maps()), "ops after {}", label);
+        let unlimited = policy::compile(&state, &mut unlimited_ids).maps;
+        let got = inc.maps();
+        for (key, _) in got.policy.iter() {
+            prop_assert!(
+                unlimited.policy.contains_key(key),
+                "{:?} after {}",
+                key,
+                label
+            );
+        }
+        prop_assert_eq!(&got.ipcache, &unlimited.ipcache, "after {}", label);
+        let flags = |m: &MapState<PodRef>| -> Vec<(PodRef, u32, u32)> {
+            m.endpoints
+                .iter()
+                .map(|(p, e)| (p.clone(), e.identity, e.flags))
+                .collect()
+        };
+        prop_assert_eq!(flags(got), flags(&unlimited), "isolation after {}", label);
+        prop_assert!(inc.budget_use().0 <= budget.total);
+        let refused = inc
+            .errors()
+            .iter()
+            .filter(|e| matches!(e.kind, PolicyErrorKind::Refused(_)))
+            .count();
+        prop_assert_eq!(refused, inc.budget_use().1, "every refusal reported");
+    }
+    inc.recompile_if_refused();
+    let mut full_ids = ids.clone();
+    inc.apply([], &mut ids);
+    let full = policy::compile_with(&state, &mut full_ids, options);
+    prop_assert_eq!(inc.maps(), &full.maps);
+    prop_assert_eq!(inc.errors(), full.errors);
+    Ok(())
+}
+
 /// Every address worth judging as a peer in these clusters.
 fn peers_of(states: &[&ClusterState]) -> Vec<IpAddr> {
     let all: BTreeSet<IpAddr> = states.iter().flat_map(|s| addresses(s)).collect();
@@ -194,7 +254,21 @@ proptest! {
 
     #[test]
     fn incremental_equals_full_compile_with_every_pod_local(initial in cluster(), target in cluster(), steps in steps()) {
-        run_steps(initial, target, steps, CompileOptions { all_pods_local: true })?;
+        run_steps(initial, target, steps, CompileOptions {
+            all_pods_local: true,
+            ..CompileOptions::default()
+        })?;
+    }
+
+    #[test]
+    fn budgets_only_take_allows_away(
+        initial in cluster(),
+        target in cluster(),
+        steps in steps(),
+        per_policy in 0u64..20,
+        total in 0u64..60,
+    ) {
+        run_budgeted(initial, target, steps, Budget { per_policy, total })?;
     }
 
     #[test]

@@ -66,6 +66,7 @@ fn check(state: &ClusterState, all_local: bool) -> Result<(), TestCaseError> {
         &mut ids,
         CompileOptions {
             all_pods_local: all_local,
+            ..CompileOptions::default()
         },
     );
     let model = c.maps.to_model(|_| 0);
@@ -137,7 +138,10 @@ proptest! {
     #[test]
     fn explain_agrees_with_the_maps(state in cluster(), pick in 0usize..1000, flow in 0usize..10) {
         let mut ids = IdentityAllocator::new();
-        let c = policy::compile_with(&state, &mut ids, CompileOptions { all_pods_local: true });
+        let c = policy::compile_with(&state, &mut ids, CompileOptions {
+            all_pods_local: true,
+            ..CompileOptions::default()
+        });
         let addrs = addresses(&state);
         let s = addrs[pick % addrs.len()];
         let same: Vec<IpAddr> = addrs.iter().copied().filter(|d| d.is_ipv4() == s.is_ipv4()).collect();

@@ -297,11 +297,46 @@ fn a_released_identity_number_is_not_reused_in_the_next_generation() {
 }
 
 #[test]
+fn a_restart_never_reuses_a_number_whose_name_a_full_map_dropped() {
+    let mut w = world();
+    let first = w.compile();
+    let friend = first.identity_of("default/friend");
+    let web = first.identity_of("default/web");
+    let stale = policy_common::policy::PolicyKey::new(
+        web,
+        INGRESS,
+        friend,
+        policy_common::proto::ANY,
+        0,
+        0,
+    );
+    assert!(first.compiled.maps.policy.contains_key(&stale));
+    // The pins as a full map leaves them: friend's name went, its allow
+    // row stays until the first sync of the restarted agent removes it.
+    let mut maps = first.compiled.maps.clone();
+    maps.identities.remove(&friend);
+    w.ids = IdentityAllocator::adopt(&maps.identities, &maps.identities_in_use());
+    // friend goes; stranger's new labels make a new key.
+    w.state
+        .pods
+        .remove(&policy_agent::cluster::PodRef::new("default", "friend"));
+    w.pod_mut("default/stranger")
+        .labels
+        .insert("role".into(), "newcomer".into());
+    let second = w.compile();
+    let newcomer = second.identity_of("default/stranger");
+    // Its ipcache entry lands before the stale row goes (write order 5 and
+    // 6): the same number would be allowed into web meanwhile.
+    assert_ne!(newcomer, friend, "a number POLICY still keys");
+    assert!(!maps.policy.keys().any(|k| k.peer_identity == newcomer));
+}
+
+#[test]
 fn adopted_numbers_are_kept_across_restart() {
     let mut w = world();
     let first = w.compile();
-    let adopted = IdentityAllocator::adopt(&first.compiled.maps.identities);
-    w.ids = adopted;
+    let maps = &first.compiled.maps;
+    w.ids = IdentityAllocator::adopt(&maps.identities, &maps.identities_in_use());
     // A new pod sorts first, but must not take a number of the old run.
     w.pod("default/aaa", &[("aaa", "first")], &["10.0.0.50"]);
     let second = w.compile();

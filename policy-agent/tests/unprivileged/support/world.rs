@@ -142,12 +142,21 @@ impl World {
         }
     }
 
+    pub fn compile_with(&mut self, options: CompileOptions) -> Run {
+        let compiled = policy::compile_with(&self.state, &mut self.ids, options);
+        Run {
+            state: self.state.clone(),
+            compiled,
+        }
+    }
+
     pub fn compile_all_local(&mut self) -> Run {
         let compiled = policy::compile_with(
             &self.state,
             &mut self.ids,
             CompileOptions {
                 all_pods_local: true,
+                ..CompileOptions::default()
             },
         );
         Run {
