@@ -63,10 +63,14 @@ fn syn(src: &str, dst: &str) -> Vec<u8> {
     Packet::tcp(ip(src), 40000, ip(dst), 80, TCP_SYN).frame()
 }
 
-/// Runs `rows` of (label, frame, where it entered the node, expected) at
-/// the pod's ingress hook, and asserts once, naming every wrong row.
+/// A row of [`check_arrivals`]: label, frame, the interface it entered
+/// the node at, the expected verdict and reason.
+type ArrivalRow<'a> = (&'a str, &'a [u8], u32, (Verdict, Reason));
+
+/// Runs `rows` at the pod's ingress hook, and asserts once, naming every
+/// wrong row.
 #[track_caller]
-fn check_arrivals(h: &mut Harness, rows: &[(&str, &[u8], u32, (Verdict, Reason))]) {
+fn check_arrivals(h: &mut Harness, rows: &[ArrivalRow<'_>]) {
     let wrong: Vec<String> = rows
         .iter()
         .filter_map(|(label, frame, iif, want)| {
