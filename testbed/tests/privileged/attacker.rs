@@ -1,6 +1,8 @@
 //! An attacker pod on the simulated node, with raw sockets: spoofed
 //! sources, forged replies, ICMP errors quoting real flows, segments of no
-//! connection, overlapping fragments, src = dst, long IPv6 header chains.
+//! connection, overlapping fragments, src = dst, long IPv6 header chains;
+//! neighbour-discovery look-alikes, and packets for the node to
+//! decapsulate whose inner packet forges a trusted pod's source.
 //! Every case is judged where it would land: a capture on the victim's
 //! interface counts what arrived, never the sender's errors. Each runs on
 //! both datapaths where the datapath has the defence. Needs root.
@@ -18,8 +20,8 @@ use policy_testbed::fixtures::{
     raw::send_raw,
 };
 use policy_testbed::{
-    NetNs, Outcome, connect, echo,
-    packet::{Fragment, L4, Packet, TCP_ACK, TCP_SYN},
+    NODE_V4, NODE_V6, NetNs, Outcome, connect, echo,
+    packet::{FRAME_DST_MAC, Fragment, L4, Packet, TCP_ACK, TCP_SYN},
 };
 use socket2::{Domain, Protocol, Socket, Type};
 
@@ -323,4 +325,328 @@ fn a_cut_connection_stays_cut_when_the_victim_speaks_first_bpf() {
 #[test]
 fn a_cut_connection_stays_cut_when_the_victim_speaks_first_iptables() {
     a_cut_connection_stays_cut("atci", Backend::Iptables);
+}
+
+// ------------------------------------------------ what only the node may send
+
+const FREE: &str = "t/free";
+
+/// Addresses of no pod and no node that the victim takes: the control
+/// that a decapsulated inner packet really reaches it.
+const OUTSIDE_V4: &str = "198.51.100.7";
+const OUTSIDE_V6: &str = "2001:db8:5::7";
+
+/// The attacker may send nothing but `attacker_egress` (a list of egress
+/// rules; empty: nothing at all), `t/free` is not isolated, and the victim
+/// takes everything from the attacker, free, the trusted pod and the
+/// outside prefixes: whatever of theirs does not reach it is kept away by
+/// the defence under test, not by the victim's policy.
+fn node_traffic_policies(attacker_egress: &str) -> String {
+    format!(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: victim, namespace: t}}\nspec:\n  podSelector: {{matchLabels: {{app: victim}}}}\n  ingress:\n    - from:\n        - podSelector: {{matchLabels: {{app: attacker}}}}\n        - podSelector: {{matchLabels: {{app: free}}}}\n        - podSelector: {{matchLabels: {{app: trusted}}}}\n        - ipBlock: {{cidr: 198.51.100.0/24}}\n        - ipBlock: {{cidr: \"2001:db8:5::/48\"}}\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: attacker, namespace: t}}\nspec:\n  podSelector: {{matchLabels: {{app: attacker}}}}\n  policyTypes: [Egress]\n  egress: [{attacker_egress}]\n"
+    )
+}
+
+fn setup_node_traffic(prefix: &'static str, backend: Backend) -> Conformance {
+    let c = Conformance::with_cluster(
+        prefix,
+        backend,
+        vec![NsSpec {
+            name: "t".into(),
+            labels: labels(&[("team", "t")]),
+        }],
+        vec![
+            pod("attacker", 11),
+            pod("victim", 12),
+            pod("trusted", 13),
+            pod("free", 14),
+        ],
+    );
+    c.write_policies(&node_traffic_policies(""));
+    c.apply_ok();
+    c
+}
+
+/// Neighbour-discovery types with hop limit 255 between global addresses
+/// are forwarded like any packet and must be judged like one: from an
+/// attacker denied all egress, neither with its own source nor with the
+/// trusted pod's, does a neighbour solicitation or advertisement reach the
+/// victim's global address, though the victim would take both. (The BPF
+/// classifier let them pass the attacker's egress for their hop limit.)
+fn nd_look_alikes(prefix: &'static str, backend: Backend) {
+    let c = setup_node_traffic(prefix, backend);
+    let node = c.node();
+    let ns = |id: &str| &node.pod(id).unwrap().netns;
+    let (attacker, victim_ns, trusted_ns) = (ns(ATTACKER), ns(VICTIM), ns(TRUSTED));
+    let (a, v, t) = (
+        c.pod_ip(ATTACKER, true),
+        c.pod_ip(VICTIM, true),
+        c.pod_ip(TRUSTED, true),
+    );
+    let nd = |src: IpAddr, kind: u8| {
+        let mut p = Packet::new(src, v, L4::Icmp { kind });
+        p.hop_limit = 255;
+        p
+    };
+    for (kind, name) in [
+        (135, "neighbour solicitation"),
+        (136, "neighbour advertisement"),
+    ] {
+        // The control: from the trusted pod (its egress is open) the same
+        // packet is forwarded and arrives.
+        let n = arrived(victim_ns, t, v, || {
+            send_raw(trusted_ns, vec![nd(t, kind); 3])
+        });
+        assert!(
+            n >= 1,
+            "{name} from the trusted pod to the victim's global address must arrive"
+        );
+        for (src, whose) in [(a, "its own"), (t, "the trusted pod's")] {
+            let n = arrived(victim_ns, src, v, || {
+                send_raw(attacker, vec![nd(src, kind); 3])
+            });
+            assert_eq!(
+                n, 0,
+                "a {name} (hop limit 255) from the attacker with {whose} source reached the victim"
+            );
+        }
+    }
+}
+
+#[test]
+fn neighbour_discovery_look_alikes_reach_nothing_bpf() {
+    nd_look_alikes("atndb", Backend::Bpf);
+}
+
+#[test]
+fn neighbour_discovery_look_alikes_reach_nothing_iptables() {
+    nd_look_alikes("atndi", Backend::Iptables);
+}
+
+/// A device on the node that takes packets out of an encapsulation.
+struct Tunnel {
+    name: &'static str,
+    /// The outer packet's destination: one of the node's own addresses.
+    node: IpAddr,
+    /// The families of the inner packets it carries.
+    inner: &'static [bool],
+    /// VXLAN with this VNI, or IP-in-IP.
+    vni: Option<u32>,
+}
+
+const VXLAN_PORT: u16 = 4789;
+
+impl Tunnel {
+    /// The packet from `src` to the node that carries `inner`.
+    fn wrap(&self, src: IpAddr, inner: Packet) -> Packet {
+        let inner = Box::new(inner);
+        let l4 = match self.vni {
+            Some(vni) => L4::Vxlan {
+                sport: 40000,
+                dport: VXLAN_PORT,
+                vni,
+                inner,
+            },
+            None => L4::Tunnel { gre: false, inner },
+        };
+        Packet::new(src, self.node, l4)
+    }
+}
+
+/// The node's decapsulating devices: VXLAN on UDP 4789 bound to each of
+/// its addresses (VNI 4 on IPv4, 6 on IPv6), taking frames addressed to
+/// [`FRAME_DST_MAC`], and an IPIP device where the kernel has one (the
+/// host's has no `ipip` module; the 6.1 guest's has). Reverse-path
+/// filtering is off, as on a node that routes for tunnels: the kernel
+/// would otherwise drop every inner packet from an address it routes
+/// elsewhere, and the test would see nothing for that reason alone. They
+/// go with the node's namespace.
+fn tunnels(node: &NetNs) -> Vec<Tunnel> {
+    let mac = FRAME_DST_MAC
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":");
+    let mut out = Vec::new();
+    for (name, vni, local, udp6) in [
+        ("pavx4", 4, IpAddr::V4(NODE_V4), ""),
+        // The crafted outer UDP has no checksum, which IPv6 takes only
+        // where the receiver says so.
+        ("pavx6", 6, IpAddr::V6(NODE_V6), " udp6zerocsumrx"),
+    ] {
+        node.ip_batch(&[
+            format!(
+                "link add {name} type vxlan id {vni} local {local} dstport {VXLAN_PORT} nolearning{udp6}"
+            ),
+            format!("link set {name} address {mac}"),
+            format!("link set {name} up"),
+        ])
+        .unwrap_or_else(|e| panic!("a VXLAN device on the node: {e}"));
+        out.push(Tunnel {
+            name,
+            node: local,
+            inner: &[false, true],
+            vni: Some(vni),
+        });
+    }
+    let ipip_device = node.ip_batch(&[
+        format!("link add paipip type ipip local {NODE_V4}"),
+        "link set paipip up".into(),
+    ]);
+    match ipip_device {
+        Ok(()) => out.push(Tunnel {
+            name: "paipip",
+            node: IpAddr::V4(NODE_V4),
+            inner: &[false],
+            vni: None,
+        }),
+        Err(e) => eprintln!(
+            "SKIPPED the IPIP device: this kernel has none ({}); VXLAN only",
+            e.to_string().trim()
+        ),
+    }
+    let mut off = vec!["all".to_owned(), "default".to_owned()];
+    off.extend(out.iter().map(|t| t.name.to_owned()));
+    for dev in off {
+        node.sysctl(&format!("net.ipv4.conf.{dev}.rp_filter"), "0")
+            .unwrap();
+    }
+    out
+}
+
+/// An encapsulation a pod sends to the node's address is no node traffic:
+/// decapsulated, its inner packet travels on with the source the pod
+/// chose. Through every tunnel device the node has, an inner datagram to
+/// the victim's admitted port:
+/// - from an outside address, sent by a pod whose egress is open: arrives
+///   (the control: the decapsulation path delivers);
+/// - with the trusted pod's source, or the sender's own, from that pod:
+///   nothing (a local pod's address entering the node elsewhere than at
+///   its own interface is a spoof);
+/// - from the attacker, denied all egress: nothing at all (its outer
+///   packet is dropped), nor the outside source's;
+/// - once an ipBlock lets the attacker reach the node's address, its
+///   outside source's arrives (the outer packet is judged by the node
+///   address's class, as any peer's), the forged one still not.
+fn encapsulations_to_the_node(prefix: &'static str, backend: Backend) {
+    let c = setup_node_traffic(prefix, backend);
+    let node = c.node();
+    let tunnels = tunnels(&node.node);
+    let ns = |id: &str| &node.pod(id).unwrap().netns;
+    let (attacker, victim_ns, free) = (ns(ATTACKER), ns(VICTIM), ns(FREE));
+    let outside =
+        |v6: bool| -> IpAddr { if v6 { OUTSIDE_V6 } else { OUTSIDE_V4 }.parse().unwrap() };
+    let inner = |src: IpAddr, v: IpAddr| Packet::udp(src, 40000, v, 9000);
+    // A sender's address in the tunnel's outer family.
+    let outer_src = |id: &str, t: &Tunnel| c.pod_ip(id, t.node.is_ipv6());
+
+    let mut failures = Vec::new();
+    let mut check = |what: String, n: usize, want_some: bool| {
+        eprintln!("{what}: {n} arrived");
+        if (n > 0) != want_some {
+            failures.push(format!(
+                "{what}: {n} arrived, expected {}",
+                if want_some { "some" } else { "none" }
+            ));
+        }
+    };
+    for t in &tunnels {
+        for &v6 in t.inner {
+            let fam = if v6 { "IPv6" } else { "IPv4" };
+            let v = c.pod_ip(VICTIM, v6);
+            let send = |from: &NetNs, id: &str, src: IpAddr| {
+                let outer = t.wrap(outer_src(id, t), inner(src, v));
+                send_raw(from, vec![outer; 3]);
+            };
+            let o = outside(v6);
+            let n = arrived(victim_ns, o, v, || send(free, FREE, o));
+            check(
+                format!(
+                    "{}: {fam} inner from outside, sent by a pod whose egress is open",
+                    t.name
+                ),
+                n,
+                true,
+            );
+            for (src, whose) in [
+                (c.pod_ip(TRUSTED, v6), "the trusted pod's"),
+                (c.pod_ip(FREE, v6), "its own"),
+            ] {
+                let n = arrived(victim_ns, src, v, || send(free, FREE, src));
+                check(
+                    format!(
+                        "{}: {fam} inner with {whose} source, sent by a pod whose egress is open",
+                        t.name
+                    ),
+                    n,
+                    false,
+                );
+            }
+            for src in [c.pod_ip(TRUSTED, v6), o] {
+                let n = arrived(victim_ns, src, v, || send(attacker, ATTACKER, src));
+                check(
+                    format!(
+                        "{}: {fam} inner from {src}, sent by the attacker denied all egress",
+                        t.name
+                    ),
+                    n,
+                    false,
+                );
+            }
+        }
+    }
+
+    // The attacker may now reach the node's addresses (ipBlocks): its
+    // encapsulations are judged by their class.
+    c.write_policies(&node_traffic_policies(&format!(
+        "{{to: [{{ipBlock: {{cidr: {NODE_V4}/32}}}}, {{ipBlock: {{cidr: \"{NODE_V6}/128\"}}}}]}}"
+    )));
+    c.apply_ok();
+    for t in &tunnels {
+        for &v6 in t.inner {
+            let fam = if v6 { "IPv6" } else { "IPv4" };
+            let v = c.pod_ip(VICTIM, v6);
+            let send = |src: IpAddr| {
+                let outer = t.wrap(outer_src(ATTACKER, t), inner(src, v));
+                send_raw(attacker, vec![outer; 3]);
+            };
+            let o = outside(v6);
+            let n = arrived(victim_ns, o, v, || send(o));
+            check(
+                format!(
+                    "{}: {fam} inner from outside, sent by the attacker allowed the node's address",
+                    t.name
+                ),
+                n,
+                true,
+            );
+            let forged = c.pod_ip(TRUSTED, v6);
+            let n = arrived(victim_ns, forged, v, || send(forged));
+            check(
+                format!(
+                    "{}: {fam} inner with the trusted pod's source, sent by the attacker allowed the node's address",
+                    t.name
+                ),
+                n,
+                false,
+            );
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} ({}):\n{}",
+        prefix,
+        backend.flag(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn encapsulations_to_the_node_carry_no_forged_source_bpf() {
+    encapsulations_to_the_node("attnb", Backend::Bpf);
+}
+
+#[test]
+fn encapsulations_to_the_node_carry_no_forged_source_iptables() {
+    encapsulations_to_the_node("attni", Backend::Iptables);
 }
