@@ -3,4 +3,5 @@
 mod basics;
 mod changes;
 mod ipvs;
+mod masquerade;
 mod simulated;
