@@ -288,12 +288,11 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
         };
         // What pods send to the node's own addresses: the source check
         // (node traffic is always allowed; encapsulations aside, see
-        // TUNNEL below). With kube-proxy's IPVS
-        // mode a ClusterIP is one of them, and what IPVS forwards is judged
-        // in OUTPUT by its source address: a forged one would borrow
-        // another pod's egress. Link-local and unspecified IPv6 sources
-        // (neighbour discovery, MLD, to the node) pass: no pod is known by
-        // them.
+        // TUNNEL below). With kube-proxy's IPVS mode a ClusterIP is one of
+        // them, and what IPVS forwards is judged in OUTPUT by its source
+        // address: a forged one would borrow another pod's egress.
+        // Link-local and unspecified IPv6 sources (neighbour discovery,
+        // MLD, to the node) pass: no pod is known by them.
         let mut input_chain = Chain {
             name: INPUT_CHAIN.into(),
             rules: Vec::new(),
