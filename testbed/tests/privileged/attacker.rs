@@ -71,6 +71,15 @@ fn endpoints(ip: &[u8]) -> Option<(IpAddr, IpAddr)> {
 /// Runs `send` while capturing on the victim's interface; returns the
 /// packets from `from` to `to` that arrived there.
 fn arrived(victim: &NetNs, from: IpAddr, to: IpAddr, send: impl FnOnce()) -> usize {
+    captured(victim, send)
+        .iter()
+        .filter(|p| endpoints(p) == Some((from, to)))
+        .count()
+}
+
+/// Runs `send` while capturing on the victim's interface; returns every IP
+/// packet that arrived there.
+fn captured(victim: &NetNs, send: impl FnOnce()) -> Vec<Vec<u8>> {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
     let capture = victim
@@ -85,7 +94,7 @@ fn arrived(victim: &NetNs, from: IpAddr, to: IpAddr, send: impl FnOnce()) -> usi
             .unwrap();
             s.set_nonblocking(true).unwrap();
             ready_tx.send(()).unwrap();
-            let mut n = 0;
+            let mut packets = Vec::new();
             let mut buf = [0u8; 2048];
             let mut until: Option<Instant> = None;
             loop {
@@ -94,7 +103,7 @@ fn arrived(victim: &NetNs, from: IpAddr, to: IpAddr, send: impl FnOnce()) -> usi
                     until = Some(Instant::now() + scaled(Duration::from_millis(300)));
                 }
                 if until.is_some_and(|u| Instant::now() >= u) {
-                    return n;
+                    return packets;
                 }
                 // SAFETY: buf is writable for its length.
                 let len =
@@ -103,9 +112,7 @@ fn arrived(victim: &NetNs, from: IpAddr, to: IpAddr, send: impl FnOnce()) -> usi
                     std::thread::sleep(Duration::from_millis(5));
                     continue;
                 }
-                if endpoints(&buf[..len as usize]) == Some((from, to)) {
-                    n += 1;
-                }
+                packets.push(buf[..len as usize].to_vec());
             }
         })
         .unwrap();
@@ -514,6 +521,81 @@ fn tunnels(node: &NetNs) -> Vec<Tunnel> {
     out
 }
 
+/// A UDP datagram's source, destination and source port.
+fn udp_flow(ip: &[u8]) -> Option<(IpAddr, IpAddr, u16)> {
+    let (src, dst) = endpoints(ip)?;
+    let (protocol, l4) = match ip.first()? >> 4 {
+        4 => (*ip.get(9)?, usize::from(ip.first()? & 0x0f) * 4),
+        _ => (*ip.get(6)?, 40),
+    };
+    (protocol == 17).then_some(())?;
+    let port = ip.get(l4..l4 + 2)?;
+    Some((src, dst, u16::from_be_bytes([port[0], port[1]])))
+}
+
+/// One encapsulated datagram of [`encapsulations_to_the_node`]: who sends
+/// it, through which tunnel, with which inner source (to the victim's
+/// address of its family), and whether some of it must arrive. Each case
+/// has an inner source port of its own, so the cases of one capture are
+/// told apart.
+struct EncapCase<'a> {
+    what: String,
+    sender: &'a str,
+    tunnel: &'a Tunnel,
+    inner_src: IpAddr,
+    arrives: bool,
+}
+
+impl<'a> EncapCase<'a> {
+    fn new(
+        tunnel: &'a Tunnel,
+        sender: &'a str,
+        inner_src: IpAddr,
+        arrives: bool,
+        what: &str,
+    ) -> Self {
+        let fam = if inner_src.is_ipv6() { "IPv6" } else { "IPv4" };
+        Self {
+            what: format!("{}: {fam} inner {what}", tunnel.name),
+            sender,
+            tunnel,
+            inner_src,
+            arrives,
+        }
+    }
+}
+
+/// Sends every case (three copies each) in one capture window at the
+/// victim, and returns a line for each case whose fate was not the
+/// expected one.
+fn run_encap_cases(c: &Conformance, victim_ns: &NetNs, cases: &[EncapCase<'_>]) -> Vec<String> {
+    let node = c.node();
+    let sport = |i: usize| 41000 + u16::try_from(i).unwrap();
+    let victim = |inner_src: IpAddr| c.pod_ip(VICTIM, inner_src.is_ipv6());
+    let packets = captured(victim_ns, || {
+        for (i, case) in cases.iter().enumerate() {
+            let outer_src = c.pod_ip(case.sender, case.tunnel.node.is_ipv6());
+            let inner = Packet::udp(case.inner_src, sport(i), victim(case.inner_src), 9000);
+            let outer = case.tunnel.wrap(outer_src, inner);
+            send_raw(&node.pod(case.sender).unwrap().netns, vec![outer; 3]);
+        }
+    });
+    let mut wrong = Vec::new();
+    for (i, case) in cases.iter().enumerate() {
+        let flow = Some((case.inner_src, victim(case.inner_src), sport(i)));
+        let n = packets.iter().filter(|p| udp_flow(p) == flow).count();
+        eprintln!("{}: {n} arrived", case.what);
+        if (n > 0) != case.arrives {
+            wrong.push(format!(
+                "{}: {n} arrived, expected {}",
+                case.what,
+                if case.arrives { "some" } else { "none" }
+            ));
+        }
+    }
+    wrong
+}
+
 /// An encapsulation a pod sends to the node's address is no node traffic:
 /// decapsulated, its inner packet travels on with the source the pod
 /// chose. Through every tunnel device the node has, an inner datagram to
@@ -528,73 +610,46 @@ fn tunnels(node: &NetNs) -> Vec<Tunnel> {
 /// - once an ipBlock lets the attacker reach the node's address, its
 ///   outside source's arrives (the outer packet is judged by the node
 ///   address's class, as any peer's), the forged one still not.
+///
+/// The cases of each phase share one capture window.
 fn encapsulations_to_the_node(prefix: &'static str, backend: Backend) {
     let c = setup_node_traffic(prefix, backend);
-    let node = c.node();
-    let tunnels = tunnels(&node.node);
-    let ns = |id: &str| &node.pod(id).unwrap().netns;
-    let (attacker, victim_ns, free) = (ns(ATTACKER), ns(VICTIM), ns(FREE));
+    let victim_ns = &c.node().pod(VICTIM).unwrap().netns;
+    let tunnels = tunnels(&c.node().node);
     let outside =
         |v6: bool| -> IpAddr { if v6 { OUTSIDE_V6 } else { OUTSIDE_V4 }.parse().unwrap() };
-    let inner = |src: IpAddr, v: IpAddr| Packet::udp(src, 40000, v, 9000);
-    // A sender's address in the tunnel's outer family.
-    let outer_src = |id: &str, t: &Tunnel| c.pod_ip(id, t.node.is_ipv6());
+    // (tunnel, inner family) pairs.
+    let paths: Vec<(&Tunnel, bool)> = tunnels
+        .iter()
+        .flat_map(|t| t.inner.iter().map(move |v6| (t, *v6)))
+        .collect();
 
-    let mut failures = Vec::new();
-    let mut check = |what: String, n: usize, want_some: bool| {
-        eprintln!("{what}: {n} arrived");
-        if (n > 0) != want_some {
-            failures.push(format!(
-                "{what}: {n} arrived, expected {}",
-                if want_some { "some" } else { "none" }
-            ));
-        }
-    };
-    for t in &tunnels {
-        for &v6 in t.inner {
-            let fam = if v6 { "IPv6" } else { "IPv4" };
-            let v = c.pod_ip(VICTIM, v6);
-            let send = |from: &NetNs, id: &str, src: IpAddr| {
-                let outer = t.wrap(outer_src(id, t), inner(src, v));
-                send_raw(from, vec![outer; 3]);
-            };
-            let o = outside(v6);
-            let n = arrived(victim_ns, o, v, || send(free, FREE, o));
-            check(
-                format!(
-                    "{}: {fam} inner from outside, sent by a pod whose egress is open",
-                    t.name
-                ),
-                n,
-                true,
-            );
-            for (src, whose) in [
-                (c.pod_ip(TRUSTED, v6), "the trusted pod's"),
-                (c.pod_ip(FREE, v6), "its own"),
-            ] {
-                let n = arrived(victim_ns, src, v, || send(free, FREE, src));
-                check(
-                    format!(
-                        "{}: {fam} inner with {whose} source, sent by a pod whose egress is open",
-                        t.name
-                    ),
-                    n,
-                    false,
-                );
-            }
-            for src in [c.pod_ip(TRUSTED, v6), o] {
-                let n = arrived(victim_ns, src, v, || send(attacker, ATTACKER, src));
-                check(
-                    format!(
-                        "{}: {fam} inner from {src}, sent by the attacker denied all egress",
-                        t.name
-                    ),
-                    n,
-                    false,
-                );
-            }
-        }
+    let open = "sent by a pod whose egress is open";
+    let denied = "sent by the attacker denied all egress";
+    let mut cases = Vec::new();
+    for &(t, v6) in &paths {
+        let (trusted, own, out) = (c.pod_ip(TRUSTED, v6), c.pod_ip(FREE, v6), outside(v6));
+        cases.extend([
+            EncapCase::new(t, FREE, out, true, &format!("from outside, {open}")),
+            EncapCase::new(
+                t,
+                FREE,
+                trusted,
+                false,
+                &format!("as the trusted pod, {open}"),
+            ),
+            EncapCase::new(t, FREE, own, false, &format!("with its own source, {open}")),
+            EncapCase::new(
+                t,
+                ATTACKER,
+                trusted,
+                false,
+                &format!("as the trusted pod, {denied}"),
+            ),
+            EncapCase::new(t, ATTACKER, out, false, &format!("from outside, {denied}")),
+        ]);
     }
+    let mut wrong = run_encap_cases(&c, victim_ns, &cases);
 
     // The attacker may now reach the node's addresses (ipBlocks): its
     // encapsulations are judged by their class.
@@ -602,42 +657,27 @@ fn encapsulations_to_the_node(prefix: &'static str, backend: Backend) {
         "{{to: [{{ipBlock: {{cidr: {NODE_V4}/32}}}}, {{ipBlock: {{cidr: \"{NODE_V6}/128\"}}}}]}}"
     )));
     c.apply_ok();
-    for t in &tunnels {
-        for &v6 in t.inner {
-            let fam = if v6 { "IPv6" } else { "IPv4" };
-            let v = c.pod_ip(VICTIM, v6);
-            let send = |src: IpAddr| {
-                let outer = t.wrap(outer_src(ATTACKER, t), inner(src, v));
-                send_raw(attacker, vec![outer; 3]);
-            };
-            let o = outside(v6);
-            let n = arrived(victim_ns, o, v, || send(o));
-            check(
-                format!(
-                    "{}: {fam} inner from outside, sent by the attacker allowed the node's address",
-                    t.name
-                ),
-                n,
-                true,
-            );
-            let forged = c.pod_ip(TRUSTED, v6);
-            let n = arrived(victim_ns, forged, v, || send(forged));
-            check(
-                format!(
-                    "{}: {fam} inner with the trusted pod's source, sent by the attacker allowed the node's address",
-                    t.name
-                ),
-                n,
+    let allowed = "sent by the attacker allowed the node's address";
+    let mut cases = Vec::new();
+    for &(t, v6) in &paths {
+        let (trusted, out) = (c.pod_ip(TRUSTED, v6), outside(v6));
+        cases.extend([
+            EncapCase::new(t, ATTACKER, out, true, &format!("from outside, {allowed}")),
+            EncapCase::new(
+                t,
+                ATTACKER,
+                trusted,
                 false,
-            );
-        }
+                &format!("as the trusted pod, {allowed}"),
+            ),
+        ]);
     }
+    wrong.extend(run_encap_cases(&c, victim_ns, &cases));
     assert!(
-        failures.is_empty(),
-        "{} ({}):\n{}",
-        prefix,
+        wrong.is_empty(),
+        "{prefix} ({}):\n{}",
         backend.flag(),
-        failures.join("\n")
+        wrong.join("\n")
     );
 }
 
