@@ -163,6 +163,28 @@ pub mod encapsulation {
             _ => false,
         }
     }
+
+    /// The same list for a renderer that matches them one by one (the
+    /// iptables fallback): these protocols whatever the port, and UDP to
+    /// these ports.
+    pub const PROTOCOLS: [u8; 5] = [IPIP, IPV6_IN_IP, GRE, ETHERIP, MPLS_IN_IP];
+    pub const UDP_PORTS: [u16; 3] = [VXLAN_PORT, VXLAN_LINUX_PORT, GENEVE_PORT];
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn the_lists_say_what_is_says() {
+            for protocol in 0..=u8::MAX {
+                for dport in [0, 1, 53, VXLAN_PORT, VXLAN_LINUX_PORT, GENEVE_PORT, 65535] {
+                    let listed = PROTOCOLS.contains(&protocol)
+                        || (protocol == proto::UDP && UDP_PORTS.contains(&dport));
+                    assert_eq!(is(protocol, dport), listed, "{protocol}/{dport}");
+                }
+            }
+        }
+    }
 }
 
 /// Address family tags used in conntrack keys and events.

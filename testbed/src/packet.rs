@@ -1,6 +1,11 @@
-//! Crafted Ethernet frames for BPF_PROG_TEST_RUN (tests and benchmarks).
+//! Crafted Ethernet frames for BPF_PROG_TEST_RUN (tests and benchmarks),
+//! and IP packets for raw sockets.
 //!
-//! Checksums are left zero: the classifier never reads them.
+//! The IPv4 header checksum is filled: a kernel drops a packet without
+//! one, and the packet inside an encapsulation reaches the kernel as if
+//! from the wire when a tunnel device takes it out. Transport checksums
+//! are left zero: the classifier never reads them, and a capture sees a
+//! packet before the receiver's transport layer checks them.
 use std::net::IpAddr;
 
 use policy_common::proto;
@@ -255,6 +260,8 @@ impl Packet {
                 b[12..16].copy_from_slice(&s.octets());
                 b[16..20].copy_from_slice(&d.octets());
                 b[20..].copy_from_slice(&self.ipv4_options);
+                let checksum = ipv4_header_checksum(&b);
+                b[10..12].copy_from_slice(&checksum.to_be_bytes());
                 b.extend_from_slice(&l4);
                 b
             }
@@ -313,9 +320,29 @@ impl Packet {
     }
 }
 
+/// The destination MAC address of every crafted frame (a device that
+/// takes a frame out of a VXLAN packet must have it to take the frame as
+/// its own).
+pub const FRAME_DST_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
+/// The source MAC address of every crafted frame.
+pub const FRAME_SRC_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
+
+/// The Internet checksum of an IPv4 header whose checksum field is zero.
+fn ipv4_header_checksum(header: &[u8]) -> u16 {
+    let mut sum: u32 = header
+        .chunks(2)
+        .map(|w| u32::from(u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)])))
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
 /// An Ethernet frame around `payload`.
 pub fn ethernet(ether_type: u16, payload: &[u8]) -> Vec<u8> {
-    let mut b = vec![0x02, 0, 0, 0, 0, 0x02, 0x02, 0, 0, 0, 0, 0x01];
+    let mut b = FRAME_DST_MAC.to_vec();
+    b.extend_from_slice(&FRAME_SRC_MAC);
     b.extend_from_slice(&ether_type.to_be_bytes());
     b.extend_from_slice(payload);
     b

@@ -1093,6 +1093,8 @@ spec:
                         let hit = match arg(1) {
                             "-s" => !fam_net(arg(2)).contains(&p.src),
                             "-d" => !fam_net(arg(2)).contains(&p.dst),
+                            "-i" => p.in_if != Some(arg(2)),
+                            "-o" => p.out_if != Some(arg(2)),
                             other => panic!("unknown negation {other} in {rule}"),
                         };
                         i += 3;
@@ -1320,6 +1322,35 @@ spec:
                         assert!(
                             !passes(&rs, &p),
                             "{sender} sending as {claimed} ({src}) to {dst} passed"
+                        );
+                    }
+                }
+            }
+        }
+        // A local pod's address entering the node anywhere but at its own
+        // interface (a tunnel device's decapsulated inner packet, a spoof
+        // from the uplink) reaches no pod, isolated or not.
+        for (claimed, claimed_ips) in &c.local_pods {
+            for (dst, dst_ips) in c.local_pods.iter().filter(|(p, _)| *p != claimed) {
+                for (src, dst_ip) in claimed_ips.iter().flat_map(|s| {
+                    dst_ips
+                        .iter()
+                        .filter(move |d| d.is_ipv4() == s.is_ipv4())
+                        .map(move |d| (*s, *d))
+                }) {
+                    for in_if in ["uplink0", "tunnel0"] {
+                        let p = Packet {
+                            in_if: Some(in_if),
+                            out_if: Some(&ifs[dst]),
+                            src,
+                            dst: dst_ip,
+                            proto: proto::UDP,
+                            dport: 53,
+                            icmp_type: 0,
+                        };
+                        assert!(
+                            !passes(&rs, &p),
+                            "{claimed}'s {src} from {in_if} to {dst} passed"
                         );
                     }
                 }

@@ -25,6 +25,9 @@ const GOLDEN: &str = concat!(
     "/tests/unprivileged/golden/iptables"
 );
 
+/// The node's own addresses.
+const NODE_IPS: [&str; 2] = ["192.168.0.1", "fd00:ffff::1"];
+
 fn golden(case: &str) {
     let dir = Path::new(GOLDEN);
     let mut loaded = LoadedManifests::default();
@@ -33,7 +36,7 @@ fn golden(case: &str) {
         load_text(&dir.join(file), &text, &mut loaded);
     }
     assert!(loaded.errors.is_empty(), "{:?}", loaded.errors);
-    let state = loaded.cluster_state("n1", vec!["192.168.0.1".parse().unwrap()]);
+    let state = loaded.cluster_state("n1", NODE_IPS.map(|a| a.parse().unwrap()).to_vec());
     let compiled = policy::compile(&state, &mut IdentityAllocator::new());
     assert!(compiled.errors.is_empty(), "{:?}", compiled.errors);
     let interfaces: BTreeMap<PodRef, String> = compiled
@@ -67,7 +70,11 @@ fn golden(case: &str) {
 /// Every new flow between the cluster's addresses (and a few others),
 /// through the rendered rules as netfilter would run them, equals the spec
 /// evaluator's verdict. Node traffic never crosses FORWARD (INPUT/OUTPUT),
-/// nor does a pod's traffic to itself.
+/// nor does a pod's traffic to itself. Then what local pods send to the
+/// node (INPUT): node traffic, but for encapsulations, judged by the
+/// node address's class ([`oracle::World::to_node`]); and a local pod's
+/// address from anywhere but its own interface (a tunnel device's inner
+/// packet), never let in or through.
 fn rules_agree_with_the_spec(
     case: &str,
     text: &str,
@@ -141,13 +148,112 @@ fn rules_agree_with_the_spec(
             }
         }
     }
+    let forward_checked = checked;
+
+    // A local pod's address entering at another interface (a tunnel
+    // device's decapsulated inner packet), to every address: through
+    // FORWARD and into the node, nothing.
+    let tunnel = "tunnel0".to_owned();
+    let node_ips: Vec<IpAddr> = state.node_ips.clone();
+    for s in iface.keys() {
+        for d in addrs
+            .iter()
+            .chain(&node_ips)
+            .filter(|d| d.is_ipv4() == s.is_ipv4() && *d != s)
+        {
+            let to_node = node_ips.contains(d);
+            let packet = Packet {
+                in_if: tunnel.clone(),
+                out_if: if to_node {
+                    String::new()
+                } else {
+                    iface.get(d).copied().unwrap_or(&uplink).clone()
+                },
+                src: *s,
+                dst: *d,
+                protocol: proto::UDP,
+                dport: 53,
+            };
+            let got = if to_node {
+                nf.input(&packet)
+            } else {
+                nf.forward(&packet)
+            };
+            checked += 1;
+            if got {
+                wrong.push(format!(
+                    "  {s} -> {d} from {tunnel}: let through, a local pod's address from elsewhere"
+                ));
+            }
+        }
+    }
+
+    // What local pods send to the node's addresses (INPUT), from their
+    // own interface: encapsulations by the spec's choice, the rest
+    // always; with another local pod's address: never.
+    let mut to_node: Vec<(u8, u16)> = [4, 41, 47, 97, 137].map(|p| (p, 0)).to_vec();
+    to_node.extend([
+        (proto::UDP, 4789),
+        (proto::UDP, 8472),
+        (proto::UDP, 6081),
+        (proto::UDP, 53),
+        (proto::UDP, 4790),
+        (proto::TCP, 4789),
+        (proto::TCP, 10250),
+        (proto::ICMP, 0),
+    ]);
+    for (s, in_if) in &iface {
+        for d in node_ips.iter().filter(|d| d.is_ipv4() == s.is_ipv4()) {
+            for (p, port) in &to_node {
+                let protocol = if *p == proto::ICMP && s.is_ipv6() {
+                    proto::ICMPV6
+                } else {
+                    *p
+                };
+                let packet = Packet {
+                    in_if: (*in_if).clone(),
+                    out_if: String::new(),
+                    src: *s,
+                    dst: *d,
+                    protocol,
+                    dport: *port,
+                };
+                let got = nf.input(&packet);
+                let want = world.to_node(*s, *d, *p, *port);
+                checked += 1;
+                if got != want {
+                    wrong.push(format!(
+                        "  {s} -> node {d} proto {p} port {port}: rules {got}, spec {want}"
+                    ));
+                }
+                for (other, _) in iface
+                    .iter()
+                    .filter(|(o, i)| o.is_ipv4() == s.is_ipv4() && *i != in_if)
+                {
+                    let forged = Packet {
+                        src: *other,
+                        ..packet.clone()
+                    };
+                    checked += 1;
+                    if nf.input(&forged) {
+                        wrong.push(format!(
+                            "  {other} (forged) from {in_if} -> node {d} proto {p} port {port}: let in"
+                        ));
+                    }
+                }
+            }
+        }
+    }
     assert!(
         wrong.is_empty(),
         "{case}: the rendered rules disagree with the spec on {} of {checked} flows:\n{}\n{text}",
         wrong.len(),
         wrong.join("\n")
     );
-    assert!(checked > 1000, "{case}: only {checked} flows");
+    assert!(
+        forward_checked > 1000,
+        "{case}: only {forward_checked} flows"
+    );
 }
 
 #[test]
@@ -173,4 +279,9 @@ fn golden_endport() {
 #[test]
 fn golden_empty_vs_absent() {
     golden("empty_vs_absent");
+}
+
+#[test]
+fn golden_node_tunnels() {
+    golden("node_tunnels");
 }

@@ -1,6 +1,8 @@
 //! An attacker pod on the simulated node, with raw sockets: spoofed
 //! sources, forged replies, ICMP errors quoting real flows, segments of no
-//! connection, overlapping fragments, src = dst, long IPv6 header chains.
+//! connection, overlapping fragments, src = dst, long IPv6 header chains;
+//! neighbour-discovery look-alikes, and packets for the node to
+//! decapsulate whose inner packet forges a trusted pod's source.
 //! Every case is judged where it would land: a capture on the victim's
 //! interface counts what arrived, never the sender's errors. Each runs on
 //! both datapaths where the datapath has the defence. Needs root.
@@ -18,8 +20,8 @@ use policy_testbed::fixtures::{
     raw::send_raw,
 };
 use policy_testbed::{
-    NetNs, Outcome, connect, echo,
-    packet::{Fragment, L4, Packet, TCP_ACK, TCP_SYN},
+    NODE_V4, NODE_V6, NetNs, Outcome, connect, echo,
+    packet::{FRAME_DST_MAC, Fragment, L4, Packet, TCP_ACK, TCP_SYN},
 };
 use socket2::{Domain, Protocol, Socket, Type};
 
@@ -69,6 +71,15 @@ fn endpoints(ip: &[u8]) -> Option<(IpAddr, IpAddr)> {
 /// Runs `send` while capturing on the victim's interface; returns the
 /// packets from `from` to `to` that arrived there.
 fn arrived(victim: &NetNs, from: IpAddr, to: IpAddr, send: impl FnOnce()) -> usize {
+    captured(victim, send)
+        .iter()
+        .filter(|p| endpoints(p) == Some((from, to)))
+        .count()
+}
+
+/// Runs `send` while capturing on the victim's interface; returns every IP
+/// packet that arrived there.
+fn captured(victim: &NetNs, send: impl FnOnce()) -> Vec<Vec<u8>> {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
     let capture = victim
@@ -83,7 +94,7 @@ fn arrived(victim: &NetNs, from: IpAddr, to: IpAddr, send: impl FnOnce()) -> usi
             .unwrap();
             s.set_nonblocking(true).unwrap();
             ready_tx.send(()).unwrap();
-            let mut n = 0;
+            let mut packets = Vec::new();
             let mut buf = [0u8; 2048];
             let mut until: Option<Instant> = None;
             loop {
@@ -92,7 +103,7 @@ fn arrived(victim: &NetNs, from: IpAddr, to: IpAddr, send: impl FnOnce()) -> usi
                     until = Some(Instant::now() + scaled(Duration::from_millis(300)));
                 }
                 if until.is_some_and(|u| Instant::now() >= u) {
-                    return n;
+                    return packets;
                 }
                 // SAFETY: buf is writable for its length.
                 let len =
@@ -101,9 +112,7 @@ fn arrived(victim: &NetNs, from: IpAddr, to: IpAddr, send: impl FnOnce()) -> usi
                     std::thread::sleep(Duration::from_millis(5));
                     continue;
                 }
-                if endpoints(&buf[..len as usize]) == Some((from, to)) {
-                    n += 1;
-                }
+                packets.push(buf[..len as usize].to_vec());
             }
         })
         .unwrap();
@@ -323,4 +332,361 @@ fn a_cut_connection_stays_cut_when_the_victim_speaks_first_bpf() {
 #[test]
 fn a_cut_connection_stays_cut_when_the_victim_speaks_first_iptables() {
     a_cut_connection_stays_cut("atci", Backend::Iptables);
+}
+
+// ------------------------------------------------ what only the node may send
+
+const FREE: &str = "t/free";
+
+/// Addresses of no pod and no node that the victim takes: the control
+/// that a decapsulated inner packet really reaches it.
+const OUTSIDE_V4: &str = "198.51.100.7";
+const OUTSIDE_V6: &str = "2001:db8:5::7";
+
+/// The attacker may send nothing but `attacker_egress` (a list of egress
+/// rules; empty: nothing at all), `t/free` is not isolated, and the victim
+/// takes everything from the attacker, free, the trusted pod and the
+/// outside prefixes: whatever of theirs does not reach it is kept away by
+/// the defence under test, not by the victim's policy.
+fn node_traffic_policies(attacker_egress: &str) -> String {
+    format!(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: victim, namespace: t}}\nspec:\n  podSelector: {{matchLabels: {{app: victim}}}}\n  ingress:\n    - from:\n        - podSelector: {{matchLabels: {{app: attacker}}}}\n        - podSelector: {{matchLabels: {{app: free}}}}\n        - podSelector: {{matchLabels: {{app: trusted}}}}\n        - ipBlock: {{cidr: 198.51.100.0/24}}\n        - ipBlock: {{cidr: \"2001:db8:5::/48\"}}\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: attacker, namespace: t}}\nspec:\n  podSelector: {{matchLabels: {{app: attacker}}}}\n  policyTypes: [Egress]\n  egress: [{attacker_egress}]\n"
+    )
+}
+
+fn setup_node_traffic(prefix: &'static str, backend: Backend) -> Conformance {
+    let c = Conformance::with_cluster(
+        prefix,
+        backend,
+        vec![NsSpec {
+            name: "t".into(),
+            labels: labels(&[("team", "t")]),
+        }],
+        vec![
+            pod("attacker", 11),
+            pod("victim", 12),
+            pod("trusted", 13),
+            pod("free", 14),
+        ],
+    );
+    c.write_policies(&node_traffic_policies(""));
+    c.apply_ok();
+    c
+}
+
+/// Neighbour-discovery types with hop limit 255 between global addresses
+/// are forwarded like any packet and must be judged like one: from an
+/// attacker denied all egress, neither with its own source nor with the
+/// trusted pod's, does a neighbour solicitation or advertisement reach the
+/// victim's global address, though the victim would take both. (The BPF
+/// classifier let them pass the attacker's egress for their hop limit.)
+fn nd_look_alikes(prefix: &'static str, backend: Backend) {
+    let c = setup_node_traffic(prefix, backend);
+    let node = c.node();
+    let ns = |id: &str| &node.pod(id).unwrap().netns;
+    let (attacker, victim_ns, trusted_ns) = (ns(ATTACKER), ns(VICTIM), ns(TRUSTED));
+    let (a, v, t) = (
+        c.pod_ip(ATTACKER, true),
+        c.pod_ip(VICTIM, true),
+        c.pod_ip(TRUSTED, true),
+    );
+    let nd = |src: IpAddr, kind: u8| {
+        let mut p = Packet::new(src, v, L4::Icmp { kind });
+        p.hop_limit = 255;
+        p
+    };
+    for (kind, name) in [
+        (135, "neighbour solicitation"),
+        (136, "neighbour advertisement"),
+    ] {
+        // The control: from the trusted pod (its egress is open) the same
+        // packet is forwarded and arrives.
+        let n = arrived(victim_ns, t, v, || {
+            send_raw(trusted_ns, vec![nd(t, kind); 3])
+        });
+        assert!(
+            n >= 1,
+            "{name} from the trusted pod to the victim's global address must arrive"
+        );
+        for (src, whose) in [(a, "its own"), (t, "the trusted pod's")] {
+            let n = arrived(victim_ns, src, v, || {
+                send_raw(attacker, vec![nd(src, kind); 3])
+            });
+            assert_eq!(
+                n, 0,
+                "a {name} (hop limit 255) from the attacker with {whose} source reached the victim"
+            );
+        }
+    }
+}
+
+#[test]
+fn neighbour_discovery_look_alikes_reach_nothing_bpf() {
+    nd_look_alikes("atndb", Backend::Bpf);
+}
+
+#[test]
+fn neighbour_discovery_look_alikes_reach_nothing_iptables() {
+    nd_look_alikes("atndi", Backend::Iptables);
+}
+
+/// A device on the node that takes packets out of an encapsulation.
+struct Tunnel {
+    name: &'static str,
+    /// The outer packet's destination: one of the node's own addresses.
+    node: IpAddr,
+    /// The families of the inner packets it carries.
+    inner: &'static [bool],
+    /// VXLAN with this VNI, or IP-in-IP.
+    vni: Option<u32>,
+}
+
+const VXLAN_PORT: u16 = 4789;
+
+impl Tunnel {
+    /// The packet from `src` to the node that carries `inner`.
+    fn wrap(&self, src: IpAddr, inner: Packet) -> Packet {
+        let inner = Box::new(inner);
+        let l4 = match self.vni {
+            Some(vni) => L4::Vxlan {
+                sport: 40000,
+                dport: VXLAN_PORT,
+                vni,
+                inner,
+            },
+            None => L4::Tunnel { gre: false, inner },
+        };
+        Packet::new(src, self.node, l4)
+    }
+}
+
+/// The node's decapsulating devices: VXLAN on UDP 4789 bound to each of
+/// its addresses (VNI 4 on IPv4, 6 on IPv6), taking frames addressed to
+/// [`FRAME_DST_MAC`], and an IPIP device where the kernel has one (the
+/// host's has no `ipip` module; the 6.1 guest's has). Reverse-path
+/// filtering is off, as on a node that routes for tunnels: the kernel
+/// would otherwise drop every inner packet from an address it routes
+/// elsewhere, and the test would see nothing for that reason alone. They
+/// go with the node's namespace.
+fn tunnels(node: &NetNs) -> Vec<Tunnel> {
+    let mac = FRAME_DST_MAC
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":");
+    let mut out = Vec::new();
+    for (name, vni, local, udp6) in [
+        ("pavx4", 4, IpAddr::V4(NODE_V4), ""),
+        // The crafted outer UDP has no checksum, which IPv6 takes only
+        // where the receiver says so.
+        ("pavx6", 6, IpAddr::V6(NODE_V6), " udp6zerocsumrx"),
+    ] {
+        node.ip_batch(&[
+            format!(
+                "link add {name} type vxlan id {vni} local {local} dstport {VXLAN_PORT} nolearning{udp6}"
+            ),
+            format!("link set {name} address {mac}"),
+            format!("link set {name} up"),
+        ])
+        .unwrap_or_else(|e| panic!("a VXLAN device on the node: {e}"));
+        out.push(Tunnel {
+            name,
+            node: local,
+            inner: &[false, true],
+            vni: Some(vni),
+        });
+    }
+    let ipip_device = node.ip_batch(&[
+        format!("link add paipip type ipip local {NODE_V4}"),
+        "link set paipip up".into(),
+    ]);
+    match ipip_device {
+        Ok(()) => out.push(Tunnel {
+            name: "paipip",
+            node: IpAddr::V4(NODE_V4),
+            inner: &[false],
+            vni: None,
+        }),
+        Err(e) => eprintln!(
+            "SKIPPED the IPIP device: this kernel has none ({}); VXLAN only",
+            e.to_string().trim()
+        ),
+    }
+    let mut off = vec!["all".to_owned(), "default".to_owned()];
+    off.extend(out.iter().map(|t| t.name.to_owned()));
+    for dev in off {
+        node.sysctl(&format!("net.ipv4.conf.{dev}.rp_filter"), "0")
+            .unwrap();
+    }
+    out
+}
+
+/// A UDP datagram's source, destination and source port.
+fn udp_flow(ip: &[u8]) -> Option<(IpAddr, IpAddr, u16)> {
+    let (src, dst) = endpoints(ip)?;
+    let (protocol, l4) = match ip.first()? >> 4 {
+        4 => (*ip.get(9)?, usize::from(ip.first()? & 0x0f) * 4),
+        _ => (*ip.get(6)?, 40),
+    };
+    (protocol == 17).then_some(())?;
+    let port = ip.get(l4..l4 + 2)?;
+    Some((src, dst, u16::from_be_bytes([port[0], port[1]])))
+}
+
+/// One encapsulated datagram of [`encapsulations_to_the_node`]: who sends
+/// it, through which tunnel, with which inner source (to the victim's
+/// address of its family), and whether some of it must arrive. Each case
+/// has an inner source port of its own, so the cases of one capture are
+/// told apart.
+struct EncapCase<'a> {
+    what: String,
+    sender: &'a str,
+    tunnel: &'a Tunnel,
+    inner_src: IpAddr,
+    arrives: bool,
+}
+
+impl<'a> EncapCase<'a> {
+    fn new(
+        tunnel: &'a Tunnel,
+        sender: &'a str,
+        inner_src: IpAddr,
+        arrives: bool,
+        what: &str,
+    ) -> Self {
+        let fam = if inner_src.is_ipv6() { "IPv6" } else { "IPv4" };
+        Self {
+            what: format!("{}: {fam} inner {what}", tunnel.name),
+            sender,
+            tunnel,
+            inner_src,
+            arrives,
+        }
+    }
+}
+
+/// Sends every case (three copies each) in one capture window at the
+/// victim, and returns a line for each case whose fate was not the
+/// expected one.
+fn run_encap_cases(c: &Conformance, victim_ns: &NetNs, cases: &[EncapCase<'_>]) -> Vec<String> {
+    let node = c.node();
+    let sport = |i: usize| 41000 + u16::try_from(i).unwrap();
+    let victim = |inner_src: IpAddr| c.pod_ip(VICTIM, inner_src.is_ipv6());
+    let packets = captured(victim_ns, || {
+        for (i, case) in cases.iter().enumerate() {
+            let outer_src = c.pod_ip(case.sender, case.tunnel.node.is_ipv6());
+            let inner = Packet::udp(case.inner_src, sport(i), victim(case.inner_src), 9000);
+            let outer = case.tunnel.wrap(outer_src, inner);
+            send_raw(&node.pod(case.sender).unwrap().netns, vec![outer; 3]);
+        }
+    });
+    let mut wrong = Vec::new();
+    for (i, case) in cases.iter().enumerate() {
+        let flow = Some((case.inner_src, victim(case.inner_src), sport(i)));
+        let n = packets.iter().filter(|p| udp_flow(p) == flow).count();
+        eprintln!("{}: {n} arrived", case.what);
+        if (n > 0) != case.arrives {
+            wrong.push(format!(
+                "{}: {n} arrived, expected {}",
+                case.what,
+                if case.arrives { "some" } else { "none" }
+            ));
+        }
+    }
+    wrong
+}
+
+/// An encapsulation a pod sends to the node's address is no node traffic:
+/// decapsulated, its inner packet travels on with the source the pod
+/// chose. Through every tunnel device the node has, an inner datagram to
+/// the victim's admitted port:
+/// - from an outside address, sent by a pod whose egress is open: arrives
+///   (the control: the decapsulation path delivers);
+/// - with the trusted pod's source, or the sender's own, from that pod:
+///   nothing (a local pod's address entering the node elsewhere than at
+///   its own interface is a spoof);
+/// - from the attacker, denied all egress: nothing at all (its outer
+///   packet is dropped), nor the outside source's;
+/// - once an ipBlock lets the attacker reach the node's address, its
+///   outside source's arrives (the outer packet is judged by the node
+///   address's class, as any peer's), the forged one still not.
+///
+/// The cases of each phase share one capture window.
+fn encapsulations_to_the_node(prefix: &'static str, backend: Backend) {
+    let c = setup_node_traffic(prefix, backend);
+    let victim_ns = &c.node().pod(VICTIM).unwrap().netns;
+    let tunnels = tunnels(&c.node().node);
+    let outside =
+        |v6: bool| -> IpAddr { if v6 { OUTSIDE_V6 } else { OUTSIDE_V4 }.parse().unwrap() };
+    // (tunnel, inner family) pairs.
+    let paths: Vec<(&Tunnel, bool)> = tunnels
+        .iter()
+        .flat_map(|t| t.inner.iter().map(move |v6| (t, *v6)))
+        .collect();
+
+    let open = "sent by a pod whose egress is open";
+    let denied = "sent by the attacker denied all egress";
+    let mut cases = Vec::new();
+    for &(t, v6) in &paths {
+        let (trusted, own, out) = (c.pod_ip(TRUSTED, v6), c.pod_ip(FREE, v6), outside(v6));
+        cases.extend([
+            EncapCase::new(t, FREE, out, true, &format!("from outside, {open}")),
+            EncapCase::new(
+                t,
+                FREE,
+                trusted,
+                false,
+                &format!("as the trusted pod, {open}"),
+            ),
+            EncapCase::new(t, FREE, own, false, &format!("with its own source, {open}")),
+            EncapCase::new(
+                t,
+                ATTACKER,
+                trusted,
+                false,
+                &format!("as the trusted pod, {denied}"),
+            ),
+            EncapCase::new(t, ATTACKER, out, false, &format!("from outside, {denied}")),
+        ]);
+    }
+    let mut wrong = run_encap_cases(&c, victim_ns, &cases);
+
+    // The attacker may now reach the node's addresses (ipBlocks): its
+    // encapsulations are judged by their class.
+    c.write_policies(&node_traffic_policies(&format!(
+        "{{to: [{{ipBlock: {{cidr: {NODE_V4}/32}}}}, {{ipBlock: {{cidr: \"{NODE_V6}/128\"}}}}]}}"
+    )));
+    c.apply_ok();
+    let allowed = "sent by the attacker allowed the node's address";
+    let mut cases = Vec::new();
+    for &(t, v6) in &paths {
+        let (trusted, out) = (c.pod_ip(TRUSTED, v6), outside(v6));
+        cases.extend([
+            EncapCase::new(t, ATTACKER, out, true, &format!("from outside, {allowed}")),
+            EncapCase::new(
+                t,
+                ATTACKER,
+                trusted,
+                false,
+                &format!("as the trusted pod, {allowed}"),
+            ),
+        ]);
+    }
+    wrong.extend(run_encap_cases(&c, victim_ns, &cases));
+    assert!(
+        wrong.is_empty(),
+        "{prefix} ({}):\n{}",
+        backend.flag(),
+        wrong.join("\n")
+    );
+}
+
+#[test]
+fn encapsulations_to_the_node_carry_no_forged_source_bpf() {
+    encapsulations_to_the_node("attnb", Backend::Bpf);
+}
+
+#[test]
+fn encapsulations_to_the_node_carry_no_forged_source_iptables() {
+    encapsulations_to_the_node("attni", Backend::Iptables);
 }

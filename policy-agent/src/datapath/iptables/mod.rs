@@ -15,7 +15,7 @@ pub use self::{
     error::Error,
     render::{DEFAULT_MARK, NAME_BITS, RenderInput, render},
     ruleset::{
-        Chain, ChainKind, FORWARD_CHAIN, Family, IpSet, OWN_PREFIX, Ruleset, SetKind, SetName,
-        is_own_chain, is_own_set,
+        Chain, ChainKind, FORWARD_CHAIN, Family, INPUT_CHAIN, IpSet, OUTPUT_CHAIN, OWN_PREFIX,
+        Ruleset, SetKind, SetName, TUNNEL_CHAIN, is_own_chain, is_own_set,
     },
 };

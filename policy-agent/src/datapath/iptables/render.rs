@@ -6,6 +6,7 @@
 //! ```text
 //! FORWARD  -> pa-agent:FORWARD
 //! pa-agent:FORWARD:  -i <pod if> -> S-<pod>          (every local pod, first)
+//!                    -s <pod address> ! -i <pod if> -> DROP  (every local pod)
 //!                    revoked (connmark) and REPLY -> DROP
 //!                    not revoked, RELATED,ESTABLISHED -> RETURN
 //!                    -i <pod if> -> E-<pod>          (egress-isolated pods)
@@ -16,6 +17,11 @@
 //! I-<pod>:  clear mark; from and to itself on its own interface -> RETURN;
 //!           -> P-<policy rule chain>...; mark set -> RETURN; DROP
 //! P-<...>:  <peer set> <proto> <ports> -> set mark   (one per policy key)
+//! INPUT    -> pa-agent:INPUT
+//! pa-agent:INPUT:    <an encapsulation> -> TUNNEL    (if TUNNEL has rules)
+//!                    -i <pod if> [-s fe80::/10 | :: -> RETURN] -> S-<pod>
+//!                    -s <pod address> ! -i <pod if> -> DROP
+//! TUNNEL:   -i <pod if> -d <node address> -> E-<pod> (egress-isolated pods)
 //! OUTPUT   -> pa-agent:OUTPUT
 //! pa-agent:OUTPUT:   RELATED,ESTABLISHED -> RETURN
 //!                    -s <pod address> -> E-<pod>     (egress-isolated pods)
@@ -35,7 +41,15 @@
 //! addresses; an address class (ipBlock) is `hash:net` of its prefix with
 //! `nomatch` holes for the longer carved prefixes inside it, so an
 //! `except` narrows only the peer whose class excludes it. Node traffic
-//! never crosses FORWARD (it is INPUT/OUTPUT), so it is never judged.
+//! never crosses FORWARD (it is INPUT/OUTPUT), so it is never judged, but
+//! for an encapsulation (IP-in-IP, GRE, VXLAN, ...) a pod sends to a node
+//! address: decapsulated, its inner packet would travel on with a source
+//! the pod chose, so an egress-isolated pod's goes through its egress
+//! chain, which judges the node address by its class like any peer's.
+//! A local pod's address enters the node at its own interface only: from
+//! any other (a tunnel device's decapsulated inner packet, a spoof from
+//! the uplink) it is dropped, in FORWARD and in INPUT (where IPVS would
+//! take it and send it on through OUTPUT, judged as that pod's).
 //!
 //! Names carry a 64-bit hash of what they stand for: a set the identity's
 //! whole canonical name (`IdentityName::name_hash`; the stored name is cut
@@ -51,16 +65,16 @@ use std::{
 
 use ipnet::IpNet;
 use policy_common::{
-    direction,
+    direction, encapsulation,
     endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED},
-    identity::{ANY, WORLD, is_cidr},
+    identity::{ANY, NODE, WORLD, is_cidr},
     policy::PolicyKey,
     proto,
 };
 
 use super::ruleset::{
     Chain, ChainKind, FORWARD_CHAIN, Family, INPUT_CHAIN, IpSet, OUTPUT_CHAIN, Ruleset, SetKind,
-    SetName,
+    SetName, TUNNEL_CHAIN,
 };
 use crate::{
     cluster::{ObjectKind, PodRef, Problem},
@@ -248,6 +262,14 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
         unnamed_peers.insert(*id);
     }
 
+    // The node's own addresses (the ipcache's NODE host entries).
+    let node_addrs: Vec<IpAddr> = maps
+        .ipcache
+        .iter()
+        .filter(|(net, e)| e.identity == NODE && net.prefix_len() == net.max_prefix_len())
+        .map(|(net, _)| net.addr())
+        .collect();
+
     for fam in Family::BOTH {
         let mut forward = Chain {
             name: FORWARD_CHAIN.into(),
@@ -264,13 +286,13 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                 .filter(|ip| (fam == Family::V4) == ip.is_ipv4())
                 .collect()
         };
-        // What pods send to the node's own addresses: only the source
-        // check (node traffic is always allowed). With kube-proxy's IPVS
-        // mode a ClusterIP is one of them, and what IPVS forwards is judged
-        // in OUTPUT by its source address: a forged one would borrow
-        // another pod's egress. Link-local and unspecified IPv6 sources
-        // (neighbour discovery, MLD, to the node) pass: no pod is known by
-        // them.
+        // What pods send to the node's own addresses: the source check
+        // (node traffic is always allowed; encapsulations aside, see
+        // TUNNEL below). With kube-proxy's IPVS mode a ClusterIP is one of
+        // them, and what IPVS forwards is judged in OUTPUT by its source
+        // address: a forged one would borrow another pod's egress.
+        // Link-local and unspecified IPv6 sources (neighbour discovery,
+        // MLD, to the node) pass: no pod is known by them.
         let mut input_chain = Chain {
             name: INPUT_CHAIN.into(),
             rules: Vec::new(),
@@ -299,6 +321,23 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                     rules: source_rules(&fam_ips(p.pod)),
                 },
             );
+        }
+        // A local pod's address enters the node at its own interface only
+        // (whose source check is above): from anywhere else, a tunnel
+        // device's decapsulated inner packet or a spoof from the uplink, it
+        // is dropped, isolated pod or not, before the shortcut. In INPUT
+        // too: with kube-proxy's IPVS mode such a packet to a Service
+        // address would leave through OUTPUT, which has no input interface
+        // to tell, and be judged there as the pod's.
+        for p in &pods {
+            for ip in fam_ips(p.pod) {
+                let rule = format!(
+                    "-s {ip} ! -i {} -m comment --comment \"pa-agent: local address from elsewhere\" -j DROP",
+                    p.ifname
+                );
+                forward.rules.push(rule.clone());
+                input_chain.rules.push(rule);
+            }
         }
         // A flow whose verdict a change may have moved is revoked (its
         // connmark bit set, `apply`), not deleted: deleted, the kernel
@@ -399,6 +438,9 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
             });
         }
 
+        // An egress-isolated pod's encapsulations to the node's addresses,
+        // to its egress chain.
+        let mut tunnel = Vec::new();
         for (p, dir, by_policy) in &wanted {
             let (kind, iface) = if *dir == direction::INGRESS {
                 (ChainKind::Ingress, "-o")
@@ -415,6 +457,14 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                 continue;
             }
             let pod_chain = kind.name(p.chain_hash);
+            if *dir == direction::EGRESS {
+                tunnel.extend(
+                    node_addrs
+                        .iter()
+                        .filter(|a| (fam == Family::V4) == a.is_ipv4())
+                        .map(|a| format!("-i {} -d {a} -j {pod_chain}", p.ifname)),
+                );
+            }
             forward
                 .rules
                 .push(format!("{iface} {} -j {pod_chain}", p.ifname));
@@ -499,6 +549,24 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                 },
             );
         }
+        // First in INPUT: the egress verdict does not depend on the
+        // source, which is checked after it, and a link-local source (let
+        // through below for neighbour discovery) must not carry an
+        // encapsulation past it. The colliding pods' packets are dropped
+        // there whatever they are.
+        if !tunnel.is_empty() {
+            input_chain.rules.splice(
+                0..0,
+                encapsulation_matches().map(|m| format!("{m} -j {TUNNEL_CHAIN}")),
+            );
+            chains.insert(
+                TUNNEL_CHAIN.into(),
+                Chain {
+                    name: TUNNEL_CHAIN.into(),
+                    rules: tunnel,
+                },
+            );
+        }
         // Judged and allowed: a revoked flow resumes (its replies pass).
         let resume = format!("-m connmark --mark {mark}/{mark} -j CONNMARK --set-xmark 0x0/{mark}");
         forward.rules.push(resume.clone());
@@ -522,6 +590,18 @@ fn source_rules(ips: &[IpAddr]) -> Vec<String> {
     let mut rules: Vec<String> = ips.iter().map(|ip| format!("-s {ip} -j RETURN")).collect();
     rules.push("-m comment --comment \"pa-agent: forged source\" -j DROP".into());
     rules
+}
+
+/// The encapsulations a node may decapsulate
+/// (`policy_common::encapsulation::is`), as iptables matches.
+fn encapsulation_matches() -> impl Iterator<Item = String> {
+    let protocols = encapsulation::PROTOCOLS
+        .into_iter()
+        .map(|p| format!("-p {p}"));
+    let ports = encapsulation::UDP_PORTS
+        .into_iter()
+        .map(|port| format!("-p udp --dport {port}"));
+    protocols.chain(ports)
 }
 
 /// An identity as a reader knows it: its (possibly cut) canonical name.

@@ -188,6 +188,13 @@ pub const OUTPUT_CHAIN: &str = "pa-agent:OUTPUT";
 /// kube-proxy's IPVS mode that includes every ClusterIP, whose traffic
 /// then leaves through OUTPUT judged as its source address's pod.
 pub const INPUT_CHAIN: &str = "pa-agent:INPUT";
+/// The chain `pa-agent:INPUT` sends the encapsulations a pod sends to the
+/// node's own addresses to (IP-in-IP, GRE, VXLAN, ...: see
+/// `policy_common::encapsulation`): decapsulated, their inner packet would
+/// travel on with a source the pod chose, so they are no node traffic and
+/// an egress-isolated pod's go through its egress chain. Rendered only
+/// when some local pod is egress-isolated.
+pub const TUNNEL_CHAIN: &str = "pa-agent:TUNNEL";
 /// The built-in chains the agent hooks (first rule: a jump to its own
 /// chain), each with that chain; hooked when the chain is rendered.
 pub const HOOKS: [(&str, &str); 3] = [
@@ -207,7 +214,7 @@ fn is_hex(s: &str, len: usize) -> bool {
 /// Whether `name` is a chain this agent makes: its exact shape, not
 /// just the prefix.
 pub fn is_own_chain(name: &str) -> bool {
-    if HOOKS.iter().any(|(_, own)| *own == name) {
+    if name == TUNNEL_CHAIN || HOOKS.iter().any(|(_, own)| *own == name) {
         return true;
     }
     name.strip_prefix(OWN_PREFIX)

@@ -4,7 +4,9 @@
 //! `hash:net` (`nomatch`) semantics, chains, jumps, RETURN, DROP, MARK
 //! `--set-xmark` and the matches the renderer uses. Anything else in the
 //! text is refused, so a new kind of rule cannot slip past the check.
-//! Golden files pin the text; this says what the text does.
+//! Golden files pin the text; this says what the text does: what crosses
+//! FORWARD ([`Netfilter::forward`]) and what a pod sends to the node
+//! (INPUT, [`Netfilter::input`]).
 use std::{collections::BTreeMap, net::IpAddr};
 
 use ipnet::IpNet;
@@ -71,6 +73,8 @@ enum Match {
     /// `-m addrtype ! --src-type LOCAL`: the evaluator's packets come from
     /// pods and the world, never from one of the node's own addresses.
     SrcNotLocal,
+    /// `! <match>` (`-i`, `-o`, `-s`, `-d`).
+    Not(Box<Match>),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -99,7 +103,9 @@ struct Table {
     chains: BTreeMap<String, Vec<Rule>>,
 }
 
-/// A packet crossing the node's FORWARD hook, as the first of its flow.
+/// A packet crossing the node's FORWARD hook, as the first of its flow
+/// (or INPUT: then `out_if` is empty, as netfilter has no output
+/// interface there).
 #[derive(Clone, Debug)]
 pub struct Packet {
     pub in_if: String,
@@ -163,7 +169,9 @@ fn protocol(p: &str) -> u8 {
         "sctp" => proto::SCTP,
         "icmp" => proto::ICMP,
         "ipv6-icmp" | "icmpv6" => proto::ICMPV6,
-        other => panic!("unknown protocol {other}"),
+        other => other
+            .parse()
+            .unwrap_or_else(|_| panic!("unknown protocol {other}")),
     }
 }
 
@@ -171,13 +179,26 @@ fn parse_rule(w: &[String]) -> Rule {
     let mut matches = Vec::new();
     let mut target = None;
     let mut i = 0;
+    // A `!` negates the address or interface match after it.
+    let mut negate = false;
     let arg = |i: usize| -> &str {
         w.get(i)
             .map(String::as_str)
             .unwrap_or_else(|| panic!("missing argument in {w:?}"))
     };
     while i < w.len() {
-        match w[i].as_str() {
+        let word = w[i].as_str();
+        if negate && !matches!(word, "-i" | "-o" | "-s" | "-d") {
+            panic!("`!` before {word} in {w:?}");
+        }
+        let before = matches.len();
+        match word {
+            "!" => {
+                assert!(!negate, "`! !` in {w:?}");
+                negate = true;
+                i += 1;
+                continue;
+            }
             "-m" => match arg(i + 1) {
                 "conntrack" => {
                     match arg(i + 2) {
@@ -291,7 +312,14 @@ fn parse_rule(w: &[String]) -> Rule {
             }
             other => panic!("unknown rule word {other} in {w:?}"),
         }
+        if negate {
+            assert_eq!(matches.len(), before + 1, "{w:?}");
+            let m = matches.pop().expect("the negated match");
+            matches.push(Match::Not(Box::new(m)));
+            negate = false;
+        }
     }
+    assert!(!negate, "a trailing `!` in {w:?}");
     Rule {
         matches,
         target: target.unwrap_or_else(|| panic!("rule without a target: {w:?}")),
@@ -463,6 +491,7 @@ impl Netfilter {
             } => (*value == 0) != *negated,
             Match::CtDir(d) => d == "ORIGINAL",
             Match::SrcNotLocal => true,
+            Match::Not(m) => !self.matches(m, p, mark),
         }
     }
 
@@ -504,11 +533,22 @@ impl Netfilter {
     /// Whether the FORWARD hook lets the packet through (its policy is
     /// ACCEPT: only what the rules drop is dropped).
     pub fn forward(&self, p: &Packet) -> bool {
+        self.hook("FORWARD", p)
+    }
+
+    /// Whether the INPUT hook lets the packet (to one of the node's own
+    /// addresses) in.
+    pub fn input(&self, p: &Packet) -> bool {
+        assert!(p.out_if.is_empty(), "INPUT has no output interface");
+        self.hook("INPUT", p)
+    }
+
+    fn hook(&self, builtin: &str, p: &Packet) -> bool {
         let table = if p.src.is_ipv6() { &self.v6 } else { &self.v4 };
         let mut mark = 0;
-        if !table.chains.contains_key("FORWARD") {
+        if !table.chains.contains_key(builtin) {
             return true;
         }
-        self.run(table, "FORWARD", p, &mut mark, 0).unwrap_or(true)
+        self.run(table, builtin, p, &mut mark, 0).unwrap_or(true)
     }
 }

@@ -270,6 +270,30 @@ impl<'a> World<'a> {
         out && inn
     }
 
+    /// The verdict for a packet a local pod at `src` sends to the node's
+    /// own address `node`: node traffic, always allowed, but for an
+    /// encapsulation.
+    /// DOCUMENTED CHOICE (the design's, the spec says nothing of it): an
+    /// encapsulation a pod sends to a node address (IP-in-IP 4, IPv6-in-IP
+    /// 41, GRE 47, EtherIP 97, MPLS-in-IP 137; UDP to VXLAN's 4789 and
+    /// 8472, GENEVE's 6081) is not node traffic: decapsulated, its inner
+    /// packet travels on with a source the pod chose. It is judged by the
+    /// pod's egress rules as a packet to any other address.
+    pub fn to_node(&self, src: IpAddr, node: IpAddr, proto_: u8, port: u16) -> bool {
+        assert!(
+            self.state.node_ips.contains(&node),
+            "{node} is no node address"
+        );
+        let encapsulation = matches!(proto_, 4 | 41 | 47 | 97 | 137)
+            || (proto_ == proto::UDP && matches!(port, 4789 | 8472 | 6081));
+        match self.local_endpoint(src) {
+            Some((name, _)) if encapsulation => {
+                self.judge_peer(name, false, node, proto_, port, false)
+            }
+            _ => true,
+        }
+    }
+
     fn judge(
         &self,
         endpoint: &ObjectRef,
@@ -278,9 +302,23 @@ impl<'a> World<'a> {
         proto_: u8,
         port: u16,
     ) -> bool {
+        self.judge_peer(endpoint, ingress, peer, proto_, port, true)
+    }
+
+    /// [`Self::judge`]; `node_traffic`: whether a node address as `peer`
+    /// makes it node traffic.
+    fn judge_peer(
+        &self,
+        endpoint: &ObjectRef,
+        ingress: bool,
+        peer: IpAddr,
+        proto_: u8,
+        port: u16,
+        node_traffic: bool,
+    ) -> bool {
         // "traffic to and from the node where a Pod is running is always
         // allowed, regardless of the IP address of the Pod or the node."
-        if self.state.node_ips.contains(&peer) {
+        if node_traffic && self.state.node_ips.contains(&peer) {
             return true;
         }
         let ep = &self.state.pods[endpoint];

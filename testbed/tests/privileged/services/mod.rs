@@ -4,4 +4,5 @@ mod addresses;
 mod basics;
 mod changes;
 mod ipvs;
+mod masquerade;
 mod simulated;
