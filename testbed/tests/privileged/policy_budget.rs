@@ -9,7 +9,7 @@
 use std::{
     fmt::Write as _,
     os::unix::process::{CommandExt as _, ExitStatusExt as _},
-    process::{ExitStatus, Stdio},
+    process::{Command, ExitStatus, Stdio},
     time::{Duration, Instant},
 };
 
@@ -81,15 +81,21 @@ struct Measured {
 }
 
 /// `policy-agent apply` in the node namespace with its address space
-/// bounded, killed after `timeout`; its peak RSS from wait4.
+/// bounded, killed after `timeout`; its peak RSS through `peak-rss` (a
+/// child forked from this process would report this process's size).
 fn apply_measured(c: &Conformance, timeout: Duration) -> Measured {
-    let mut cmd = c.node().node.command(fixtures::agent());
-    cmd.args(["apply", "--manifests", c.dir.to_str().unwrap()])
+    let figures = tempfile_path("peak-rss");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_peak-rss"));
+    cmd.arg(&figures)
+        .arg("nsenter")
+        .arg(format!("--net={}", c.node().node.path().display()))
+        .arg(fixtures::agent())
+        .args(["apply", "--manifests", c.dir.to_str().unwrap()])
         .args(["--node", NODE, "--datapath", "bpf"])
         .args(["--pin-dir", c.layout.root().to_str().unwrap()])
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
-    // SAFETY: setrlimit only, between fork and exec.
+    // SAFETY: setrlimit only, between fork and exec; the command inherits it.
     unsafe {
         cmd.pre_exec(|| {
             let lim = libc::rlimit {
@@ -104,37 +110,44 @@ fn apply_measured(c: &Conformance, timeout: Duration) -> Measured {
         });
     }
     let start = Instant::now();
-    #[expect(
-        clippy::zombie_processes,
-        reason = "reaped by wait4 below, which also gives its peak RSS"
-    )]
-    let mut child = cmd.spawn().unwrap();
-    let stderr = child.stderr.take().unwrap();
+    let mut launcher = cmd.spawn().unwrap();
+    let stderr = launcher.stderr.take().unwrap();
     let reader = std::thread::spawn(move || std::io::read_to_string(stderr).unwrap_or_default());
-    // nsenter execs the agent: the child is the agent itself.
-    let pid = child.id() as libc::pid_t;
-    let mut raw = 0;
-    // SAFETY: a zeroed rusage is a valid out-parameter.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    loop {
-        // SAFETY: wait4 on our own child, with valid out-pointers.
-        let rc = unsafe { libc::wait4(pid, &mut raw, libc::WNOHANG, &mut usage) };
-        assert!(rc >= 0, "wait4: {}", std::io::Error::last_os_error());
-        if rc == pid {
-            break;
+    let launched = loop {
+        if let Some(status) = launcher.try_wait().unwrap() {
+            break status;
         }
         if start.elapsed() > timeout {
-            // SAFETY: kill our own child.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
+            // The command dies with the launcher (PR_SET_PDEATHSIG).
+            let _ = launcher.kill();
         }
         std::thread::sleep(Duration::from_millis(20));
-    }
+    };
+    let stderr = reader.join().unwrap();
+    let took = start.elapsed();
+    let written = std::fs::read_to_string(&figures).unwrap_or_default();
+    let _ = std::fs::remove_file(&figures);
+    let (peak, raw) = written
+        .split_once(' ')
+        .and_then(|(peak, raw)| Some((peak.parse().ok()?, raw.trim().parse().ok()?)))
+        .unwrap_or_else(|| {
+            panic!("peak-rss ended {launched:?} after {took:?} with no figures:\n{stderr}")
+        });
     Measured {
         status: ExitStatus::from_raw(raw),
-        peak_rss_kib: usage.ru_maxrss,
-        stderr: reader.join().unwrap(),
-        took: start.elapsed(),
+        peak_rss_kib: peak,
+        stderr,
+        took,
     }
+}
+
+/// A fresh file name under the temporary directory.
+fn tempfile_path(prefix: &str) -> std::path::PathBuf {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    std::env::temp_dir().join(format!("{prefix}-{}-{nanos}", std::process::id()))
 }
 
 #[test]
