@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use super::{
     Compiler,
     budget::Refusal,
-    index::Ident,
+    index::{Ident, IdentityIndex},
     keys::{Keys, Plan, write_rule},
     output::Output,
     selection::{PolicyState, rule_state},
@@ -137,13 +137,7 @@ impl Compiler {
             used += entries;
             admit.insert(name);
         }
-        let Self {
-            policies,
-            out,
-            index,
-            admitted,
-            ..
-        } = self;
+        let (policies, index, out, admitted) = self.key_parts();
         for (name, ps) in policies.iter_mut() {
             if ps.refused.is_none() && !admit.contains(name) {
                 let why = Refusal::TotalBudget {
@@ -163,6 +157,25 @@ impl Compiler {
                 self.add_policy_state(ps.parsed);
             }
         }
+    }
+
+    /// The parts of the compiler a key write borrows at once: the
+    /// policies and the output mutably, the identities to read, and the
+    /// tally of admitted entries.
+    pub(super) fn key_parts(
+        &mut self,
+    ) -> (
+        &mut BTreeMap<PolicyRef, PolicyState>,
+        &IdentityIndex,
+        &mut Output,
+        &mut u64,
+    ) {
+        (
+            &mut self.policies,
+            &self.index,
+            &mut self.out,
+            &mut self.admitted,
+        )
     }
 
     /// Whether some policy is refused for a budget.

@@ -214,13 +214,7 @@ impl Compiler {
     /// and a policy it would take past the budgets is refused instead.
     fn restate_identity(&mut self, x: u32, change: IdentityChange) {
         let budget = self.options.budget;
-        let Self {
-            policies,
-            index,
-            out,
-            admitted,
-            ..
-        } = self;
+        let (policies, index, out, admitted) = self.key_parts();
         let ident = index.idents.get(&x);
         // Buffers reused from policy to policy: most are untouched.
         let mut moved: Vec<(usize, u8, u8)> = Vec::new();
@@ -330,13 +324,7 @@ impl Compiler {
     /// (counted first: a policy it would take past the budgets is refused).
     fn write_endpoint_keys(&mut self, e: u32) {
         let budget = self.options.budget;
-        let Self {
-            policies,
-            index,
-            out,
-            admitted,
-            ..
-        } = self;
+        let (policies, index, out, admitted) = self.key_parts();
         let Some(ident) = index.idents.get(&e) else {
             return;
         };
