@@ -14,10 +14,15 @@ use policy_common::{
     family,
     ipcache::IpcacheEntry,
     proto,
+    service::ServiceFlowKey,
     verdict::Reason,
 };
 
-use super::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, policy::judge, service::rejudge_backend};
+use super::{
+    TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
+    policy::judge,
+    service::{rejudge_backend, service_hit},
+};
 use crate::{
     maps::{CONNTRACK, CT_SHARE, CT_USAGE, Scratch},
     parse::{IpPacket, quoted_flow},
@@ -66,6 +71,38 @@ pub(super) fn on_ct_hit(
         entry.last_seen_ns = now;
     }
     (hit, peer)
+}
+
+/// The verdict for a packet of a tracked flow, looked up under `key`
+/// (the packet's own direction when `forward`, else as a reply); None
+/// when no usable entry holds it.
+#[inline(always)]
+pub(super) fn tracked(
+    key: &CtKey,
+    flow: &mut ServiceFlowKey,
+    ep: &EndpointInfo,
+    pkt: &IpPacket,
+    peer_addr: &[u8; 16],
+    now: u64,
+    forward: bool,
+) -> Option<(Reason, IpcacheEntry)> {
+    let entry = CONNTRACK.get_ptr_mut(key)?;
+    // SAFETY: a pointer to the map value, valid for this program run.
+    let entry = unsafe { &mut *entry };
+    if !usable(entry, pkt, now) {
+        return None;
+    }
+    if entry.flags & CT_FLAG_SERVICE != 0 {
+        return service_hit(entry, key, flow, ep, pkt, now, forward);
+    }
+    // A reply is judged again (if stale) as its opener was, with the
+    // opener's destination port, which is this packet's source.
+    let (port, hit) = if forward {
+        (pkt.dport, Reason::AllowEstablished)
+    } else {
+        (pkt.sport, Reason::AllowReply)
+    };
+    Some(on_ct_hit(entry, key, ep, pkt, peer_addr, port, now, hit))
 }
 
 #[inline(always)]

@@ -25,8 +25,8 @@ use policy_common::{
     addr_eq,
     config::{CONFIG_DEBUG_LOG, CONFIG_NO_DROP_EVENTS},
     conntrack::{
-        CT_FLAG_CLOSING, CT_FLAG_SERVICE, CT_FLAG_SYN_ONLY, CT_LOOKUP_FORWARD, CT_LOOKUP_REPLY,
-        CtEntry, FragEntry, ORIGIN_FORWARDED, ORIGIN_SOURCE, ct_lookups,
+        CT_FLAG_CLOSING, CT_FLAG_SYN_ONLY, CT_LOOKUP_FORWARD, CT_LOOKUP_REPLY, CtEntry, FragEntry,
+        ORIGIN_FORWARDED, ORIGIN_SOURCE, ct_lookups,
     },
     direction,
     endpoint::{ENDPOINT_SLOT_USED, EndpointInfo},
@@ -39,9 +39,9 @@ use policy_common::{
 };
 
 use self::{
-    conntrack::{fill_frag_key, on_ct_hit, related, share_allows, syn_only, usable},
+    conntrack::{fill_frag_key, related, share_allows, syn_only, tracked},
     policy::judge,
-    service::{defer, is_frontend, service_hit},
+    service::{defer, is_frontend},
 };
 use crate::{
     maps::{
@@ -225,56 +225,15 @@ fn decide(
     let lookups = ct_lookups(pkt.protocol, pkt.icmp_type);
     fill_ct_key(&mut s.ct, ifindex, dir, pkt);
     if lookups & CT_LOOKUP_FORWARD != 0
-        && let Some(entry) = CONNTRACK.get_ptr_mut(&s.ct)
+        && let Some(verdict) = tracked(&s.ct, &mut s.flow, ep, pkt, peer_addr, now, true)
     {
-        // SAFETY: a pointer to the map value, valid for this program run.
-        let entry = unsafe { &mut *entry };
-        if usable(entry, pkt, now) {
-            if entry.flags & CT_FLAG_SERVICE != 0 {
-                if let Some(verdict) = service_hit(entry, &s.ct, &mut s.flow, ep, pkt, now, true) {
-                    return verdict;
-                }
-            } else {
-                return on_ct_hit(
-                    entry,
-                    &s.ct,
-                    ep,
-                    pkt,
-                    peer_addr,
-                    pkt.dport,
-                    now,
-                    Reason::AllowEstablished,
-                );
-            }
-        }
+        return verdict;
     }
     s.ct = s.ct.reply();
     if lookups & CT_LOOKUP_REPLY != 0
-        && let Some(entry) = CONNTRACK.get_ptr_mut(&s.ct)
+        && let Some(verdict) = tracked(&s.ct, &mut s.flow, ep, pkt, peer_addr, now, false)
     {
-        // SAFETY: as above.
-        let entry = unsafe { &mut *entry };
-        if usable(entry, pkt, now) {
-            if entry.flags & CT_FLAG_SERVICE != 0 {
-                if let Some(verdict) = service_hit(entry, &s.ct, &mut s.flow, ep, pkt, now, false) {
-                    return verdict;
-                }
-            } else {
-                // A reply: judged again (if stale) as its opener was, with
-                // the opener's destination port, which is this packet's
-                // source.
-                return on_ct_hit(
-                    entry,
-                    &s.ct,
-                    ep,
-                    pkt,
-                    peer_addr,
-                    pkt.sport,
-                    now,
-                    Reason::AllowReply,
-                );
-            }
-        }
+        return verdict;
     }
     let midstream = pkt.protocol == proto::TCP && pkt.tcp_flags & TCP_SYN == 0;
     if midstream {

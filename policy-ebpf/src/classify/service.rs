@@ -178,6 +178,17 @@ pub(super) fn service_hit(
     Some((hit, unknown))
 }
 
+/// The key a client's flow is known by after DNAT: its interface,
+/// address and port.
+#[inline(always)]
+fn fill_flow_key(key: &mut ServiceFlowKey, client: u32, pkt: &IpPacket) {
+    key.ifindex = client;
+    key.src = pkt.src;
+    key.sport = pkt.sport;
+    key.protocol = pkt.protocol;
+    key.family = pkt.family;
+}
+
 /// A new flow of an egress-isolated pod to a Service frontend: tracked as
 /// pending (its pre-DNAT tuple, and the frontend by the client's source)
 /// and sent on with the mark, to be judged after DNAT.
@@ -191,11 +202,7 @@ pub(super) fn defer(s: &mut Scratch, ifindex: u32, ep: &EndpointInfo, now: u64) 
     let pkt = &s.pkt;
     // After DNAT a flow is known by its client's port alone: while a live
     // flow to another frontend holds it, this one cannot be told apart.
-    s.flow.ifindex = ifindex;
-    s.flow.src = pkt.src;
-    s.flow.sport = pkt.sport;
-    s.flow.protocol = pkt.protocol;
-    s.flow.family = pkt.family;
+    fill_flow_key(&mut s.flow, ifindex, pkt);
     if let Some(f) = SERVICE_FLOWS.get_ptr(&s.flow) {
         // SAFETY: a pointer to the map value, valid for this run.
         let f = unsafe { &*f };
@@ -255,11 +262,7 @@ pub(super) fn judge_service(s: &mut Scratch, client: u32, flags: u32) -> u32 {
         return 0;
     };
     let pkt = &s.pkt;
-    s.flow.ifindex = client;
-    s.flow.src = pkt.src;
-    s.flow.sport = pkt.sport;
-    s.flow.protocol = pkt.protocol;
-    s.flow.family = pkt.family;
+    fill_flow_key(&mut s.flow, client, pkt);
     if let Some(f) = SERVICE_FLOWS.get_ptr(&s.flow) {
         // SAFETY: a pointer to the map value, valid for this run.
         let f = unsafe { &*f };
