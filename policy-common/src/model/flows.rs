@@ -390,15 +390,7 @@ impl Datapath {
             return Some(self.service_related(ep, flow, st));
         }
         if st.revision != ep.revision {
-            let port = proto::policy_port(flow.protocol, flow.dport);
-            let judged = self.maps.judge_as(
-                ep,
-                flow.opened,
-                flow.peer(),
-                flow.protocol,
-                port,
-                st.peer_of,
-            );
+            let judged = self.judge_again(ep, &flow, flow.dport, st.peer_of);
             if judged.reason.is_drop() {
                 self.flows.remove(&flow);
                 return Some(Reason::DropPolicyChanged);
@@ -412,6 +404,14 @@ impl Datapath {
             );
         }
         Some(Reason::AllowRelated)
+    }
+
+    /// A tracked flow judged as if new, as its opener was: its direction,
+    /// its peer, `port` its destination port.
+    fn judge_again(&self, ep: &EndpointInfo, flow: &Flow, port: u16, peer_of: PeerOf) -> Judgement {
+        let port = proto::policy_port(flow.protocol, port);
+        self.maps
+            .judge_as(ep, flow.opened, flow.peer(), flow.protocol, port, peer_of)
     }
 
     /// A packet of a tracked flow: judged again (as the flow's opener:
@@ -432,15 +432,7 @@ impl Datapath {
             peer: IpcacheEntry::UNKNOWN,
         };
         if st.revision != ep.revision {
-            let port = proto::policy_port(flow.protocol, port);
-            let judged = self.maps.judge_as(
-                ep,
-                flow.opened,
-                flow.peer(),
-                flow.protocol,
-                port,
-                st.peer_of,
-            );
+            let judged = self.judge_again(ep, &flow, port, st.peer_of);
             out.peer = judged.peer;
             out.matched = judged.matched;
             if judged.reason.is_drop() {

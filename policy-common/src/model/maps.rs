@@ -62,6 +62,27 @@ pub(super) fn masked<const N: usize>(addr: [u8; N], prefix_len: u32) -> [u8; N] 
     out
 }
 
+/// (prefix length, address masked to it) → value: an LPM trie's content.
+type Trie<const N: usize, V> = BTreeMap<(u32, [u8; N]), V>;
+
+/// Inserts `value` under `addr`/`prefix_len` into the trie of its family,
+/// the address masked as the kernel would.
+fn insert_masked<V>(
+    (v4, v6): (&mut Trie<4, V>, &mut Trie<16, V>),
+    addr: IpAddr,
+    prefix_len: u32,
+    value: V,
+) {
+    match addr {
+        IpAddr::V4(a) => {
+            v4.insert((prefix_len, masked(a.octets(), prefix_len)), value);
+        }
+        IpAddr::V6(a) => {
+            v6.insert((prefix_len, masked(a.octets(), prefix_len)), value);
+        }
+    }
+}
+
 fn longest_match<const N: usize, V: Copy>(
     trie: &BTreeMap<(u32, [u8; N]), V>,
     addr: [u8; N],
@@ -74,30 +95,22 @@ fn longest_match<const N: usize, V: Copy>(
 impl Maps {
     /// Inserts an ipcache prefix (the address is masked as the kernel would).
     pub fn insert_prefix(&mut self, addr: IpAddr, prefix_len: u32, entry: IpcacheEntry) {
-        match addr {
-            IpAddr::V4(a) => {
-                self.ipcache_v4
-                    .insert((prefix_len, masked(a.octets(), prefix_len)), entry);
-            }
-            IpAddr::V6(a) => {
-                self.ipcache_v6
-                    .insert((prefix_len, masked(a.octets(), prefix_len)), entry);
-            }
-        }
+        insert_masked(
+            (&mut self.ipcache_v4, &mut self.ipcache_v6),
+            addr,
+            prefix_len,
+            entry,
+        );
     }
 
     /// Inserts a Service frontend prefix (masked as the kernel would).
     pub fn insert_frontend(&mut self, addr: IpAddr, prefix_len: u32, entry: ServiceEntry) {
-        match addr {
-            IpAddr::V4(a) => {
-                self.frontends_v4
-                    .insert((prefix_len, masked(a.octets(), prefix_len)), entry);
-            }
-            IpAddr::V6(a) => {
-                self.frontends_v6
-                    .insert((prefix_len, masked(a.octets(), prefix_len)), entry);
-            }
-        }
+        insert_masked(
+            (&mut self.frontends_v4, &mut self.frontends_v6),
+            addr,
+            prefix_len,
+            entry,
+        );
     }
 
     /// Whether `addr` is a Service frontend or in a Service range: a new

@@ -83,29 +83,11 @@ mod tests {
     use crate::{
         direction,
         endpoint::{ENDPOINT_HAS_V4, EndpointInfo},
-        proto,
+        model::tests::udp_packet as udp,
     };
 
     fn v4(d: u8) -> IpAddr {
         IpAddr::V4(Ipv4Addr::new(10, 244, 1, d))
-    }
-
-    fn udp(direction: u8, src: IpAddr, dst: IpAddr) -> Packet {
-        Packet {
-            ifindex: 7,
-            direction,
-            src,
-            dst,
-            protocol: proto::UDP,
-            sport: 5000,
-            dport: 53,
-            tcp_flags: 0,
-            icmp_type: 0,
-            hop_limit: 64,
-            quoted: None,
-            mark: 0,
-            ingress_ifindex: 0,
-        }
     }
 
     /// A pod at ifindex 7 (10.244.1.5, isolated nowhere) in 10.244.1.0/24,

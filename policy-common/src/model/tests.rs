@@ -159,7 +159,24 @@ fn a_forged_source_opens_nothing() {
     let mut dp = Datapath::new(m);
     let pod = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 5));
     let x = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 9));
-    let pkt = |direction, src, dst| Packet {
+    let pkt = udp_packet;
+    // Sent by the pod with X's source, to itself: spoofed, no flow.
+    assert_eq!(
+        dp.classify(&pkt(direction::EGRESS, x, pod)).reason(),
+        Some(Reason::DropSpoofed)
+    );
+    assert!(dp.flows.is_empty());
+    // So X -> pod is judged as new ingress (isolated, no rule): dropped.
+    assert_eq!(
+        dp.classify(&pkt(direction::INGRESS, x, pod)).reason(),
+        Some(Reason::DropPolicy)
+    );
+}
+
+/// A DNS query of the pod at ifindex 7 in `direction`, from `src` to
+/// `dst`.
+pub(super) fn udp_packet(direction: u8, src: IpAddr, dst: IpAddr) -> Packet {
+    Packet {
         ifindex: 7,
         direction,
         src,
@@ -173,16 +190,5 @@ fn a_forged_source_opens_nothing() {
         quoted: None,
         mark: 0,
         ingress_ifindex: 0,
-    };
-    // Sent by the pod with X's source, to itself: spoofed, no flow.
-    assert_eq!(
-        dp.classify(&pkt(direction::EGRESS, x, pod)).reason(),
-        Some(Reason::DropSpoofed)
-    );
-    assert!(dp.flows.is_empty());
-    // So X -> pod is judged as new ingress (isolated, no rule): dropped.
-    assert_eq!(
-        dp.classify(&pkt(direction::INGRESS, x, pod)).reason(),
-        Some(Reason::DropPolicy)
-    );
+    }
 }
