@@ -215,12 +215,20 @@ impl Drop for Servers {
 /// A capture of every packet entering the calling thread's network
 /// namespace (all interfaces, loopback included).
 fn open_capture() -> std::io::Result<Socket> {
+    // Room for a burst of a whole matrix even if this thread is slow to
+    // run.
+    let s = capture_socket(8 << 20)?;
+    s.set_nonblocking(true)?;
+    Ok(s)
+}
+
+/// A packet socket that sees every packet entering the calling thread's
+/// network namespace, with a receive buffer of `size` bytes
+/// (SO_RCVBUFFORCE needs CAP_NET_ADMIN, which the tests have; without it,
+/// as much as the system's limit allows).
+pub fn capture_socket(size: libc::c_int) -> std::io::Result<Socket> {
     let all = i32::from((libc::ETH_P_ALL as u16).to_be());
     let s = Socket::new(Domain::PACKET, Type::DGRAM, Some(Protocol::from(all)))?;
-    s.set_nonblocking(true)?;
-    // Room for a burst of a whole matrix even if this thread is slow to
-    // run; SO_RCVBUFFORCE needs CAP_NET_ADMIN (the tests have it).
-    let size: libc::c_int = 8 << 20;
     // SAFETY: a valid socket and an int option of the right size.
     let rc = unsafe {
         libc::setsockopt(

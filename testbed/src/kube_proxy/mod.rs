@@ -276,17 +276,7 @@ impl KubeProxy {
                 }
             }
             ProxyMode::Nftables => {
-                if !installed.stale.is_empty()
-                    && feed(
-                        &ns,
-                        "nft",
-                        &["-f", "-"],
-                        &nft::delete_chains(family, &installed.stale),
-                    )
-                    .is_ok()
-                {
-                    installed.stale.clear();
-                }
+                installed.delete_stale(&ns, family);
                 let mut stale: BTreeSet<String> = installed.chains.clone();
                 stale.extend(installed.stale.iter().cloned());
                 let r = nft::render(
@@ -306,17 +296,7 @@ impl KubeProxy {
                 // before 6.2 see a chain as referenced a little longer);
                 // try now, else on the next sync.
                 installed.stale = now_stale;
-                if !installed.stale.is_empty()
-                    && feed(
-                        &ns,
-                        "nft",
-                        &["-f", "-"],
-                        &nft::delete_chains(family, &installed.stale),
-                    )
-                    .is_ok()
-                {
-                    installed.stale.clear();
-                }
+                installed.delete_stale(&ns, family);
             }
             ProxyMode::Ipvs => {
                 if first {
@@ -469,6 +449,24 @@ fn restore_program(family: Family) -> &'static str {
     match family {
         Family::V4 => "iptables-restore",
         Family::V6 => "ip6tables-restore",
+    }
+}
+
+impl Installed {
+    /// nft: deletes the chains flushed as stale; what the kernel still
+    /// sees as referenced is tried again on the next sync.
+    fn delete_stale(&mut self, ns: &NetNs, family: Family) {
+        if !self.stale.is_empty()
+            && feed(
+                ns,
+                "nft",
+                &["-f", "-"],
+                &nft::delete_chains(family, &self.stale),
+            )
+            .is_ok()
+        {
+            self.stale.clear();
+        }
     }
 }
 
