@@ -58,33 +58,20 @@ pub struct Suite {
 /// tests one at a time: the guest has two vCPUs, and tests that share
 /// them under emulation would only stretch each other's deadlines.
 pub const SUITES: &[Suite] = &[
-    Suite {
-        // kube-proxy's IPVS mode (the host has no ip_vs): its tests print
-        // SKIPPED there, and a skip here fails the suite, so the output is
-        // shown.
-        name: "ipvs",
-        prefixes: &["services::ipvs::"],
-        only: &[],
-        skip: &[],
-        nocapture: true,
-        subset: None,
-        timeout: Duration::from_secs(900),
-    },
-    Suite {
-        // The encapsulation tests run IPIP where the kernel has it (the
-        // host has not: they print SKIPPED there, and a skip here fails
-        // the suite, so the output is shown). With them, the pod network
-        // over a GRE tunnel (the host has no GRE): the uplink programs for
-        // a device without a link-layer header. 365 s under TCG at load
-        // 3-4 without the tunnel test.
-        name: "attacker",
-        prefixes: &["attacker::", "services::basics::tunnel::bpf_"],
-        only: &[],
-        skip: &[],
-        nocapture: true,
-        subset: None,
-        timeout: Duration::from_secs(900),
-    },
+    // kube-proxy's IPVS mode (the host has no ip_vs): its tests print
+    // SKIPPED there, and a skip here fails the suite, so the output is
+    // shown.
+    Suite::shown("ipvs", &["services::ipvs::"], 900),
+    // The encapsulation tests run IPIP where the kernel has it (the host
+    // has not: they print SKIPPED there, and a skip here fails the suite,
+    // so the output is shown). With them, the pod network over a GRE
+    // tunnel (the host has no GRE): the uplink programs for a device
+    // without a link-layer header. 781 s under TCG beside another guest.
+    Suite::shown(
+        "attacker",
+        &["attacker::", "services::basics::tunnel::bpf_"],
+        1500,
+    ),
     Suite {
         // The daemon attaching late pods and cutting established flows
         // through the netlink filters; the whole suite takes ~23 minutes
@@ -184,6 +171,19 @@ impl Suite {
             nocapture: false,
             subset: None,
             timeout: Duration::from_secs(timeout_secs),
+        }
+    }
+
+    /// [`Self::module`] with the output shown (a test printing SKIPPED
+    /// fails it).
+    const fn shown(
+        name: &'static str,
+        prefixes: &'static [&'static str],
+        timeout_secs: u64,
+    ) -> Suite {
+        Suite {
+            nocapture: true,
+            ..Suite::module(name, prefixes, timeout_secs)
         }
     }
 
