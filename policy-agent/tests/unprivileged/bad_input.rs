@@ -1002,6 +1002,22 @@ spec:
         pub icmp_type: u8,
     }
 
+    impl<'a> Packet<'a> {
+        /// A DNS query from `src` to `dst`, entering at `in_if` and
+        /// leaving at `out_if`.
+        pub fn dns(in_if: &'a str, out_if: &'a str, src: IpAddr, dst: IpAddr) -> Self {
+            Packet {
+                in_if: Some(in_if),
+                out_if: Some(out_if),
+                src,
+                dst,
+                proto: proto::UDP,
+                dport: 53,
+                icmp_type: 0,
+            }
+        }
+    }
+
     fn in_set(rs: &Ruleset, name: &str, addr: IpAddr) -> bool {
         let Some(set) = rs.sets.get(name) else {
             panic!("a rule names set {name}, which is not rendered");
@@ -1310,15 +1326,7 @@ spec:
                             .filter(move |d| d.is_ipv4() == s.is_ipv4() && *d != s)
                             .map(move |d| (*s, *d))
                     }) {
-                        let p = Packet {
-                            in_if: Some(&ifs[sender]),
-                            out_if: Some(&ifs[dst]),
-                            src,
-                            dst: dst_ip,
-                            proto: proto::UDP,
-                            dport: 53,
-                            icmp_type: 0,
-                        };
+                        let p = Packet::dns(&ifs[sender], &ifs[dst], src, dst_ip);
                         assert!(
                             !passes(&rs, &p),
                             "{sender} sending as {claimed} ({src}) to {dst} passed"
@@ -1339,15 +1347,7 @@ spec:
                         .map(move |d| (*s, *d))
                 }) {
                     for in_if in ["uplink0", "tunnel0"] {
-                        let p = Packet {
-                            in_if: Some(in_if),
-                            out_if: Some(&ifs[dst]),
-                            src,
-                            dst: dst_ip,
-                            proto: proto::UDP,
-                            dport: 53,
-                            icmp_type: 0,
-                        };
+                        let p = Packet::dns(in_if, &ifs[dst], src, dst_ip);
                         assert!(
                             !passes(&rs, &p),
                             "{claimed}'s {src} from {in_if} to {dst} passed"

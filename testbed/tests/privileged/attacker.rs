@@ -37,6 +37,21 @@ fn pod(name: &str, i: u8) -> PodSpec {
 /// The victim takes UDP 9000 and TCP 9001 from the trusted pod only; the
 /// attacker may send anywhere (its egress is not isolated).
 fn setup(prefix: &'static str, backend: Backend) -> Conformance {
+    cluster(
+        prefix,
+        backend,
+        vec![pod("attacker", 11), pod("victim", 12), pod("trusted", 13)],
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: victim, namespace: t}\nspec:\n  podSelector: {matchLabels: {app: victim}}\n  ingress:\n    - from: [{podSelector: {matchLabels: {app: trusted}}}]\n      ports: [{protocol: UDP, port: 9000}, {protocol: TCP, port: 9001}]\n",
+    )
+}
+
+/// Namespace `t` (labelled team=t) holding `pods`, `policies` applied.
+fn cluster(
+    prefix: &'static str,
+    backend: Backend,
+    pods: Vec<PodSpec>,
+    policies: &str,
+) -> Conformance {
     let c = Conformance::with_cluster(
         prefix,
         backend,
@@ -44,11 +59,9 @@ fn setup(prefix: &'static str, backend: Backend) -> Conformance {
             name: "t".into(),
             labels: labels(&[("team", "t")]),
         }],
-        vec![pod("attacker", 11), pod("victim", 12), pod("trusted", 13)],
+        pods,
     );
-    c.write_policies(
-        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: victim, namespace: t}\nspec:\n  podSelector: {matchLabels: {app: victim}}\n  ingress:\n    - from: [{podSelector: {matchLabels: {app: trusted}}}]\n      ports: [{protocol: UDP, port: 9000}, {protocol: TCP, port: 9001}]\n",
-    );
+    c.write_policies(policies);
     c.apply_ok();
     c
 }
@@ -355,23 +368,17 @@ fn node_traffic_policies(attacker_egress: &str) -> String {
 }
 
 fn setup_node_traffic(prefix: &'static str, backend: Backend) -> Conformance {
-    let c = Conformance::with_cluster(
+    cluster(
         prefix,
         backend,
-        vec![NsSpec {
-            name: "t".into(),
-            labels: labels(&[("team", "t")]),
-        }],
         vec![
             pod("attacker", 11),
             pod("victim", 12),
             pod("trusted", 13),
             pod("free", 14),
         ],
-    );
-    c.write_policies(&node_traffic_policies(""));
-    c.apply_ok();
-    c
+        &node_traffic_policies(""),
+    )
 }
 
 /// Neighbour-discovery types with hop limit 255 between global addresses

@@ -97,12 +97,7 @@ fn suite(prefix: &'static str, backend: Backend) {
         // `dump` shows the ranges and whose addresses are enforced.
         let d = c.dump();
         assert_eq!(d["catchall_on"], true);
-        let ranges: Vec<&str> = d["pod_ranges"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| r.as_str().unwrap())
-            .collect();
+        let ranges = dumped_ranges(&d);
         assert!(
             ranges.contains(&"10.244.9.0/24") && ranges.contains(&"fd00:244:9::/64"),
             "{ranges:?}"
@@ -287,12 +282,7 @@ fn node_read_fails_at_start(prefix: &'static str, backend: Backend) {
     if matches!(backend, Backend::Bpf) {
         let d = c.dump();
         assert_eq!(d["catchall_on"], true, "the guard stays armed");
-        let ranges: Vec<&str> = d["pod_ranges"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| r.as_str().unwrap())
-            .collect();
+        let ranges = dumped_ranges(&d);
         assert_eq!(ranges, POD_CIDRS, "the pinned ranges stay");
     }
     check_unknown(&c, "restarted, the Node unreadable");
@@ -325,4 +315,14 @@ fn an_unenforced_pod_gets_nothing_in_or_out_bpf() {
 #[test]
 fn an_unenforced_pod_gets_nothing_in_or_out_iptables() {
     suite("cai", Backend::Iptables);
+}
+
+/// The pod ranges `dump` shows.
+fn dumped_ranges(dump: &serde_json::Value) -> Vec<&str> {
+    dump["pod_ranges"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_str().unwrap())
+        .collect()
 }
