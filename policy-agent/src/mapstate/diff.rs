@@ -39,7 +39,9 @@
 //!    addresses would have met those stale allows under their new entry,
 //!    allowed by neither state (a transient opening the property test
 //!    found). Held back, they keep what they resolved to a little longer:
-//!    at worst a flow is denied in between, never allowed;
+//!    at worst a flow is denied in between, never allowed. Removals whose
+//!    addresses fall to a covering class that loses allows wait likewise,
+//!    after the held-back entries;
 //! 7. identity names and Service frontends removed;
 //! 8. new revisions of existing endpoints (step 3 writes them with their
 //!    old revision): conntrack entries are judged again only once the maps
@@ -110,6 +112,9 @@ pub struct Writes<K> {
     /// longest shorter prefix then; none: nobody).
     pub ipcache_covering_old: BTreeMap<IpNet, IpcacheEntry>,
     pub ipcache_removals: Vec<IpNet>,
+    /// For every removed entry, what its prefix resolves to after it (the
+    /// longest shorter prefix of the new state; none: nobody).
+    pub ipcache_covering_new: BTreeMap<IpNet, IpcacheEntry>,
     pub service_upserts: Vec<(IpNet, ServiceEntry)>,
     pub service_removals: Vec<IpNet>,
 }
@@ -127,7 +132,8 @@ impl<K> Writes<K> {
             ipcache_upserts,
             ipcache_old,
             ipcache_covering_old,
-            mut ipcache_removals,
+            ipcache_removals,
+            ipcache_covering_new,
             service_upserts,
             service_removals,
         } = self;
@@ -212,11 +218,24 @@ impl<K> Writes<K> {
                 .into_iter()
                 .map(|(k, v)| MapOp::UpsertIpcache(k, v)),
         );
+        // A removal hands its addresses to the prefix covering it; when
+        // that class loses allows in this change, the removal waits for
+        // the policy removals like the late upserts (the property test
+        // found the opening: `0.0.0.0/0 except 10.0.0.0/8` on port 53
+        // becoming `0.0.0.0/0` on port 80 admitted 10.0.0.9:53 in between).
+        let (mut late_removals, mut ipcache_removals): (Vec<_>, Vec<_>) =
+            ipcache_removals.into_iter().partition(|net| {
+                ipcache_covering_new
+                    .get(net)
+                    .is_some_and(|cover| names_any(cover, &losing))
+            });
         ipcache_removals.sort_by_key(IpNet::prefix_len);
         ops.extend(ipcache_removals.into_iter().map(MapOp::DeleteIpcache));
         ops.extend(policy_removals.into_iter().map(MapOp::DeletePolicy));
         late.sort_by_key(|(net, _)| std::cmp::Reverse(net.prefix_len()));
         ops.extend(late.into_iter().map(|(k, v)| MapOp::UpsertIpcache(k, v)));
+        late_removals.sort_by_key(IpNet::prefix_len);
+        ops.extend(late_removals.into_iter().map(MapOp::DeleteIpcache));
         ops.extend(identity_removals.into_iter().map(MapOp::DeleteIdentity));
         ops.extend(service_removals.into_iter().map(MapOp::DeleteService));
         ops
@@ -310,6 +329,9 @@ pub fn diff<K: Ord + Clone>(old: &MapState<K>, new: &MapState<K>) -> Vec<MapOp<K
             .filter_map(|k| covering(k, |n| old.ipcache.get(n).copied()).map(|c| (*k, c)))
             .collect(),
         ipcache_removals: removals(&old.ipcache, &new.ipcache).collect(),
+        ipcache_covering_new: removals(&old.ipcache, &new.ipcache)
+            .filter_map(|k| covering(&k, |n| new.ipcache.get(n).copied()).map(|c| (k, c)))
+            .collect(),
         service_upserts: upserts(&old.services, &new.services).collect(),
         service_removals: removals(&old.services, &new.services).collect(),
     };

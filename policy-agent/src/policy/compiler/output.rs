@@ -111,7 +111,7 @@ impl Output {
                     key,
                     PolicyEntry {
                         rule_ref,
-                        _reserved: 0,
+                        ..PolicyEntry::default()
                     },
                 );
                 self.count(&key, 1);
@@ -295,6 +295,10 @@ impl Output {
             .filter_map(|(k, _)| covering(k, was).map(|c| (*k, c)))
             .collect();
         let (ipcache_upserts, ipcache_removals) = split(&self.maps.ipcache, ipcache_journal);
+        let ipcache_covering_new = ipcache_removals
+            .iter()
+            .filter_map(|k| covering(k, |n| self.maps.ipcache.get(n).copied()).map(|c| (*k, c)))
+            .collect();
         let (service_upserts, service_removals) =
             split(&self.maps.services, self.journal_services.take());
         Writes {
@@ -308,6 +312,7 @@ impl Output {
             ipcache_old,
             ipcache_covering_old,
             ipcache_removals,
+            ipcache_covering_new,
             service_upserts,
             service_removals,
         }

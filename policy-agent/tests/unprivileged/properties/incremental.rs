@@ -240,7 +240,7 @@ fn steps() -> impl Strategy<Value = Vec<(u8, usize)>> {
 
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: 300,
+        cases: super::cases(300),
         // Beside this file (a test binary's module has no src/ for the
         // default to find).
         failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("proptest-regressions"))),
