@@ -1,6 +1,9 @@
 //! Rebuild when the bpf-linker binary changes (it is an undeclared build
-//! input: cargo cannot see it otherwise).
+//! input: cargo cannot see it otherwise), and keep the policy probe a
+//! global function.
 fn main() {
+    // Kept global, so the verifier checks it once (see its comment).
+    println!("cargo:rustc-link-arg=--export=probe_peer");
     if let Ok(linker) = which::which("bpf-linker") {
         println!("cargo:rerun-if-changed={}", linker.display());
     }

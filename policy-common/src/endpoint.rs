@@ -6,6 +6,13 @@ pub const ENDPOINT_INGRESS_ISOLATED: u32 = 1 << 0;
 /// The pod is isolated for egress: it may reach only allowed peers.
 pub const ENDPOINT_EGRESS_ISOLATED: u32 = 1 << 1;
 
+/// Some ClusterNetworkPolicy rule of either tier applies to traffic
+/// reaching the pod: its policy entries carry tier verdicts, and a new
+/// flow is judged by all of them (see [`crate::policy::Tiers`]).
+pub const ENDPOINT_INGRESS_TIERED: u32 = 1 << 4;
+/// The same for traffic the pod sends.
+pub const ENDPOINT_EGRESS_TIERED: u32 = 1 << 5;
+
 /// [`EndpointInfo::ipv4`] holds the pod's IPv4 address.
 pub const ENDPOINT_HAS_V4: u32 = 1 << 2;
 /// [`EndpointInfo::ipv6`] holds the pod's IPv6 address.
@@ -62,7 +69,7 @@ pub struct EndpointInfo {
 assert_size!(EndpointInfo, 48);
 
 impl EndpointInfo {
-    /// Whether the pod is isolated in `direction`.
+    /// Whether a NetworkPolicy isolates the pod in `direction`.
     #[inline(always)]
     pub const fn isolated(&self, direction: u8) -> bool {
         let bit = if direction == crate::direction::INGRESS {
@@ -71,6 +78,24 @@ impl EndpointInfo {
             ENDPOINT_EGRESS_ISOLATED
         };
         self.flags & bit != 0
+    }
+
+    /// Whether ClusterNetworkPolicy rules apply to the pod in `direction`.
+    #[inline(always)]
+    pub const fn tiered(&self, direction: u8) -> bool {
+        let bit = if direction == crate::direction::INGRESS {
+            ENDPOINT_INGRESS_TIERED
+        } else {
+            ENDPOINT_EGRESS_TIERED
+        };
+        self.flags & bit != 0
+    }
+
+    /// Whether a new flow in `direction` is judged by policy at all (a
+    /// NetworkPolicy isolates the pod, or a ClusterNetworkPolicy applies).
+    #[inline(always)]
+    pub const fn judged(&self, direction: u8) -> bool {
+        self.isolated(direction) || self.tiered(direction)
     }
 
     /// Whether `addr` (a 16-byte field, IPv4 in its first 4 bytes) of
@@ -106,10 +131,15 @@ impl EndpointInfo {
     }
 
     /// Whether connections of this endpoint are tracked: only where an
-    /// entry decides something (the pod is isolated in some direction).
+    /// entry decides something (the pod is judged in some direction).
     #[inline(always)]
     pub const fn tracks(&self) -> bool {
-        self.flags & (ENDPOINT_INGRESS_ISOLATED | ENDPOINT_EGRESS_ISOLATED) != 0
+        self.flags
+            & (ENDPOINT_INGRESS_ISOLATED
+                | ENDPOINT_EGRESS_ISOLATED
+                | ENDPOINT_INGRESS_TIERED
+                | ENDPOINT_EGRESS_TIERED)
+            != 0
     }
 
     /// The lookup bits for `direction`.

@@ -6,8 +6,16 @@
 //! lengths present for the endpoint (see
 //! [`crate::endpoint::lookups`]), so its cost is bounded by the shapes in
 //! use, never by the number of entries. NetworkPolicy has no deny rules:
-//! any hit allows.
-use crate::assert_size;
+//! for an endpoint only NetworkPolicies judge, any hit allows.
+//!
+//! ClusterNetworkPolicy rules are resolved in userspace into the same
+//! keys: an entry also carries, per tier, the rule of highest precedence
+//! among those matching its key ([`TierSlot`]). For an endpoint with tier
+//! entries ([`crate::endpoint::EndpointInfo::tiered`]) the classifier
+//! probes every shape, keeps per tier the slot of highest precedence, and
+//! decides with [`Tiers::decide`]: still a bounded number of lookups,
+//! whatever the number of policies or priorities.
+use crate::{assert_size, verdict::Reason};
 
 /// Key of the `POLICY` map.
 ///
@@ -39,12 +47,144 @@ assert_size!(PolicyKey, 16);
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct PolicyEntry {
-    /// Agent-chosen reference to the rule that produced the entry (for
-    /// debugging; the kernel does not read it).
+    /// Agent-chosen reference to the NetworkPolicy rule that produced the
+    /// entry (for debugging; the kernel does not read it).
     pub rule_ref: u32,
-    pub _reserved: u32,
+    /// [`ENTRY_TIERS_ONLY`].
+    pub flags: u32,
+    /// The Admin-tier rule of highest precedence matching this key.
+    pub admin: TierSlot,
+    /// The Baseline-tier rule of highest precedence matching this key.
+    pub baseline: TierSlot,
 }
-assert_size!(PolicyEntry, 8);
+assert_size!(PolicyEntry, 16);
+
+/// The entry exists only for its tier slots: no NetworkPolicy rule allows
+/// its key. (Zero, the default, is a NetworkPolicy allow.)
+pub const ENTRY_TIERS_ONLY: u32 = 1 << 0;
+
+/// A ClusterNetworkPolicy action.
+pub mod action {
+    /// "Accepts the selected traffic, including replies to that traffic
+    /// and related ICMP traffic."
+    pub const ACCEPT: u32 = 1;
+    /// "Drops the selected traffic."
+    pub const DENY: u32 = 2;
+    /// "Skips all further ClusterNetworkPolicy rules in the current tier
+    /// for the selected traffic, and passes evaluation to the next tier."
+    pub const PASS: u32 = 3;
+}
+
+/// One tier's verdict in an entry: 0 when no rule of the tier matches the
+/// key, else `(MAX_RANK + 1 - rank) << 2 | action`. The rank orders every
+/// rule of the tier in the cluster (priority, then policy, then the rule's
+/// place in it), from 1; a lower rank has higher precedence, so the
+/// greatest slot of all the entries a packet matches is the rule that
+/// decides it (and no rule at all, 0, loses to any).
+#[repr(transparent)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct TierSlot(pub u32);
+
+impl TierSlot {
+    pub const NONE: Self = Self(0);
+    /// The highest rank a slot can hold.
+    pub const MAX_RANK: u32 = (u32::MAX >> 2) - 1;
+
+    /// The slot of rule `rank` (1..=MAX_RANK) with `action`.
+    #[inline(always)]
+    pub const fn new(rank: u32, action: u32) -> Self {
+        Self(((Self::MAX_RANK + 1 - rank) << 2) | (action & 3))
+    }
+
+    #[inline(always)]
+    pub const fn is_none(self) -> bool {
+        self.0 == 0
+    }
+
+    /// The rule's rank (0 for none).
+    #[inline(always)]
+    pub const fn rank(self) -> u32 {
+        if self.0 == 0 {
+            0
+        } else {
+            Self::MAX_RANK + 1 - (self.0 >> 2)
+        }
+    }
+
+    #[inline(always)]
+    pub const fn action(self) -> u32 {
+        self.0 & 3
+    }
+
+    /// The slot of higher precedence: the greater, computed without a
+    /// branch (the classifier folds many entries; every branch there
+    /// multiplies the verifier's work).
+    #[inline(always)]
+    pub const fn best(self, other: Self) -> Self {
+        let (a, b) = (self.0 as i64, other.0 as i64);
+        // All ones when a < b: both fit in 32 bits, so a - b is negative
+        // exactly then.
+        let take_b = ((a - b) >> 63) as u64;
+        Self((a as u64 ^ ((a as u64 ^ b as u64) & take_b)) as u32)
+    }
+}
+
+/// What every entry a new flow matches says together: the best slot of
+/// each tier, and whether some NetworkPolicy rule allows it (non-zero).
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tiers {
+    pub admin: TierSlot,
+    pub baseline: TierSlot,
+    pub network_policy: u32,
+}
+
+impl Tiers {
+    /// Folds one matching entry in.
+    #[inline(always)]
+    pub fn add(&mut self, entry: &PolicyEntry) {
+        self.admin = self.admin.best(entry.admin);
+        self.baseline = self.baseline.best(entry.baseline);
+        // Branch-free, as `best`.
+        self.network_policy |= !entry.flags & ENTRY_TIERS_ONLY;
+    }
+
+    /// The decision, tier by tier, for an endpoint a NetworkPolicy
+    /// isolates in this direction (`isolated`) or not:
+    ///
+    /// "Policy tiers are evaluated in the following order: Admin tier,
+    /// NetworkPolicy tier, Baseline tier. [...] If Admin tier has made a
+    /// final decision (Accept or Deny) on a connection, then no further
+    /// evaluation is done. [...] v1.NetworkPolicy always makes a final
+    /// decision for selected pods. Further evaluation only happens for
+    /// Pods not selected by a v1.NetworkPolicy. [...] If a given
+    /// connection wasn't allowed or denied by any of the tiers, the
+    /// default kubernetes policy is applied, which says that all pods can
+    /// communicate with each other."
+    #[inline(always)]
+    pub const fn decide(&self, isolated: bool) -> Reason {
+        match self.admin.action() {
+            action::ACCEPT if !self.admin.is_none() => return Reason::AllowAdminTier,
+            action::DENY if !self.admin.is_none() => return Reason::DropAdminTier,
+            // Pass (or no Admin rule): the NetworkPolicy tier.
+            _ => {}
+        }
+        if isolated {
+            return if self.network_policy != 0 {
+                Reason::AllowPolicy
+            } else {
+                Reason::DropPolicy
+            };
+        }
+        match self.baseline.action() {
+            action::ACCEPT if !self.baseline.is_none() => Reason::AllowBaselineTier,
+            action::DENY if !self.baseline.is_none() => Reason::DropBaselineTier,
+            // Pass, or nothing matched: the default.
+            _ => Reason::AllowNotIsolated,
+        }
+    }
+}
 
 /// The mask keeping the top `len` bits of a port.
 #[inline(always)]

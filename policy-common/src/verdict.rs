@@ -29,6 +29,10 @@ pub enum Reason {
     /// To a Service frontend: passed on, judged after DNAT where the
     /// backend is known.
     PassService = 12,
+    /// An Admin-tier ClusterNetworkPolicy rule accepted a new flow.
+    AllowAdminTier = 13,
+    /// A Baseline-tier ClusterNetworkPolicy rule accepted a new flow.
+    AllowBaselineTier = 14,
     /// No policy entry allows the flow.
     DropPolicy = 32,
     /// A tracked flow judged again after a policy change, and denied.
@@ -43,6 +47,10 @@ pub enum Reason {
     /// no enforced endpoint holds yet: a pod whose veth the agent has not
     /// attached to (see `policy_common::pod_range_guard`).
     DropUnenforced = 37,
+    /// An Admin-tier ClusterNetworkPolicy rule denied a new flow.
+    DropAdminTier = 38,
+    /// A Baseline-tier ClusterNetworkPolicy rule denied a new flow.
+    DropBaselineTier = 39,
     /// Not a verdict: a drop event lost because the ring buffer was full.
     EventLost = 48,
     /// Not a verdict: a conntrack entry could not be created.
@@ -72,7 +80,7 @@ pub const fn counter_index(reason: Reason, direction: u8) -> u32 {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 22] = [
+    pub const ALL: [Reason; 26] = [
         Reason::AllowPolicy,
         Reason::AllowEstablished,
         Reason::AllowReply,
@@ -83,6 +91,8 @@ impl Reason {
         Reason::AllowNonIp,
         Reason::AllowNeighborDiscovery,
         Reason::AllowFragment,
+        Reason::AllowAdminTier,
+        Reason::AllowBaselineTier,
         Reason::PassNoEndpoint,
         Reason::PassService,
         Reason::DropPolicy,
@@ -91,6 +101,8 @@ impl Reason {
         Reason::DropFragmentUnknown,
         Reason::DropSpoofed,
         Reason::DropUnenforced,
+        Reason::DropAdminTier,
+        Reason::DropBaselineTier,
         Reason::EventLost,
         Reason::CtCreateFailed,
         Reason::CtMidstreamMiss,
@@ -110,6 +122,19 @@ impl Reason {
         (self as u8) < FIRST_EVENT
     }
 
+    /// Whether a new flow judged by policy with this reason is admitted
+    /// (and may open a conntrack entry).
+    #[inline(always)]
+    pub const fn admits_new_flow(self) -> bool {
+        matches!(
+            self,
+            Reason::AllowPolicy
+                | Reason::AllowNotIsolated
+                | Reason::AllowAdminTier
+                | Reason::AllowBaselineTier
+        )
+    }
+
     /// Decodes a reason byte (from an event or a counter index).
     pub const fn from_u8(v: u8) -> Option<Self> {
         Some(match v {
@@ -125,12 +150,16 @@ impl Reason {
             10 => Reason::AllowFragment,
             11 => Reason::PassNoEndpoint,
             12 => Reason::PassService,
+            13 => Reason::AllowAdminTier,
+            14 => Reason::AllowBaselineTier,
             32 => Reason::DropPolicy,
             33 => Reason::DropPolicyChanged,
             34 => Reason::DropMalformed,
             35 => Reason::DropFragmentUnknown,
             36 => Reason::DropSpoofed,
             37 => Reason::DropUnenforced,
+            38 => Reason::DropAdminTier,
+            39 => Reason::DropBaselineTier,
             48 => Reason::EventLost,
             49 => Reason::CtCreateFailed,
             50 => Reason::CtMidstreamMiss,
@@ -154,12 +183,16 @@ impl Reason {
             Reason::AllowFragment => "allow_fragment",
             Reason::PassNoEndpoint => "pass_no_endpoint",
             Reason::PassService => "pass_service",
+            Reason::AllowAdminTier => "allow_admin_tier",
+            Reason::AllowBaselineTier => "allow_baseline_tier",
             Reason::DropPolicy => "drop_policy",
             Reason::DropPolicyChanged => "drop_policy_changed",
             Reason::DropMalformed => "drop_malformed",
             Reason::DropFragmentUnknown => "drop_fragment_unknown",
             Reason::DropSpoofed => "drop_spoofed",
             Reason::DropUnenforced => "drop_unenforced",
+            Reason::DropAdminTier => "drop_admin_tier",
+            Reason::DropBaselineTier => "drop_baseline_tier",
             Reason::EventLost => "event_lost",
             Reason::CtCreateFailed => "ct_create_failed",
             Reason::CtMidstreamMiss => "ct_midstream_miss",

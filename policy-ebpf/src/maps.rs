@@ -16,7 +16,7 @@ use policy_common::{
     ipcache::{IpcacheEntry, Ipv4Bytes, Ipv6Bytes},
     maps::capacity,
     pod_range_guard::LocalAddr,
-    policy::{PolicyEntry, PolicyKey},
+    policy::{PolicyEntry, PolicyKey, Tiers},
     service::{ServiceAddr, ServiceEntry, ServiceFlow, ServiceFlowKey},
     verdict::COUNTER_SLOTS,
 };
@@ -34,6 +34,11 @@ pub struct Scratch {
     pub ct: CtKey,
     pub frag: FragKey,
     pub flow: ServiceFlowKey,
+    /// What the policy entries of a new flow say, tier by tier (kept here,
+    /// not on the stack: in map memory the verifier does not follow each
+    /// probe's outcome into the next, so the states of the probe loop
+    /// prune).
+    pub tiers: Tiers,
 }
 
 #[btf_map]

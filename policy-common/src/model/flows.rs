@@ -333,7 +333,7 @@ impl Datapath {
         }
         // To a Service frontend: the backend is chosen after this hook.
         if pkt.direction == direction::EGRESS
-            && ep.isolated(direction::EGRESS)
+            && ep.judged(direction::EGRESS)
             && proto::has_ports(pkt.protocol)
             && self.maps.is_frontend(pkt.dst)
         {
@@ -342,10 +342,7 @@ impl Datapath {
         let judged =
             self.maps
                 .judge_as(&ep, pkt.direction, pkt.peer(), pkt.protocol, port, peer_of);
-        let allowed = matches!(
-            judged.reason,
-            Reason::AllowPolicy | Reason::AllowNotIsolated
-        );
+        let allowed = judged.reason.admits_new_flow();
         // Only what the pod sent, or received at its own address, opens a
         // flow; and never a TCP packet without SYN (a mid-stream packet
         // cannot say who opened the connection: the pod answering a

@@ -10,7 +10,7 @@ use crate::{
     endpoint::{ENDPOINT_HAS_V4, ENDPOINT_HAS_V6, EndpointInfo, lookups},
     identity,
     ipcache::IpcacheEntry,
-    policy::{PolicyEntry, PolicyKey},
+    policy::{ENTRY_TIERS_ONLY, PolicyEntry, PolicyKey, Tiers},
     proto,
     service::ServiceEntry,
     verdict::Reason,
@@ -245,16 +245,43 @@ impl Maps {
             matched,
             peer,
         };
-        if !ep.isolated(dir) {
+        if !ep.judged(dir) {
             return verdict(Reason::AllowNotIsolated, None);
         }
-        for peer_id in Self::peers_to_probe(ep, dir, peer) {
-            for key in Self::probes_for_peer(ep, dir, peer_id, protocol, port) {
+        let probes = Self::peers_to_probe(ep, dir, peer)
+            .into_iter()
+            .flat_map(|peer_id| Self::probes_for_peer(ep, dir, peer_id, protocol, port));
+        if !ep.tiered(dir) {
+            // NetworkPolicy alone: any hit allows.
+            for key in probes {
                 if self.policy.contains_key(&key) {
                     return verdict(Reason::AllowPolicy, Some(key));
                 }
             }
+            return verdict(Reason::DropPolicy, None);
         }
-        verdict(Reason::DropPolicy, None)
+        // Every shape is probed; each tier keeps its best slot.
+        let hits: Vec<(PolicyKey, PolicyEntry)> = probes
+            .filter_map(|key| self.policy.get(&key).map(|e| (key, *e)))
+            .collect();
+        let mut tiers = Tiers::default();
+        for (_, entry) in &hits {
+            tiers.add(entry);
+        }
+        let reason = tiers.decide(ep.isolated(dir));
+        // The entry that decided: the winning tier slot's, or the first
+        // NetworkPolicy allow.
+        let matched = hits.iter().find_map(|(key, e)| {
+            let decided = match reason {
+                Reason::AllowAdminTier | Reason::DropAdminTier => e.admin == tiers.admin,
+                Reason::AllowBaselineTier | Reason::DropBaselineTier => {
+                    e.baseline == tiers.baseline
+                }
+                Reason::AllowPolicy => e.flags & ENTRY_TIERS_ONLY == 0,
+                _ => false,
+            };
+            decided.then_some(*key)
+        });
+        verdict(reason, matched)
     }
 }

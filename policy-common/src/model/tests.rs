@@ -192,3 +192,169 @@ pub(super) fn udp_packet(direction: u8, src: IpAddr, dst: IpAddr) -> Packet {
         ingress_ifindex: 0,
     }
 }
+
+/// Tier decisions, one packet against two entries: the wildcard peer's
+/// (any protocol) and the peer's own (TCP 80). Each row: Admin slots,
+/// Baseline slots, NetworkPolicy allow in the peer's entry, whether a
+/// NetworkPolicy isolates the pod, and the verdict.
+#[test]
+fn tiers_decide_in_order() {
+    use crate::endpoint::ENDPOINT_INGRESS_TIERED;
+    use crate::policy::{ENTRY_TIERS_ONLY, TierSlot, action::*};
+    let none = TierSlot::NONE;
+    let s = TierSlot::new;
+    type Row = (
+        (TierSlot, TierSlot),
+        (TierSlot, TierSlot),
+        bool,
+        bool,
+        Reason,
+    );
+    let rows: [Row; 12] = [
+        // Nothing matches in any tier: the default, or NetworkPolicy.
+        (
+            (none, none),
+            (none, none),
+            false,
+            false,
+            Reason::AllowNotIsolated,
+        ),
+        ((none, none), (none, none), false, true, Reason::DropPolicy),
+        ((none, none), (none, none), true, true, Reason::AllowPolicy),
+        // The Admin rule of lower rank decides, wherever it is.
+        (
+            (s(2, DENY), s(1, ACCEPT)),
+            (none, none),
+            false,
+            true,
+            Reason::AllowAdminTier,
+        ),
+        (
+            (s(1, DENY), s(2, ACCEPT)),
+            (none, none),
+            true,
+            false,
+            Reason::DropAdminTier,
+        ),
+        // Pass skips the rest of the Admin tier, even a Deny behind it.
+        (
+            (s(3, DENY), s(1, PASS)),
+            (none, none),
+            true,
+            true,
+            Reason::AllowPolicy,
+        ),
+        (
+            (s(3, DENY), s(1, PASS)),
+            (none, none),
+            false,
+            true,
+            Reason::DropPolicy,
+        ),
+        // Not isolated: the Baseline tier decides.
+        (
+            (s(1, PASS), none),
+            (s(2, DENY), s(1, ACCEPT)),
+            false,
+            false,
+            Reason::AllowBaselineTier,
+        ),
+        (
+            (none, none),
+            (s(1, DENY), s(2, ACCEPT)),
+            false,
+            false,
+            Reason::DropBaselineTier,
+        ),
+        // A Baseline Pass is the default.
+        (
+            (none, none),
+            (s(1, PASS), s(2, DENY)),
+            false,
+            false,
+            Reason::AllowNotIsolated,
+        ),
+        // NetworkPolicy isolation overrides the Baseline tier.
+        (
+            (none, none),
+            (s(1, DENY), none),
+            true,
+            true,
+            Reason::AllowPolicy,
+        ),
+        (
+            (none, none),
+            (s(1, ACCEPT), none),
+            false,
+            true,
+            Reason::DropPolicy,
+        ),
+    ];
+    let peer = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 9));
+    let peer_id = 400;
+    for (i, ((admin_any, admin_own), (base_any, base_own), np, isolated, want)) in
+        rows.into_iter().enumerate()
+    {
+        let mut m = Maps::default();
+        m.insert_prefix(
+            peer,
+            32,
+            IpcacheEntry {
+                identity: peer_id,
+                cidr_identity: identity::WORLD,
+            },
+        );
+        let mut e = ep(
+            300,
+            lookups::port_prefix(16) | lookups::ANY_PROTOCOL | lookups::ANY_PEER,
+        );
+        e.flags = ENDPOINT_HAS_V4 | ENDPOINT_INGRESS_TIERED;
+        if isolated {
+            e.flags |= ENDPOINT_INGRESS_ISOLATED;
+        }
+        let tiers_only = |np: bool| if np { 0 } else { ENTRY_TIERS_ONLY };
+        m.policy.insert(
+            PolicyKey::new(300, direction::INGRESS, identity::ANY, proto::ANY, 0, 0),
+            PolicyEntry {
+                rule_ref: 0,
+                flags: ENTRY_TIERS_ONLY,
+                admin: admin_any,
+                baseline: base_any,
+            },
+        );
+        m.policy.insert(
+            PolicyKey::new(300, direction::INGRESS, peer_id, proto::TCP, 16, 80),
+            PolicyEntry {
+                rule_ref: 0,
+                flags: tiers_only(np),
+                admin: admin_own,
+                baseline: base_own,
+            },
+        );
+        let got = m.judge(&e, direction::INGRESS, peer, proto::TCP, 80).reason;
+        assert_eq!(got, want, "row {i}");
+        // Another port meets only the wildcard entry.
+        let other = m.judge(&e, direction::INGRESS, peer, proto::TCP, 81).reason;
+        let mut alone = crate::policy::Tiers::default();
+        alone.add(
+            &m.policy[&PolicyKey::new(300, direction::INGRESS, identity::ANY, proto::ANY, 0, 0)],
+        );
+        assert_eq!(other, alone.decide(isolated), "row {i}, port 81");
+    }
+}
+
+#[test]
+fn tier_slots_order_by_rank_without_branches() {
+    use crate::policy::{TierSlot, action::*};
+    let a = TierSlot::new(1, DENY);
+    let b = TierSlot::new(7, ACCEPT);
+    assert_eq!(a.best(b), a);
+    assert_eq!(b.best(a), a);
+    assert_eq!(TierSlot::NONE.best(b), b);
+    assert_eq!(b.best(TierSlot::NONE), b);
+    assert_eq!(a.rank(), 1);
+    assert_eq!(b.action(), ACCEPT);
+    let last = TierSlot::new(TierSlot::MAX_RANK, PASS);
+    assert_eq!(last.rank(), TierSlot::MAX_RANK);
+    assert_eq!(last.best(TierSlot::NONE), last);
+}

@@ -241,8 +241,7 @@ fn decide(
     }
     // To a Service frontend: the backend is chosen after us (DNAT), so the
     // egress is judged there.
-    if dir == direction::EGRESS && ep.isolated(direction::EGRESS) && proto::has_ports(pkt.protocol)
-    {
+    if dir == direction::EGRESS && ep.judged(direction::EGRESS) && proto::has_ports(pkt.protocol) {
         if is_frontend(pkt.family, &pkt.dst) {
             return (defer(s, ifindex, ep, now), unknown);
         }
@@ -262,11 +261,7 @@ fn decide(
     // in its own name (the peer's packets then pass as replies). Such a
     // flow is judged packet by packet both ways.
     let opens = dir == direction::EGRESS || ep.owns(pkt.family, &pkt.dst);
-    if (reason == Reason::AllowPolicy || reason == Reason::AllowNotIsolated)
-        && lookups != 0
-        && opens
-        && !midstream
-    {
+    if reason.admits_new_flow() && lookups != 0 && opens && !midstream {
         let mut flags = 0;
         if pkt.protocol == proto::TCP {
             if syn_only(pkt) {

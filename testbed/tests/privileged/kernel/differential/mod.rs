@@ -11,10 +11,13 @@ use policy_agent::datapath::bpf::{conntrack_share, pins::Hook};
 use policy_common::{
     conntrack_share::{CT_USAGE_OPENED, CtUsageKey},
     direction,
-    endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED},
+    endpoint::{
+        ENDPOINT_EGRESS_ISOLATED, ENDPOINT_EGRESS_TIERED, ENDPOINT_INGRESS_ISOLATED,
+        ENDPOINT_INGRESS_TIERED,
+    },
     identity::{ANY, FIRST_CIDR, NODE, WORLD},
     model::{self, Datapath},
-    policy::PolicyKey,
+    policy::{ENTRY_TIERS_ONLY, PolicyEntry, PolicyKey, TierSlot, action},
     proto,
     verdict::Reason::CtShareFull,
 };
@@ -90,7 +93,18 @@ fn random_state(h: &mut Harness, rng: &mut StdRng) {
         ENDPOINT_EGRESS_ISOLATED,
         ENDPOINT_INGRESS_ISOLATED | ENDPOINT_EGRESS_ISOLATED,
     ];
-    h.endpoint(me, *flags.choose(rng).unwrap(), 1);
+    // ClusterNetworkPolicy rules apply now and then, in either direction.
+    let tiered = [
+        0,
+        ENDPOINT_INGRESS_TIERED,
+        ENDPOINT_EGRESS_TIERED,
+        ENDPOINT_INGRESS_TIERED | ENDPOINT_EGRESS_TIERED,
+    ];
+    h.endpoint(
+        me,
+        *flags.choose(rng).unwrap() | *tiered.choose(rng).unwrap(),
+        1,
+    );
     h.ipcache("10.0.0.10/32", me, WORLD);
     h.ipcache("fd00::10/128", me, WORLD);
     h.endpoint_at(
@@ -167,9 +181,50 @@ fn random_state(h: &mut Harness, rng: &mut StdRng) {
             let len = *[16u8, 16, 16, 14, 13, 8, 0].choose(rng).unwrap();
             PolicyKey::new(ep, dir, peer, protocol, len, *PORTS.choose(rng).unwrap())
         };
-        h.allow(key);
+        if rng.random_bool(0.6) {
+            h.policy_entry(key, random_tier_entry(rng));
+        } else {
+            h.allow(key);
+        }
+    }
+    // A rule for every peer and port now and then (a cluster-wide deny or
+    // pass), so tier verdicts meet most packets.
+    for dir in [direction::INGRESS, direction::EGRESS] {
+        if rng.random_bool(0.5) {
+            let key = PolicyKey::new(me, dir, ANY, proto::ANY, 0, 0);
+            h.policy_entry(key, random_tier_entry(rng));
+        }
     }
     h.sync();
+}
+
+/// A policy entry with tier slots: a few ranks, so entries of one packet
+/// compete, every action, and sometimes no NetworkPolicy allow.
+fn random_tier_entry(rng: &mut StdRng) -> PolicyEntry {
+    // No Admin rule half the time, so the later tiers decide often.
+    let mut slot = |none: f64| {
+        if rng.random_bool(none) {
+            TierSlot::NONE
+        } else {
+            TierSlot::new(
+                rng.random_range(1..6),
+                *[action::ACCEPT, action::DENY, action::PASS]
+                    .choose(rng)
+                    .unwrap(),
+            )
+        }
+    };
+    let (admin, baseline) = (slot(0.5), slot(0.3));
+    PolicyEntry {
+        rule_ref: 0,
+        flags: if rng.random_bool(0.6) {
+            ENTRY_TIERS_ONLY
+        } else {
+            0
+        },
+        admin,
+        baseline,
+    }
 }
 
 /// An address for either end: mostly the pod (on the side it is on) and
@@ -543,6 +598,16 @@ fn run_seed(seed: u64, seen: &mut Seen, coverage: &mut Coverage) -> usize {
                     h.state.policy.remove(&k);
                 }
             }
+            // Tiers come and go, with new wildcard rules.
+            ep.flags ^= *[0, ENDPOINT_INGRESS_TIERED, ENDPOINT_EGRESS_TIERED]
+                .choose(&mut rng)
+                .unwrap();
+            for dir in [direction::INGRESS, direction::EGRESS] {
+                if rng.random_bool(0.5) {
+                    let key = PolicyKey::new(ep.identity, dir, ANY, proto::ANY, 0, 0);
+                    h.policy_entry(key, random_tier_entry(&mut rng));
+                }
+            }
             ep.revision += 1;
             h.state.endpoints.insert(TEST_IFINDEX, ep);
             h.sync();
@@ -702,6 +767,9 @@ fn kernel_verdicts_equal_the_model() {
             DropPolicyChanged,
             DropSpoofed,
             DropUnenforced,
+            AllowAdminTier,
+            DropAdminTier,
+            AllowBaselineTier,
         ] {
             assert!(
                 seen.get(&reason).copied().unwrap_or(0) >= 3,
@@ -709,6 +777,12 @@ fn kernel_verdicts_equal_the_model() {
                 seen.get(&reason).copied().unwrap_or(0)
             );
         }
+        // A Baseline Deny decides only where no Admin rule does and no
+        // NetworkPolicy isolates: rarer in these seeds (1-3 times).
+        assert!(
+            seen.get(&DropBaselineTier).copied().unwrap_or(0) >= 1,
+            "DropBaselineTier never reached: {seen:?}"
+        );
         assert!(
             coverage.masqueraded >= 20
                 && coverage.encapsulated_to_node >= 5
