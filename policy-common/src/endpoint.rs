@@ -13,6 +13,14 @@ pub const ENDPOINT_INGRESS_TIERED: u32 = 1 << 4;
 /// The same for traffic the pod sends.
 pub const ENDPOINT_EGRESS_TIERED: u32 = 1 << 5;
 
+/// A change of this endpoint's tier entries is landing: new flows in that
+/// direction are dropped until it has (tier verdicts are not monotonic:
+/// half the old entries and half the new ones could admit what neither
+/// set does). Set before the change's first write, cleared after its last.
+pub const ENDPOINT_INGRESS_UPDATING: u32 = 1 << 6;
+/// The same for traffic the pod sends.
+pub const ENDPOINT_EGRESS_UPDATING: u32 = 1 << 7;
+
 /// [`EndpointInfo::ipv4`] holds the pod's IPv4 address.
 pub const ENDPOINT_HAS_V4: u32 = 1 << 2;
 /// [`EndpointInfo::ipv6`] holds the pod's IPv6 address.
@@ -87,6 +95,17 @@ impl EndpointInfo {
             ENDPOINT_INGRESS_TIERED
         } else {
             ENDPOINT_EGRESS_TIERED
+        };
+        self.flags & bit != 0
+    }
+
+    /// Whether a change of its tier entries in `direction` is landing.
+    #[inline(always)]
+    pub const fn updating(&self, direction: u8) -> bool {
+        let bit = if direction == crate::direction::INGRESS {
+            ENDPOINT_INGRESS_UPDATING
+        } else {
+            ENDPOINT_EGRESS_UPDATING
         };
         self.flags & bit != 0
     }

@@ -51,6 +51,9 @@ pub enum Reason {
     DropAdminTier = 38,
     /// A Baseline-tier ClusterNetworkPolicy rule denied a new flow.
     DropBaselineTier = 39,
+    /// A change of the endpoint's tier entries was landing: new flows wait
+    /// (fail closed; see `ENDPOINT_*_UPDATING`).
+    DropUpdating = 40,
     /// Not a verdict: a drop event lost because the ring buffer was full.
     EventLost = 48,
     /// Not a verdict: a conntrack entry could not be created.
@@ -80,7 +83,7 @@ pub const fn counter_index(reason: Reason, direction: u8) -> u32 {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 26] = [
+    pub const ALL: [Reason; 27] = [
         Reason::AllowPolicy,
         Reason::AllowEstablished,
         Reason::AllowReply,
@@ -103,6 +106,7 @@ impl Reason {
         Reason::DropUnenforced,
         Reason::DropAdminTier,
         Reason::DropBaselineTier,
+        Reason::DropUpdating,
         Reason::EventLost,
         Reason::CtCreateFailed,
         Reason::CtMidstreamMiss,
@@ -160,6 +164,7 @@ impl Reason {
             37 => Reason::DropUnenforced,
             38 => Reason::DropAdminTier,
             39 => Reason::DropBaselineTier,
+            40 => Reason::DropUpdating,
             48 => Reason::EventLost,
             49 => Reason::CtCreateFailed,
             50 => Reason::CtMidstreamMiss,
@@ -193,6 +198,7 @@ impl Reason {
             Reason::DropUnenforced => "drop_unenforced",
             Reason::DropAdminTier => "drop_admin_tier",
             Reason::DropBaselineTier => "drop_baseline_tier",
+            Reason::DropUpdating => "drop_updating",
             Reason::EventLost => "event_lost",
             Reason::CtCreateFailed => "ct_create_failed",
             Reason::CtMidstreamMiss => "ct_midstream_miss",

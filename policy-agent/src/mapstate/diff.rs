@@ -43,6 +43,11 @@
 //!    addresses fall to a covering class that loses allows wait likewise,
 //!    after the held-back entries;
 //! 7. identity names and Service frontends removed;
+//!
+//! An endpoint judged by tiers whose identity's entries change is held
+//! closed around all of it (see [`updating`]): its old entry with the
+//! `UPDATING` bits first, its new entry with them at step 3, its new entry
+//! without them once steps 1-7 landed, then:
 //! 8. new revisions of existing endpoints (step 3 writes them with their
 //!    old revision): conntrack entries are judged again only once the maps
 //!    hold the whole new state.
@@ -56,7 +61,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use ipnet::IpNet;
 use policy_common::{
-    endpoint::EndpointInfo,
+    direction,
+    endpoint::{ENDPOINT_EGRESS_UPDATING, ENDPOINT_INGRESS_UPDATING, EndpointInfo},
     identity::{self, IdentityName},
     ipcache::IpcacheEntry,
     policy::{PolicyEntry, PolicyKey},
@@ -117,9 +123,51 @@ pub struct Writes<K> {
     pub ipcache_covering_new: BTreeMap<IpNet, IpcacheEntry>,
     pub service_upserts: Vec<(IpNet, ServiceEntry)>,
     pub service_removals: Vec<IpNet>,
+    /// Endpoints held closed while the change lands (see [`updating`]).
+    pub updating: Updating<K>,
 }
 
-impl<K> Writes<K> {
+/// Endpoints whose tier entries change, by key: the `ENDPOINT_*_UPDATING`
+/// bits to hold, their old entry and their new one.
+pub type Updating<K> = BTreeMap<K, (u32, Option<EndpointInfo>, Option<EndpointInfo>)>;
+
+/// The endpoints a change must hold closed: a pod judged by tiers in a
+/// direction (before or after) whose identity's policy entries in that
+/// direction change. Tier verdicts are not monotonic, so no order of the
+/// entry writes keeps every state in between within what the two ends
+/// allow; the endpoint drops new flows in that direction from before the
+/// first write to after the last. `endpoints`: every endpoint, old and
+/// new entry.
+pub fn updating<K: Ord>(
+    endpoints: impl Iterator<Item = (K, Option<EndpointInfo>, Option<EndpointInfo>)>,
+    policy_changes: impl Iterator<Item = PolicyKey>,
+) -> Updating<K> {
+    let changed: BTreeSet<(u32, u8)> = policy_changes
+        .map(|k| (k.endpoint_identity, k.direction))
+        .collect();
+    if changed.is_empty() {
+        return Updating::new();
+    }
+    endpoints
+        .filter_map(|(k, old, new)| {
+            let mut bits = 0;
+            for (dir, bit) in [
+                (direction::INGRESS, ENDPOINT_INGRESS_UPDATING),
+                (direction::EGRESS, ENDPOINT_EGRESS_UPDATING),
+            ] {
+                let both = || old.iter().chain(new.iter());
+                if both().any(|e| e.tiered(dir))
+                    && both().any(|e| changed.contains(&(e.identity, dir)))
+                {
+                    bits |= bit;
+                }
+            }
+            (bits != 0).then_some((k, (bits, old, new)))
+        })
+        .collect()
+}
+
+impl<K: Ord + Clone> Writes<K> {
     /// The writes in the order of steps 1-7 (the module's comment).
     pub fn ordered(self) -> Vec<MapOp<K>> {
         let Self {
@@ -136,6 +184,7 @@ impl<K> Writes<K> {
             ipcache_covering_new,
             service_upserts,
             service_removals,
+            updating,
         } = self;
         let mut ops = Vec::with_capacity(
             identity_upserts.len()
@@ -149,6 +198,14 @@ impl<K> Writes<K> {
                 + service_upserts.len()
                 + service_removals.len(),
         );
+        // Endpoints held closed first (their old entry, new flows dropped
+        // in the directions whose tier entries change).
+        ops.extend(updating.iter().filter_map(|(k, (bits, old, _))| {
+            old.map(|mut e| {
+                e.flags |= bits;
+                MapOp::UpsertEndpoint(k.clone(), e)
+            })
+        }));
         ops.extend(
             identity_upserts
                 .into_iter()
@@ -202,11 +259,12 @@ impl<K> Writes<K> {
                 .into_iter()
                 .map(|(k, v)| MapOp::UpsertPolicy(k, v)),
         );
-        ops.extend(
-            endpoint_upserts
-                .into_iter()
-                .map(|(k, v)| MapOp::UpsertEndpoint(k, v)),
-        );
+        ops.extend(endpoint_upserts.into_iter().map(|(k, mut v)| {
+            if let Some((bits, ..)) = updating.get(&k) {
+                v.flags |= bits;
+            }
+            MapOp::UpsertEndpoint(k, v)
+        }));
         ops.extend(endpoint_removals.into_iter().map(MapOp::DeleteEndpoint));
         let (mut late, mut ipcache_upserts): (Vec<_>, Vec<_>) = ipcache_upserts
             .into_iter()
@@ -238,6 +296,16 @@ impl<K> Writes<K> {
         ops.extend(late_removals.into_iter().map(MapOp::DeleteIpcache));
         ops.extend(identity_removals.into_iter().map(MapOp::DeleteIdentity));
         ops.extend(service_removals.into_iter().map(MapOp::DeleteService));
+        // Everything landed: the held endpoints open, as the new state
+        // says (with their old revision: the bumps follow).
+        ops.extend(updating.into_iter().filter_map(|(k, (_, old, new))| {
+            new.map(|mut e| {
+                if let Some(o) = old {
+                    e.revision = o.revision;
+                }
+                MapOp::UpsertEndpoint(k, e)
+            })
+        }));
         ops
     }
 }
@@ -334,6 +402,23 @@ pub fn diff<K: Ord + Clone>(old: &MapState<K>, new: &MapState<K>) -> Vec<MapOp<K
             .collect(),
         service_upserts: upserts(&old.services, &new.services).collect(),
         service_removals: removals(&old.services, &new.services).collect(),
+        updating: updating(
+            old.endpoints
+                .keys()
+                .chain(new.endpoints.keys())
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .map(|k| {
+                    (
+                        k.clone(),
+                        old.endpoints.get(k).copied(),
+                        new.endpoints.get(k).copied(),
+                    )
+                }),
+            upserts(&old.policy, &new.policy)
+                .map(|(k, _)| k)
+                .chain(removals(&old.policy, &new.policy)),
+        ),
     };
     let mut ops = writes.ordered();
     ops.extend(revision_bumps(old, new));

@@ -26,7 +26,7 @@ use policy_common::{
 pub(crate) use self::identity_name::fnv1a64;
 pub use self::{
     addresses::{AddressSet, identity_addresses},
-    diff::{MapOp, Writes, assign_revisions, covering, diff},
+    diff::{MapOp, Updating, Writes, assign_revisions, covering, diff, updating},
     identity_name::{identity_name, identity_name_str},
     origin::RuleOrigin,
 };

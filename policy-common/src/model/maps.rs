@@ -248,13 +248,23 @@ impl Maps {
         if !ep.judged(dir) {
             return verdict(Reason::AllowNotIsolated, None);
         }
+        // An address in transit matches no rule; under tiers no match is
+        // not a denial (the default allows), so it is refused outright.
+        if ep.updating(dir) || (ep.tiered(dir) && peer.cidr_identity == identity::IN_TRANSIT) {
+            return verdict(Reason::DropUpdating, None);
+        }
         let probes = Self::peers_to_probe(ep, dir, peer)
             .into_iter()
             .flat_map(|peer_id| Self::probes_for_peer(ep, dir, peer_id, protocol, port));
         if !ep.tiered(dir) {
-            // NetworkPolicy alone: any hit allows.
+            // NetworkPolicy alone: any NetworkPolicy entry allows (one of
+            // tier slots alone may land before its endpoint's tier flag).
             for key in probes {
-                if self.policy.contains_key(&key) {
+                if self
+                    .policy
+                    .get(&key)
+                    .is_some_and(|e| e.flags & ENTRY_TIERS_ONLY == 0)
+                {
                     return verdict(Reason::AllowPolicy, Some(key));
                 }
             }

@@ -6,7 +6,7 @@ use policy_common::{
     endpoint::{EndpointInfo, lookups},
     family, identity,
     ipcache::IpcacheEntry,
-    policy::{PolicyEntry, PolicyKey, Tiers},
+    policy::{ENTRY_TIERS_ONLY, PolicyEntry, PolicyKey, Tiers},
     proto,
     verdict::Reason,
 };
@@ -73,7 +73,7 @@ fn visit_peer(
 const FOLD_ALL: u32 = 1 << 31;
 
 /// Probes the policy entries for one peer identity. NetworkPolicy alone:
-/// whether any entry exists (any hit allows). With `FOLD_ALL` (an
+/// whether any NetworkPolicy entry exists (any such hit allows). With `FOLD_ALL` (an
 /// endpoint with ClusterNetworkPolicy rules): folds every entry into the
 /// scratch `tiers` and returns 0, every shape counting (see `Tiers`).
 ///
@@ -92,7 +92,9 @@ pub extern "C" fn probe_peer(endpoint: u32, peer: u32, packed: u32, bits: u32) -
     let fold_all = bits & FOLD_ALL != 0;
     u32::from(visit_peer(endpoint, peer, packed, bits, |entry| {
         if !fold_all {
-            return true;
+            // An entry of tier slots alone allows nothing here (it may
+            // land before its endpoint's tier flag does).
+            return entry.flags & ENTRY_TIERS_ONLY == 0;
         }
         // SAFETY: the per-CPU scratch value, ours for this program run.
         unsafe { (*scratch).tiers.add(entry) };
@@ -147,6 +149,11 @@ pub(super) fn judge(
     }
     if !ep.judged(dir) {
         return (Reason::AllowNotIsolated, peer);
+    }
+    // An address in transit matches no rule; under tiers no match is not
+    // a denial (the default allows), so it is refused outright.
+    if ep.updating(dir) || (ep.tiered(dir) && peer.cidr_identity == identity::IN_TRANSIT) {
+        return (Reason::DropUpdating, peer);
     }
     let bits = ep.lookups(dir);
     let packed = (u32::from(dir) << 24) | (u32::from(protocol) << 16) | u32::from(port);

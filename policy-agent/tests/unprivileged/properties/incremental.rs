@@ -8,7 +8,10 @@ use std::{
     net::IpAddr,
 };
 
-use crate::support::oracle::{NAMESPACES, addresses, cluster};
+use crate::support::{
+    cnp_oracle::cluster_with_tiers,
+    oracle::{NAMESPACES, addresses, cluster},
+};
 use ipnet::IpNet;
 use policy_agent::{
     cluster::{Change, ClusterState, PodRef},
@@ -20,6 +23,7 @@ use policy_common::{
     direction, identity,
     ipcache::IpcacheEntry,
     model::{Maps, has_ports},
+    policy::{ENTRY_TIERS_ONLY, Tiers},
     proto,
 };
 use proptest::{prelude::*, test_runner::FileFailurePersistence};
@@ -39,7 +43,7 @@ fn nth<K, V>(m: &BTreeMap<K, V>, i: usize) -> (&K, &V) {
 /// Turns a step (kind, index) into a change that moves `state` towards
 /// `target`, and applies it to `state`.
 fn step(state: &mut ClusterState, target: &ClusterState, kind: u8, i: usize) -> Change {
-    match kind % 9 {
+    match kind % 11 {
         // A pod of the target (new, or replacing one: relabel, new IPs...).
         0 | 1 if !target.pods.is_empty() => {
             let (name, info) = nth(&target.pods, i);
@@ -120,11 +124,31 @@ fn step(state: &mut ClusterState, target: &ClusterState, kind: u8, i: usize) -> 
             state.service_ranges = ranges.clone();
             Change::ServiceRanges(ranges)
         }
+        // A ClusterNetworkPolicy of the target, under a name that may
+        // already exist; or one removed.
+        9 if !target.cluster_policies.is_empty() => {
+            let (_, cnp) = nth(&target.cluster_policies, i);
+            let name = format!("cnp{}", i % 3);
+            let mut cnp = cnp.clone();
+            cnp.metadata.name = Some(name.clone());
+            state.cluster_policies.insert(name.clone(), cnp.clone());
+            Change::UpsertClusterPolicy(name, Box::new(cnp))
+        }
+        10 if !state.cluster_policies.is_empty() => {
+            let name = nth(&state.cluster_policies, i).0.clone();
+            state.cluster_policies.remove(&name);
+            Change::DeleteClusterPolicy(name)
+        }
         _ => {
             state.namespaces.remove("ns2");
             Change::DeleteNamespace("ns2".into())
         }
     }
+}
+
+/// Steps that also change ClusterNetworkPolicies.
+fn steps_with_tiers() -> impl Strategy<Value = Vec<(u8, usize)>> {
+    proptest::collection::vec((0u8..11, 0usize..64), 1..=6)
 }
 
 fn run_steps(
@@ -254,6 +278,20 @@ proptest! {
 
     #[test]
     fn incremental_equals_full_compile_with_every_pod_local(initial in cluster(), target in cluster(), steps in steps()) {
+        run_steps(initial, target, steps, CompileOptions {
+            all_pods_local: true,
+            ..CompileOptions::default()
+        })?;
+    }
+
+    /// With ClusterNetworkPolicies of both tiers: pods, namespaces,
+    /// NetworkPolicies and ClusterNetworkPolicies change one at a time.
+    #[test]
+    fn incremental_equals_full_compile_with_tiers(
+        initial in cluster_with_tiers(),
+        target in cluster_with_tiers(),
+        steps in steps_with_tiers(),
+    ) {
         run_steps(initial, target, steps, CompileOptions {
             all_pods_local: true,
             ..CompileOptions::default()
@@ -405,14 +443,31 @@ impl<'a> Live<'a> {
         let entry = self.resolved[peer];
         let (p, port) = FLOWS[flow];
         let port = if has_ports(p) { port } else { 0 };
-        if entry.identity == identity::NODE || !e.isolated(dir) {
+        if entry.identity == identity::NODE || !e.judged(dir) {
             return true;
         }
-        Maps::peers_to_probe(e, dir, entry).into_iter().any(|id| {
-            Maps::probes_for_peer(e, dir, id, p, port)
-                .iter()
-                .any(|k| self.maps.policy.contains_key(k))
-        })
+        if e.updating(dir) || (e.tiered(dir) && entry.cidr_identity == identity::IN_TRANSIT) {
+            return false;
+        }
+        let probes = Maps::peers_to_probe(e, dir, entry)
+            .into_iter()
+            .flat_map(|id| Maps::probes_for_peer(e, dir, id, p, port));
+        if !e.tiered(dir) {
+            return probes.into_iter().any(|k| {
+                self.maps
+                    .policy
+                    .get(&k)
+                    .is_some_and(|v| v.flags & ENTRY_TIERS_ONLY == 0)
+            });
+        }
+        // Tiers: every entry folded, then decided in the API's order.
+        let mut tiers = Tiers::default();
+        for k in probes {
+            if let Some(v) = self.maps.policy.get(&k) {
+                tiers.add(v);
+            }
+        }
+        !tiers.decide(e.isolated(dir)).is_drop()
     }
 }
 
@@ -618,6 +673,17 @@ fn transients_are_safe(
             // Known, by design: an address in transit (step 1) is denied
             // until its entry takes its new value, never allowed.
             if in_transit.contains(&peer) && !now {
+                continue;
+            }
+            // Known, by design: an endpoint held closed while its tier
+            // entries change drops new flows in that direction.
+            if !now
+                && live
+                    .maps
+                    .endpoints
+                    .get(&ep)
+                    .is_some_and(|e| e.updating(dir))
+            {
                 continue;
             }
             // An address moves straight from its old class to its new
