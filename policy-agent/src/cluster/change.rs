@@ -10,6 +10,8 @@ use std::{collections::BTreeMap, net::IpAddr};
 use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 
+use super::ClusterNetworkPolicy;
+
 use super::{
     ClusterState, EndpointSliceInfo, NamespaceInfo, ObjectRef, PodInfo, PodRef, PolicyRef,
     ServiceInfo, ServiceRef,
@@ -24,6 +26,8 @@ pub enum Change {
     DeleteNamespace(String),
     UpsertPolicy(PolicyRef, Box<NetworkPolicy>),
     DeletePolicy(PolicyRef),
+    UpsertClusterPolicy(String, Box<ClusterNetworkPolicy>),
+    DeleteClusterPolicy(String),
     UpsertService(ServiceRef, ServiceInfo),
     DeleteService(ServiceRef),
     UpsertEndpointSlice(ObjectRef, EndpointSliceInfo),
@@ -74,6 +78,13 @@ keyed!(
     DeletePolicy,
     Box::new
 );
+keyed!(
+    ClusterNetworkPolicy,
+    String,
+    UpsertClusterPolicy,
+    DeleteClusterPolicy,
+    Box::new
+);
 keyed!(ServiceInfo, ServiceRef, UpsertService, DeleteService);
 keyed!(
     EndpointSliceInfo,
@@ -100,7 +111,7 @@ pub fn keyed_changes<V: Keyed>(
 }
 
 /// What changed from `old` to `new`: the node and the ranges first,
-/// then namespaces, pods, policies, Services and their slices (a
+/// then namespaces, pods, policies, cluster policies, Services and their slices (a
 /// namespace exists before its pods are read). Pod ranges once known are
 /// not forgotten: a state that does not know them changes nothing.
 pub fn changes_between(old: &ClusterState, new: &ClusterState) -> Vec<Change> {
@@ -122,6 +133,7 @@ pub fn changes_between(old: &ClusterState, new: &ClusterState) -> Vec<Change> {
     keyed_changes(&old.namespaces, &new.namespaces, &mut out);
     keyed_changes(&old.pods, &new.pods, &mut out);
     keyed_changes(&old.policies, &new.policies, &mut out);
+    keyed_changes(&old.cluster_policies, &new.cluster_policies, &mut out);
     keyed_changes(&old.services, &new.services, &mut out);
     keyed_changes(&old.endpoint_slices, &new.endpoint_slices, &mut out);
     out
@@ -148,6 +160,12 @@ impl ClusterState {
             }
             Change::DeletePolicy(k) => {
                 self.policies.remove(k);
+            }
+            Change::UpsertClusterPolicy(k, v) => {
+                self.cluster_policies.insert(k.clone(), (**v).clone());
+            }
+            Change::DeleteClusterPolicy(k) => {
+                self.cluster_policies.remove(k);
             }
             Change::UpsertService(k, v) => {
                 self.services.insert(k.clone(), v.clone());

@@ -6,6 +6,7 @@
 //! says what it could not enforce as written.
 mod address;
 mod change;
+pub mod cluster_policy;
 mod convert;
 mod problem;
 mod service;
@@ -14,6 +15,8 @@ use std::{collections::BTreeMap, fmt, net::IpAddr};
 
 use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+
+pub use self::cluster_policy::ClusterNetworkPolicy;
 
 pub(crate) use self::convert::protocol_number;
 pub use self::{
@@ -101,6 +104,8 @@ pub struct ClusterState {
     pub namespaces: BTreeMap<String, NamespaceInfo>,
     pub pods: BTreeMap<PodRef, PodInfo>,
     pub policies: BTreeMap<PolicyRef, NetworkPolicy>,
+    /// ClusterNetworkPolicies by name (cluster-scoped).
+    pub cluster_policies: BTreeMap<String, ClusterNetworkPolicy>,
     pub services: BTreeMap<ServiceRef, ServiceInfo>,
     pub endpoint_slices: BTreeMap<ObjectRef, EndpointSliceInfo>,
     /// The cluster's Service ranges, sorted, host bits clear.

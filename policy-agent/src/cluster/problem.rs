@@ -19,6 +19,9 @@ pub enum ObjectKind {
     EndpointSlice,
     /// `networking.k8s.io/v1` ServiceCIDR (cluster-scoped).
     ServiceCidr,
+    /// `policy.networking.k8s.io/v1alpha2` ClusterNetworkPolicy
+    /// (cluster-scoped).
+    ClusterNetworkPolicy,
 }
 
 impl ObjectKind {
@@ -31,6 +34,10 @@ impl ObjectKind {
             Self::Service => ("v1", "Service"),
             Self::EndpointSlice => ("discovery.k8s.io/v1", "EndpointSlice"),
             Self::ServiceCidr => ("networking.k8s.io/v1", "ServiceCIDR"),
+            Self::ClusterNetworkPolicy => (
+                super::cluster_policy::API_VERSION,
+                super::cluster_policy::KIND,
+            ),
         }
     }
 
@@ -43,6 +50,7 @@ impl ObjectKind {
             Self::Service => "service",
             Self::EndpointSlice => "endpointslice",
             Self::ServiceCidr => "servicecidr",
+            Self::ClusterNetworkPolicy => "clusternetworkpolicy",
         }
     }
 }

@@ -20,6 +20,7 @@
 //!   address; of two live pods claiming one address the newest (then the
 //!   first by namespace/name) holds it.
 mod classes;
+pub mod cluster_policy;
 mod compiler;
 mod error;
 pub mod evaluate;

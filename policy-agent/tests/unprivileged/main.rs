@@ -12,6 +12,7 @@
 )]
 
 mod bad_input;
+mod cluster_policy;
 mod deploy;
 mod iptables_golden;
 mod properties;

@@ -25,6 +25,7 @@ use ipnet::IpNet;
 use policy_common::{
     identity::{WORLD, is_cidr, kind},
     maps as names,
+    policy::{PolicyEntry, action},
 };
 
 use policy_common::service::SERVICE_RANGE;
@@ -248,8 +249,11 @@ pub fn fit(before: &MapState<u32>, ops: &mut Vec<MapOp<u32>>, caps: &Capacities)
         }
         let mut dropped = 0;
         // Pod addresses first (ipcache), then from the end of the list.
+        // Never an entry holding a tier Deny or Pass: without it the flows
+        // it stops would meet whatever comes after it.
         let mut order: Vec<usize> = (0..ops.len())
             .filter(|i| map_of(&ops[*i], slots) == Some(m) && adds_key(&ops[*i], before))
+            .filter(|i| !matches!(&ops[*i], MapOp::UpsertPolicy(_, e) if stops_flows(e)))
             .collect();
         order.reverse();
         order.sort_by_key(|i| match &ops[*i] {
@@ -295,6 +299,14 @@ pub fn fit(before: &MapState<u32>, ops: &mut Vec<MapOp<u32>>, caps: &Capacities)
         withdraw_class_allows(before, ops, &mut shortfall);
     }
     shortfall
+}
+
+/// Whether an entry holds a tier slot that stops or passes flows
+/// (dropping it could only open).
+fn stops_flows(e: &PolicyEntry) -> bool {
+    [e.admin, e.baseline]
+        .iter()
+        .any(|s| !s.is_none() && matches!(s.action(), action::DENY | action::PASS))
 }
 
 /// Carved prefixes do not fit: no allow keyed by an address class (or the

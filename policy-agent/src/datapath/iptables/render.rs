@@ -66,9 +66,12 @@ use std::{
 use ipnet::IpNet;
 use policy_common::{
     direction, encapsulation,
-    endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED},
+    endpoint::{
+        ENDPOINT_EGRESS_ISOLATED, ENDPOINT_EGRESS_TIERED, ENDPOINT_INGRESS_ISOLATED,
+        ENDPOINT_INGRESS_TIERED,
+    },
     identity::{ANY, NODE, WORLD, is_cidr},
-    policy::PolicyKey,
+    policy::{ENTRY_TIERS_ONLY, PolicyKey},
     proto,
 };
 
@@ -376,18 +379,43 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
         // The policy chains each (pod, direction) would jump to, by policy.
         let mut wanted: Vec<(&PodEntry<'_>, u8, ByPolicy)> = Vec::new();
         for p in &pods {
-            for (dir, flag) in [
-                (direction::EGRESS, ENDPOINT_EGRESS_ISOLATED),
-                (direction::INGRESS, ENDPOINT_INGRESS_ISOLATED),
+            for (dir, flag, tiered) in [
+                (
+                    direction::EGRESS,
+                    ENDPOINT_EGRESS_ISOLATED,
+                    ENDPOINT_EGRESS_TIERED,
+                ),
+                (
+                    direction::INGRESS,
+                    ENDPOINT_INGRESS_ISOLATED,
+                    ENDPOINT_INGRESS_TIERED,
+                ),
             ] {
-                if p.flags & flag == 0 {
+                if p.flags & (flag | tiered) == 0 {
                     continue;
                 }
-                // Group this identity's keys by the policy they came from.
                 let mut by_policy = ByPolicy::new();
+                // ClusterNetworkPolicy tiers are not rendered here yet:
+                // a pod they apply to allows nothing new in that
+                // direction (fail closed), and says so.
+                if p.flags & tiered != 0 {
+                    out.problems.push(Problem::object(
+                        ObjectKind::Pod,
+                        p.pod.clone(),
+                        format!(
+                            "iptables: ClusterNetworkPolicy rules apply to its {} and this datapath does not enforce them yet; it allows no new {} flow",
+                            direction::name(dir),
+                            direction::name(dir)
+                        ),
+                    ));
+                    wanted.push((p, dir, by_policy));
+                    continue;
+                }
+                // Group this identity's keys by the policy they came from
+                // (NetworkPolicy allows only).
                 for (key, entry) in maps
                     .policy_of(p.identity)
-                    .filter(|(k, _)| k.direction == dir)
+                    .filter(|(k, e)| k.direction == dir && e.flags & ENTRY_TIERS_ONLY == 0)
                 {
                     let origin = input.rules.get(&entry.rule_ref);
                     let policy = origin

@@ -5,7 +5,10 @@ use std::{collections::BTreeSet, net::IpAddr};
 use ipnet::IpNet;
 use policy_common::{
     direction,
-    endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED, EndpointInfo},
+    endpoint::{
+        ENDPOINT_EGRESS_ISOLATED, ENDPOINT_EGRESS_TIERED, ENDPOINT_INGRESS_ISOLATED,
+        ENDPOINT_INGRESS_TIERED, EndpointInfo,
+    },
     identity::{ANY, NODE},
     ipcache::IpcacheEntry,
 };
@@ -70,6 +73,12 @@ impl Compiler {
             if ps.parsed.egress {
                 flags |= ENDPOINT_EGRESS_ISOLATED;
             }
+        }
+        if self.tiered(e, direction::INGRESS) {
+            flags |= ENDPOINT_INGRESS_TIERED;
+        }
+        if self.tiered(e, direction::EGRESS) {
+            flags |= ENDPOINT_EGRESS_TIERED;
         }
         flags
     }

@@ -43,6 +43,17 @@ impl Compiler {
                 self.replace_policy(&name, Some(parsed));
             }
             Change::DeletePolicy(name) => self.replace_policy(&name, None),
+            // Rare, and they may carve prefixes: compiled in full.
+            Change::UpsertClusterPolicy(name, cnp) => {
+                self.cluster_policies
+                    .insert(name, super::ParsedClusterPolicy::parse(&cnp));
+                self.rebuild_pending = true;
+            }
+            Change::DeleteClusterPolicy(name) => {
+                if self.cluster_policies.remove(&name).is_some() {
+                    self.rebuild_pending = true;
+                }
+            }
             Change::UpsertService(name, info) => {
                 self.services.insert(name, info);
                 if !self.rebuild_pending {

@@ -40,6 +40,7 @@ mod keys;
 mod output;
 mod pods;
 mod selection;
+mod tiers;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -58,6 +59,7 @@ use self::{
 use super::{
     Compiled,
     classes::Classes,
+    cluster_policy::ParsedClusterPolicy,
     error::{PolicyError, PolicyErrorKind},
     parse::ParsedPolicy,
 };
@@ -92,6 +94,8 @@ pub struct Compiler {
     namespaces: BTreeMap<String, NamespaceInfo>,
     pods: BTreeMap<PodRef, PodInfo>,
     policies: BTreeMap<PolicyRef, PolicyState>,
+    /// ClusterNetworkPolicies, validated, by name.
+    cluster_policies: BTreeMap<String, ParsedClusterPolicy>,
     services: BTreeMap<ServiceRef, ServiceInfo>,
     endpoint_slices: BTreeMap<ObjectRef, EndpointSliceInfo>,
     /// The cluster's Service ranges: frontends as a whole.
@@ -152,6 +156,11 @@ impl Compiler {
             c.policies
                 .insert(name.clone(), PolicyState::unmatched(parsed));
         }
+        c.cluster_policies = state
+            .cluster_policies
+            .iter()
+            .map(|(name, cnp)| (name.clone(), ParsedClusterPolicy::parse(cnp)))
+            .collect();
         c.rebuild(ids);
         ids.end_generation();
         c
@@ -170,6 +179,7 @@ impl Compiler {
             std::mem::take(&mut self.namespaces),
             std::mem::take(&mut self.pods),
         );
+        let cluster_policies = std::mem::take(&mut self.cluster_policies);
         let services = (
             std::mem::take(&mut self.services),
             std::mem::take(&mut self.endpoint_slices),
@@ -184,6 +194,7 @@ impl Compiler {
             self.service_ranges,
             self.pod_ranges,
         ) = services;
+        self.cluster_policies = cluster_policies;
         self.built = true;
 
         self.carve(&parsed, ids);
@@ -195,6 +206,7 @@ impl Compiler {
             self.add_policy_state(p);
         }
         self.admit_smallest_first();
+        self.sync_tiers();
         let dirty = std::mem::take(&mut self.flags_dirty);
         self.refresh_endpoints(dirty);
         self.sync_frontends();
@@ -217,6 +229,11 @@ impl Compiler {
             .iter()
             .filter(|p| p.is_valid())
             .flat_map(ParsedPolicy::prefixes)
+            .chain(
+                self.cluster_policies
+                    .values()
+                    .flat_map(ParsedClusterPolicy::prefixes),
+            )
             .collect();
         let mut by_name: Vec<(String, IpNet)> =
             carved.iter().map(|n| (n.to_string(), *n)).collect();
@@ -266,6 +283,14 @@ impl Compiler {
         self.rebuild_pending = !self.built || std::mem::take(&mut self.recompile);
         for change in changes {
             self.apply_one(change, ids);
+        }
+        if !self.rebuild_pending
+            && (!self.cluster_policies.is_empty() || !self.out.tiers().is_empty())
+        {
+            // Identities may have come or gone: the tier layer follows.
+            self.sync_tiers();
+            let dirty = std::mem::take(&mut self.flags_dirty);
+            self.refresh_endpoints(dirty);
         }
         let ops = if self.rebuild_pending {
             let before: MapState<PodRef> = self.out.journal_start_state();
@@ -337,6 +362,11 @@ impl Compiler {
     /// EndpointSlice fields that do not read.
     pub fn problems(&self) -> Vec<Problem> {
         let mut out: Vec<Problem> = self.errors().iter().map(PolicyError::problem).collect();
+        out.extend(
+            self.cluster_policies
+                .values()
+                .flat_map(|p| p.errors.iter().map(|e| e.problem())),
+        );
         out.extend(
             self.identity_errors
                 .iter()

@@ -1,7 +1,8 @@
 //! The compiled map content, kept up to date in place, with the bookkeeping
 //! that makes incremental updates exact:
 //! - which rules produced each policy key (a key stays while any does; its
-//!   `rule_ref` is the smallest);
+//!   `rule_ref` is the smallest), and the tier slots ClusterNetworkPolicy
+//!   rules give it: the entry is composed of both;
 //! - per endpoint identity and direction, how many keys of each lookup
 //!   shape exist (the endpoint lookup bits, without rescanning);
 //! - a journal of the first old value of every entry touched, from which
@@ -14,13 +15,13 @@ use policy_common::{
     endpoint::{EndpointInfo, lookups},
     identity::IdentityName,
     ipcache::IpcacheEntry,
-    policy::{PolicyEntry, PolicyKey},
+    policy::{ENTRY_TIERS_ONLY, PolicyEntry, PolicyKey, TierSlot},
     service::ServiceEntry,
 };
 
 use crate::{
     cluster::PodRef,
-    mapstate::{MapOp, MapState, Writes, covering},
+    mapstate::{MapOp, MapState, Writes, covering, updating},
 };
 
 /// Counter slots, one per bit of [`lookups`]: 0..=16 port prefix lengths,
@@ -44,6 +45,8 @@ pub struct Output {
     /// Contributors of keys produced by more than one rule (sorted, with
     /// repeats); a key absent here has exactly its entry's `rule_ref`.
     shared: HashMap<PolicyKey, Vec<u32>>,
+    /// The tier layer (see [`Output::set_tiers`]).
+    tiers: BTreeMap<PolicyKey, (TierSlot, TierSlot)>,
     counts: HashMap<(u32, u8), [u32; SLOTS]>,
     /// Endpoint identities whose lookup bits may have changed.
     pub dirty_lookups: BTreeSet<u32>,
@@ -104,32 +107,26 @@ impl Output {
 
     /// Rule `rule_ref` produces `key`.
     pub fn add_policy(&mut self, key: PolicyKey, rule_ref: u32) {
-        match self.maps.policy.get_mut(&key) {
-            None => {
-                note(&mut self.journal_policy, &key, None);
-                self.maps.policy.insert(
-                    key,
-                    PolicyEntry {
-                        rule_ref,
-                        ..PolicyEntry::default()
-                    },
-                );
-                self.count(&key, 1);
-            }
-            Some(entry) => {
-                let list = self
-                    .shared
-                    .entry(key)
-                    .or_insert_with(|| vec![entry.rule_ref]);
+        let np = match self.np_of(&key) {
+            None => rule_ref,
+            Some(current) => {
+                let list = self.shared.entry(key).or_insert_with(|| vec![current]);
                 let at = list.partition_point(|r| *r <= rule_ref);
                 list.insert(at, rule_ref);
-                let min = list.first().copied().unwrap_or(rule_ref);
-                if min != entry.rule_ref {
-                    note(&mut self.journal_policy, &key, Some(entry));
-                    entry.rule_ref = min;
-                }
+                list.first().copied().unwrap_or(rule_ref)
             }
-        }
+        };
+        self.compose(&key, Some(np));
+    }
+
+    /// The smallest rule_ref of the NetworkPolicy rules producing `key`
+    /// (None: none does; the entry, if any, holds only tier slots).
+    fn np_of(&self, key: &PolicyKey) -> Option<u32> {
+        self.maps
+            .policy
+            .get(key)
+            .filter(|e| e.flags & ENTRY_TIERS_ONLY == 0)
+            .map(|e| e.rule_ref)
     }
 
     /// Rule `rule_ref` no longer produces `key`.
@@ -147,19 +144,66 @@ impl Output {
             if list.len() <= 1 {
                 self.shared.remove(&key);
             }
-            if let Some(entry) = self.maps.policy.get_mut(&key)
-                && entry.rule_ref != min
-            {
-                note(&mut self.journal_policy, &key, Some(entry));
-                entry.rule_ref = min;
-            }
-        } else if let Some(entry) = self.maps.policy.get(&key) {
-            debug_assert_eq!(entry.rule_ref, rule_ref, "sole contributor of {key:?}");
-            note(&mut self.journal_policy, &key, Some(entry));
-            self.maps.policy.remove(&key);
-            self.count(&key, -1);
+            self.compose(&key, Some(min));
+        } else if let Some(current) = self.np_of(&key) {
+            debug_assert_eq!(current, rule_ref, "sole contributor of {key:?}");
+            self.compose(&key, None);
         } else {
             debug_assert!(false, "removing a key never added: {key:?}");
+        }
+    }
+
+    /// Sets the tier slots of `key` (None: no ClusterNetworkPolicy rule
+    /// matches it).
+    pub fn set_tiers(&mut self, key: PolicyKey, slots: Option<(TierSlot, TierSlot)>) {
+        match slots {
+            Some(s) => self.tiers.insert(key, s),
+            None => self.tiers.remove(&key),
+        };
+        let np = self.np_of(&key);
+        self.compose(&key, np);
+    }
+
+    /// The tier layer: every key a ClusterNetworkPolicy rule matches, with
+    /// its Admin and Baseline slots.
+    pub fn tiers(&self) -> &BTreeMap<PolicyKey, (TierSlot, TierSlot)> {
+        &self.tiers
+    }
+
+    /// Writes the policy entry of `key` from its two sources: the
+    /// NetworkPolicy rules that allow it (`np`: their smallest rule_ref) and
+    /// the tier slots.
+    fn compose(&mut self, key: &PolicyKey, np: Option<u32>) {
+        let tiers = self.tiers.get(key).copied();
+        let want = match (np, tiers) {
+            (None, None) => None,
+            (np, tiers) => {
+                let (admin, baseline) = tiers.unwrap_or_default();
+                Some(PolicyEntry {
+                    rule_ref: np.unwrap_or(0),
+                    flags: if np.is_some() { 0 } else { ENTRY_TIERS_ONLY },
+                    admin,
+                    baseline,
+                })
+            }
+        };
+        let old = self.maps.policy.get(key);
+        if old == want.as_ref() {
+            return;
+        }
+        let was = old.is_some();
+        note(&mut self.journal_policy, key, old);
+        match want {
+            Some(e) => {
+                self.maps.policy.insert(*key, e);
+                if !was {
+                    self.count(key, 1);
+                }
+            }
+            None => {
+                self.maps.policy.remove(key);
+                self.count(key, -1);
+            }
         }
     }
 
@@ -168,6 +212,7 @@ impl Output {
         let keys: Vec<PolicyKey> = self.maps.policy_of(e).map(|(k, _)| *k).collect();
         for key in keys {
             self.shared.remove(&key);
+            self.tiers.remove(&key);
             if let Some(old) = self.maps.policy.remove(&key) {
                 note(&mut self.journal_policy, &key, Some(&old));
             }
@@ -270,8 +315,29 @@ impl Output {
             split(&self.maps.identities, self.journal_identities.take());
         let (policy_upserts, policy_removals) =
             split(&self.maps.policy, self.journal_policy.take());
-        let (endpoint_upserts, endpoint_removals) =
-            split(&self.maps.endpoints, self.journal_endpoints.take());
+        let journal_endpoints = self.journal_endpoints.take();
+        let updating = {
+            let journal = journal_endpoints.as_ref();
+            let old_of = |k: &PodRef| match journal.and_then(|j| j.get(k)) {
+                Some(old) => *old,
+                None => self.maps.endpoints.get(k).copied(),
+            };
+            let keys: BTreeSet<&PodRef> = self
+                .maps
+                .endpoints
+                .keys()
+                .chain(journal.into_iter().flat_map(|j| j.keys()))
+                .collect();
+            updating(
+                keys.into_iter()
+                    .map(|k| (k.clone(), old_of(k), self.maps.endpoints.get(k).copied())),
+                policy_upserts
+                    .iter()
+                    .map(|(k, _)| *k)
+                    .chain(policy_removals.iter().copied()),
+            )
+        };
+        let (endpoint_upserts, endpoint_removals) = split(&self.maps.endpoints, journal_endpoints);
         let ipcache_journal = self.journal_ipcache.take();
         let ipcache_old = ipcache_journal
             .iter()
@@ -315,6 +381,7 @@ impl Output {
             ipcache_covering_new,
             service_upserts,
             service_removals,
+            updating,
         }
         .ordered()
     }
@@ -335,5 +402,6 @@ impl Output {
                 .map(|v| size_of::<PolicyKey>() + 24 + v.len() * 4)
                 .sum::<usize>()
             + self.counts.len() * (8 + SLOTS * 4)
+            + self.tiers.len() * (size_of::<PolicyKey>() + 8)
     }
 }

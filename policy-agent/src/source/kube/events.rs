@@ -28,6 +28,7 @@ fn event_reason(kind: ObjectKind) -> Option<&'static str> {
         ObjectKind::Service => Some("InvalidService"),
         ObjectKind::EndpointSlice => Some("InvalidEndpointSlice"),
         ObjectKind::ServiceCidr => Some("InvalidServiceCIDR"),
+        ObjectKind::ClusterNetworkPolicy => Some("InvalidClusterNetworkPolicy"),
         ObjectKind::Pod | ObjectKind::Namespace => None,
     }
 }

@@ -25,8 +25,8 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 
 use super::load::{Fallback, LoadedManifests, ManifestError, is_manifest, load_file};
 use crate::cluster::{
-    Change, ClusterState, EndpointSliceInfo, Keyed, NamespaceInfo, ObjectRef, PodInfo, Problem,
-    ServiceInfo, Subject, keyed_changes,
+    Change, ClusterNetworkPolicy, ClusterState, EndpointSliceInfo, Keyed, NamespaceInfo, ObjectRef,
+    PodInfo, Problem, ServiceInfo, Subject, keyed_changes,
 };
 
 type Stamp = (u64, Option<SystemTime>);
@@ -39,6 +39,7 @@ struct FileContent {
     namespaces: BTreeMap<String, NamespaceInfo>,
     pods: BTreeMap<ObjectRef, PodInfo>,
     policies: BTreeMap<ObjectRef, NetworkPolicy>,
+    cluster_policies: BTreeMap<String, ClusterNetworkPolicy>,
     services: BTreeMap<ObjectRef, ServiceInfo>,
     slices: BTreeMap<ObjectRef, EndpointSliceInfo>,
     /// Policies held as fail-closed stand-ins: no version of them decoded.
@@ -75,6 +76,12 @@ impl FileContent {
             if !self.pods.contains_key(key) {
                 self.pods.insert(key.clone(), pod.clone());
                 kept.push(("Pod", key.clone()));
+            }
+        }
+        for (name, cnp) in &old.cluster_policies {
+            if !self.cluster_policies.contains_key(name) {
+                self.cluster_policies.insert(name.clone(), cnp.clone());
+                kept.push(("ClusterNetworkPolicy", ObjectRef::new("", name.clone())));
             }
         }
         keep_missing(&mut self.services, &old.services, "Service", &mut kept);
@@ -134,6 +141,7 @@ fn read_file(path: &Path, stamp: Option<Stamp>, old: &FileContent) -> FileConten
             .collect(),
         pods: state.pods,
         policies: state.policies,
+        cluster_policies: state.cluster_policies,
         services: state.services,
         slices: state.endpoint_slices,
         stand_ins: std::mem::take(&mut loaded.standing_in),
@@ -328,6 +336,13 @@ impl Directory {
         merge_keys(
             &self.files,
             &touched,
+            |f| &f.cluster_policies,
+            &m.cluster_policies,
+            &mut changes,
+        );
+        merge_keys(
+            &self.files,
+            &touched,
             |f| &f.services,
             &m.services,
             &mut changes,
@@ -377,6 +392,11 @@ impl Directory {
                 .map(|k| format!("Namespace {k}"))
                 .chain(f.pods.keys().map(|k| format!("Pod {k}")))
                 .chain(f.policies.keys().map(|k| format!("NetworkPolicy {k}")))
+                .chain(
+                    f.cluster_policies
+                        .keys()
+                        .map(|k| format!("ClusterNetworkPolicy {k}")),
+                )
                 .chain(f.services.keys().map(|k| format!("Service {k}")))
                 .chain(f.slices.keys().map(|k| format!("EndpointSlice {k}")));
             for key in keys {

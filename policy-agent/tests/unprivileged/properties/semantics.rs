@@ -6,7 +6,10 @@ use std::{
     net::IpAddr,
 };
 
-use crate::support::oracle::{PORTS, World, addresses, cluster, policy_valid};
+use crate::support::{
+    cnp_oracle::cluster_with_tiers,
+    oracle::{PORTS, World, addresses, cluster, policy_valid},
+};
 use policy_agent::{
     cluster::{ClusterState, ObjectRef},
     identity::IdentityAllocator,
@@ -120,6 +123,19 @@ proptest! {
     #[test]
     fn compiled_maps_agree_with_the_spec_when_all_pods_are_local(state in cluster()) {
         check(&state, true)?;
+    }
+
+    /// ClusterNetworkPolicies of both tiers, priorities and Pass chains
+    /// beside NetworkPolicies: the maps, judged as the kernel does, agree
+    /// with the reference evaluator on every flow.
+    #[test]
+    fn compiled_tiers_agree_with_the_reference_evaluator(state in cluster_with_tiers()) {
+        check(&state, true)?;
+    }
+
+    #[test]
+    fn compiled_tiers_agree_with_the_reference_evaluator_on_this_node(state in cluster_with_tiers()) {
+        check(&state, false)?;
     }
 
     #[test]

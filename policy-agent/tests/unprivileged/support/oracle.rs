@@ -174,7 +174,7 @@ pub struct World<'a> {
     holders: BTreeMap<IpAddr, ObjectRef>,
 }
 
-fn ns_labels(state: &ClusterState, ns: &str) -> Labels {
+pub fn ns_labels(state: &ClusterState, ns: &str) -> Labels {
     state
         .namespaces
         .get(ns)
@@ -323,6 +323,7 @@ impl<'a> World<'a> {
         }
         let ep = &self.state.pods[endpoint];
         let mut isolated = false;
+        let mut allowed_by_np = false;
         for (name, np) in &self.state.policies {
             if name.namespace != endpoint.namespace {
                 continue;
@@ -365,12 +366,29 @@ impl<'a> World<'a> {
                     })
             };
             if allowed {
-                return true;
+                allowed_by_np = true;
             }
         }
         // "the only allowed connections are those allowed by the union of
         // the policies' rules".
-        !isolated
+        let np_word = isolated.then_some(allowed_by_np);
+        if self.state.cluster_policies.is_empty() {
+            return np_word.unwrap_or(true);
+        }
+        // ClusterNetworkPolicy tiers around the NetworkPolicy tier, by the
+        // reference evaluator (written from the API text, apart from the
+        // compiler).
+        super::cnp_oracle::decide(
+            self.state,
+            endpoint,
+            ep,
+            ingress,
+            self.pod(peer),
+            peer,
+            proto_,
+            port,
+            np_word,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -528,13 +546,13 @@ pub const CIDRS: &[&str] = &[
     "10.0.0.0/33",
     "nonsense",
 ];
-const KEYS: &[&str] = &["app", "tier"];
-const VALUES: &[&str] = &["x", "y", "z"];
-const NS_KEYS: &[&str] = &["team", "env"];
+pub const KEYS: &[&str] = &["app", "tier"];
+pub const VALUES: &[&str] = &["x", "y", "z"];
+pub const NS_KEYS: &[&str] = &["team", "env"];
 pub const PORTS: &[u16] = &[53, 80, 81, 8080, 8081];
 pub const PROTOS: &[u8] = &[proto::TCP, proto::UDP, proto::SCTP, proto::ICMP];
 
-fn labels(keys: &'static [&'static str]) -> impl Strategy<Value = Labels> {
+pub fn labels(keys: &'static [&'static str]) -> impl Strategy<Value = Labels> {
     proptest::collection::btree_map(
         proptest::sample::select(keys),
         proptest::sample::select(VALUES),
@@ -564,7 +582,7 @@ fn container_port() -> impl Strategy<Value = ContainerPort> {
         })
 }
 
-fn pod() -> impl Strategy<Value = PodInfo> {
+pub fn pod() -> impl Strategy<Value = PodInfo> {
     (
         labels(KEYS),
         prop_oneof![4 => Just(Some(NODE.to_owned())), 1 => Just(Some("node-b".to_owned())), 1 => Just(None)],

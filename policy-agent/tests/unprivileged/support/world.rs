@@ -129,6 +129,15 @@ impl World {
         self
     }
 
+    /// Adds (or replaces) a ClusterNetworkPolicy written in YAML.
+    pub fn cluster_policy(&mut self, yaml: &str) -> &mut Self {
+        let cnp: policy_agent::cluster::ClusterNetworkPolicy =
+            serde_yaml::from_str(yaml).unwrap_or_else(|e| panic!("bad yaml: {e}\n{yaml}"));
+        let name = cnp.metadata.name.clone().expect("policy name");
+        self.state.cluster_policies.insert(name, cnp);
+        self
+    }
+
     pub fn remove_policy(&mut self, name: &str) -> &mut Self {
         self.state.policies.remove(&obj(name));
         self

@@ -28,8 +28,8 @@ use serde::Deserialize;
 use serde_yaml::Value;
 
 use crate::cluster::{
-    ClusterState, NamespaceInfo, ObjectRef, Problem, Subject, endpoint_slice_info, namespace_info,
-    pod_info, service_info,
+    ClusterNetworkPolicy, ClusterState, NamespaceInfo, ObjectRef, Problem, Subject, cluster_policy,
+    endpoint_slice_info, namespace_info, pod_info, service_info,
 };
 
 /// Where an object came from: file and 1-based document number.
@@ -58,7 +58,7 @@ pub enum ManifestError {
     #[error("{origin}: not a Kubernetes object (no apiVersion and kind)")]
     NotAnObject { origin: Origin },
     #[error(
-        "{origin}: unsupported object kind {kind:?} (apiVersion {api_version:?}); expected v1 Namespace, Pod or Service, networking.k8s.io/v1 NetworkPolicy or discovery.k8s.io/v1 EndpointSlice"
+        "{origin}: unsupported object kind {kind:?} (apiVersion {api_version:?}); expected v1 Namespace, Pod or Service, networking.k8s.io/v1 NetworkPolicy, discovery.k8s.io/v1 EndpointSlice or policy.networking.k8s.io/v1alpha2 ClusterNetworkPolicy"
     )]
     UnknownKind {
         origin: Origin,
@@ -158,7 +158,7 @@ impl ManifestError {
             Self::UnknownKind {
                 api_version, kind, ..
             } => format!(
-                "unsupported object kind {kind:?} (apiVersion {api_version:?}); expected v1 Namespace, Pod or Service, networking.k8s.io/v1 NetworkPolicy or discovery.k8s.io/v1 EndpointSlice"
+                "unsupported object kind {kind:?} (apiVersion {api_version:?}); expected v1 Namespace, Pod or Service, networking.k8s.io/v1 NetworkPolicy, discovery.k8s.io/v1 EndpointSlice or policy.networking.k8s.io/v1alpha2 ClusterNetworkPolicy"
             ),
             Self::Invalid {
                 kind,
@@ -183,6 +183,7 @@ pub struct LoadedManifests {
     pub namespaces: Vec<(Origin, Namespace)>,
     pub pods: Vec<(Origin, Pod)>,
     pub policies: Vec<(Origin, NetworkPolicy)>,
+    pub cluster_policies: Vec<(Origin, ClusterNetworkPolicy)>,
     pub services: Vec<(Origin, Service)>,
     pub slices: Vec<(Origin, EndpointSlice)>,
     /// Fail-closed stand-ins for NetworkPolicy documents that name
@@ -385,6 +386,16 @@ fn add_object(origin: Origin, value: Value, out: &mut LoadedManifests) {
         ("discovery.k8s.io/v1", "EndpointSlice") => {
             parse!(EndpointSlice, "EndpointSlice", slices, true)
         }
+        // A ClusterNetworkPolicy that does not decode has no fail-closed
+        // stand-in (its subject and rules are unknown): a new one is left
+        // out and reported, an edited one keeps its last version (the
+        // watcher).
+        (cluster_policy::API_VERSION, cluster_policy::KIND) => parse!(
+            ClusterNetworkPolicy,
+            "ClusterNetworkPolicy",
+            cluster_policies,
+            false
+        ),
         ("networking.k8s.io/v1", "NetworkPolicy") => match NetworkPolicy::deserialize(&value) {
             Ok(obj) => out.policies.push((origin, obj)),
             Err(e) => {
@@ -554,6 +565,27 @@ impl LoadedManifests {
                     }
                 }
             };
+        }
+        for (origin, cnp) in &self.cluster_policies {
+            let Some(name) = cnp.metadata.name.clone() else {
+                self.errors.push(ManifestError::Invalid {
+                    origin: origin.clone(),
+                    kind: "ClusterNetworkPolicy",
+                    name: "<unnamed>".into(),
+                    key: None,
+                    detail: "metadata.name is missing".into(),
+                    fallback: Fallback::LeftOut,
+                });
+                continue;
+            };
+            if !duplicate(
+                &mut self.errors,
+                "ClusterNetworkPolicy",
+                name.clone(),
+                origin,
+            ) {
+                state.cluster_policies.insert(name, cnp.clone());
+            }
         }
         convert!(services, service_info, "Service", services);
         convert!(

@@ -1,0 +1,227 @@
+//! The tier layer: ClusterNetworkPolicy rules resolved into policy-map keys
+//! with their tier slots (see `policy_common::policy::TierSlot`).
+//!
+//! Each rule gets a rank in its tier (see [`rank`]): policies by priority
+//! ("Policies with lower priority values have higher precedence"), equal
+//! priorities by name, then the rule's place ("a rule that appears at the
+//! top of the ingress rules would take the highest precedence"). Its slot goes into
+//! every key it matches for every local endpoint identity its subject
+//! selects; a key several rules match keeps the best slot of each tier.
+//! The classifier folds the slots of every key a packet matches, so the
+//! rule that decides is the best of all the rules matching the packet.
+//!
+//! Recomputed whole whenever a ClusterNetworkPolicy exists and anything
+//! changes, and written as a difference: only changed keys are written.
+use std::collections::{BTreeMap, BTreeSet};
+
+use policy_common::{
+    direction,
+    identity::ANY,
+    policy::{PolicyKey, TierSlot},
+    proto,
+};
+
+use super::Compiler;
+use crate::{
+    identity::LabelKey,
+    policy::{
+        cluster_policy::{
+            ClusterPeer, ClusterRule, ParsedClusterPolicy, ProtocolMatch, RuleMatch, Tier,
+        },
+        ports::{ANY_PORT, PortKey, range_blocks},
+    },
+};
+
+type Layer = BTreeMap<PolicyKey, (TierSlot, TierSlot)>;
+
+/// A rule's rank in its tier: priority, then the policy's place among
+/// those of the same priority (by name), then the rule's index. Spaced so
+/// a change to one policy moves the ranks of no policy of another
+/// priority: its entries are the only ones rewritten.
+fn rank(priority: u32, place: u32, rule_index: usize) -> u32 {
+    // 10 bits of priority (0-1000), 15 of place, 5 of index (at most 25).
+    let place = place.min((1 << 15) - 1);
+    let index = u32::try_from(rule_index).unwrap_or(31).min(31);
+    1 + ((priority.min(1023) << 20) | (place << 5) | index)
+}
+
+impl Compiler {
+    /// Brings the tier layer up to date; endpoints whose tier keys changed
+    /// get their flags recomputed.
+    pub(super) fn sync_tiers(&mut self) {
+        let want = self.tier_layer();
+        let gone: Vec<PolicyKey> = self
+            .out
+            .tiers()
+            .keys()
+            .filter(|k| !want.contains_key(k))
+            .copied()
+            .collect();
+        for key in gone {
+            self.flags_dirty.insert(key.endpoint_identity);
+            self.out.set_tiers(key, None);
+        }
+        for (key, slots) in want {
+            if self.out.tiers().get(&key) != Some(&slots) {
+                self.flags_dirty.insert(key.endpoint_identity);
+                self.out.set_tiers(key, Some(slots));
+            }
+        }
+    }
+
+    /// Whether endpoint identity `e` has tier keys in `dir`.
+    pub(super) fn tiered(&self, e: u32, dir: u8) -> bool {
+        let start = PolicyKey {
+            endpoint_identity: e,
+            ..PolicyKey::default()
+        };
+        self.out
+            .tiers()
+            .range(start..)
+            .take_while(|(k, _)| k.endpoint_identity == e)
+            .any(|(k, _)| k.direction == dir)
+    }
+
+    fn tier_layer(&self) -> Layer {
+        let mut out = Layer::new();
+        // Same-priority policies by name: their place among those.
+        let mut place: BTreeMap<(Tier, u32), u32> = BTreeMap::new();
+        for p in self.cluster_policies.values() {
+            let at = place.entry((p.tier, p.priority)).or_default();
+            for dir in [direction::INGRESS, direction::EGRESS] {
+                for rule in p.rules(dir) {
+                    let slot = TierSlot::new(rank(p.priority, *at, rule.index), rule.action.code());
+                    self.add_rule(&mut out, p, dir, rule, p.tier, slot);
+                }
+            }
+            *at += 1;
+        }
+        out
+    }
+
+    fn add_rule(
+        &self,
+        out: &mut Layer,
+        p: &ParsedClusterPolicy,
+        dir: u8,
+        rule: &ClusterRule,
+        tier: Tier,
+        slot: TierSlot,
+    ) {
+        for e in &self.index.endpoint_ids {
+            let Some(ident) = self.index.idents.get(e) else {
+                continue;
+            };
+            // "Note that host-networked pods are not included in subject
+            // selection": they have no identity here.
+            if !p
+                .subject
+                .selects(&ident.key.namespace_labels, &ident.key.labels)
+            {
+                continue;
+            }
+            for (peer, (protocol, len, port)) in self.rule_keys(rule, dir, &ident.key) {
+                let key = PolicyKey::new(*e, dir, peer, protocol, len, port);
+                let v = out.entry(key).or_default();
+                match tier {
+                    Tier::Admin => v.0 = v.0.best(slot),
+                    Tier::Baseline => v.1 = v.1.best(slot),
+                }
+            }
+        }
+    }
+
+    /// The (peer identity, port key) pairs of `rule` for a subject with
+    /// `subject`'s labels.
+    fn rule_keys(&self, rule: &ClusterRule, dir: u8, subject: &LabelKey) -> Vec<(u32, PortKey)> {
+        let (peers, protocols) = match &rule.matches {
+            RuleMatch::Nothing => return Vec::new(),
+            RuleMatch::Everything => return vec![(ANY, ANY_PORT)],
+            RuleMatch::Peers { peers, protocols } => (peers, protocols),
+        };
+        let mut labels = BTreeSet::new();
+        let mut classes = BTreeSet::new();
+        for peer in peers {
+            match peer {
+                // Pods only: host-networked pods have no identity.
+                ClusterPeer::Namespaces(ns) => labels.extend(
+                    self.index
+                        .idents
+                        .iter()
+                        .filter(|(_, x)| ns.matches(&x.key.namespace_labels))
+                        .map(|(id, _)| *id),
+                ),
+                ClusterPeer::Pods { namespaces, pods } => labels.extend(
+                    self.index
+                        .idents
+                        .iter()
+                        .filter(|(_, x)| {
+                            namespaces.matches(&x.key.namespace_labels)
+                                && pods.matches(&x.key.labels)
+                        })
+                        .map(|(id, _)| *id),
+                ),
+                // Every address class inside one of the networks: an
+                // address's class is the longest carved prefix holding it.
+                ClusterPeer::Networks(nets) => classes.extend(
+                    self.classes
+                        .prefixes()
+                        .iter()
+                        .filter(|(net, _)| nets.iter().any(|n| n.contains(*net)))
+                        .map(|(_, id)| *id),
+                ),
+                // Parsing keeps node peers out until node addresses are
+                // read (the rule fails closed instead).
+                ClusterPeer::Nodes(_) => {}
+            }
+        }
+        let mut out = Vec::new();
+        for peer in labels.iter().chain(classes.iter()) {
+            // "DestinationNamedPort selects a destination port on a pod":
+            // the subject for ingress, the peer's identity for egress (an
+            // address class has no pod to resolve it on).
+            let destination = if dir == direction::INGRESS {
+                Some(subject)
+            } else if labels.contains(peer) {
+                self.index.idents.get(peer).map(|x| &x.key)
+            } else {
+                None
+            };
+            for port in port_keys(protocols.as_deref(), destination) {
+                out.push((*peer, port));
+            }
+        }
+        out
+    }
+}
+
+/// The port keys of a rule's `protocols` ("If unspecified,
+/// protocol-specific attributes will not be used to match traffic").
+fn port_keys(protocols: Option<&[ProtocolMatch]>, destination: Option<&LabelKey>) -> Vec<PortKey> {
+    let Some(list) = protocols else {
+        return vec![ANY_PORT];
+    };
+    let mut out = Vec::new();
+    for m in list {
+        match m {
+            ProtocolMatch::AllPorts(p) => out.push((*p, 0, 0)),
+            ProtocolMatch::Ports {
+                protocol,
+                first,
+                last,
+            } => out.extend(
+                range_blocks(*first, *last)
+                    .into_iter()
+                    .map(|(port, len)| (*protocol, len, port)),
+            ),
+            ProtocolMatch::Named(name) => {
+                if let Some(d) = destination {
+                    for p in [proto::TCP, proto::UDP, proto::SCTP] {
+                        out.extend(d.resolve(name, p).map(|port| (p, 16, port)));
+                    }
+                }
+            }
+        }
+    }
+    out
+}

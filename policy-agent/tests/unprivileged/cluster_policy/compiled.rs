@@ -1,0 +1,177 @@
+//! The compiled maps, judged by the classifier's model, against the
+//! reference evaluator: every pod pair of the conformance world, both
+//! directions, ports and protocols the upstream tests poke.
+use policy_agent::cluster::{ClusterState, ObjectRef};
+use policy_agent::policy::cluster_policy::{
+    ClusterNetworkPolicy, Connection, ParsedClusterPolicy, PodView, Remote, decide,
+};
+use policy_common::{
+    direction,
+    proto::{SCTP, TCP, UDP},
+};
+
+use super::upstream::{BASELINE_DEFAULT, INGRESS_TCP, PASS_EXAMPLE};
+use crate::support::world::{World, named_port};
+
+const HOUSES: [&str; 4] = ["gryffindor", "slytherin", "hufflepuff", "ravenclaw"];
+
+/// Two pods per house, each serving web (TCP 80) and dns (UDP 53).
+fn world() -> World {
+    let mut w = World::new();
+    for (h, house) in HOUSES.iter().enumerate() {
+        let ns = format!("network-policy-conformance-{house}");
+        w.ns(&ns, &[("conformance-house", house)]);
+        for i in 0..2 {
+            let pod = w.pod(
+                &format!("{ns}/{house}-{i}"),
+                &[("conformance-house", house)],
+                &[
+                    &format!("10.0.{h}.{}", 10 + i),
+                    &format!("fd00::{h}:{}", 10 + i),
+                ],
+            );
+            pod.ports = vec![named_port("web", TCP, 80), named_port("dns", UDP, 53)];
+        }
+    }
+    w
+}
+
+/// Whether the maps' verdicts equal the evaluator's for every ordered pod
+/// pair and probe; `np` is the NetworkPolicy tier's word per (pod, dir).
+fn check(
+    w: &mut World,
+    policies: &[ParsedClusterPolicy],
+    np: impl Fn(&str, u8, &str) -> Option<bool>,
+) {
+    let run = w.compile_all_local();
+    assert!(run.compiled.errors.is_empty(), "{:?}", run.compiled.errors);
+    let state = &run.state;
+    let pods: Vec<_> = state.pods.iter().collect();
+    fn view<'a>(state: &'a ClusterState, k: &'a ObjectRef) -> PodView<'a> {
+        let info = &state.pods[k];
+        PodView {
+            namespace: &k.namespace,
+            namespace_labels: &state.namespaces[&k.namespace].labels,
+            labels: &info.labels,
+            ports: &info.ports,
+        }
+    }
+    let view = |k| view(state, k);
+    let mut checked = 0;
+    for (a, ai) in &pods {
+        for (b, bi) in &pods {
+            if a == b {
+                continue;
+            }
+            for (protocol, port) in [(TCP, 80), (TCP, 8080), (UDP, 53), (UDP, 5353), (SCTP, 9003)] {
+                for (s, d) in ai.ips.iter().zip(&bi.ips) {
+                    let want_egress = decide(
+                        policies,
+                        &Connection {
+                            direction: direction::EGRESS,
+                            subject: view(a),
+                            remote: Remote::Pod {
+                                pod: view(b),
+                                ip: *d,
+                            },
+                            protocol,
+                            port,
+                        },
+                        np(&a.to_string(), direction::EGRESS, &b.to_string()),
+                    )
+                    .0;
+                    let want_ingress = decide(
+                        policies,
+                        &Connection {
+                            direction: direction::INGRESS,
+                            subject: view(b),
+                            remote: Remote::Pod {
+                                pod: view(a),
+                                ip: *s,
+                            },
+                            protocol,
+                            port,
+                        },
+                        np(&b.to_string(), direction::INGRESS, &a.to_string()),
+                    )
+                    .0;
+                    let want = want_egress.allows() && want_ingress.allows();
+                    let got =
+                        run.allows_ips(&a.to_string(), *s, &b.to_string(), *d, protocol, port);
+                    assert_eq!(
+                        got, want,
+                        "{a} ({s}) -> {b} ({d}) {protocol}/{port}: maps {got}, evaluator egress {want_egress:?} ingress {want_ingress:?}"
+                    );
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked >= 500, "{checked}");
+}
+
+fn parsed(yaml: &str) -> ParsedClusterPolicy {
+    let wire: ClusterNetworkPolicy = serde_yaml::from_str(yaml).unwrap();
+    ParsedClusterPolicy::parse(&wire)
+}
+
+#[test]
+fn admin_rules_in_order_compile_to_what_the_evaluator_says() {
+    let mut w = world();
+    w.cluster_policy(INGRESS_TCP);
+    check(&mut w, &[parsed(INGRESS_TCP)], |_, _, _| None);
+}
+
+/// The integration scenario: Admin Pass to a NetworkPolicy that isolates
+/// gryffindor both ways, Baseline Deny behind it; then without the
+/// NetworkPolicy.
+#[test]
+fn pass_reaches_network_policy_then_baseline() {
+    let pass = PASS_EXAMPLE.replace("action: \"Deny\"", "action: \"Pass\"");
+    let np = r#"
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata:
+  name: allow-gress-from-to-slytherin-to-gryffindor
+  namespace: network-policy-conformance-gryffindor
+spec:
+  podSelector: {}
+  policyTypes: [Ingress, Egress]
+  ingress:
+  - from:
+    - namespaceSelector:
+        matchLabels:
+          conformance-house: slytherin
+  egress:
+  - to:
+    - namespaceSelector:
+        matchLabels:
+          conformance-house: slytherin
+"#;
+    let policies = [parsed(&pass), parsed(BASELINE_DEFAULT)];
+    let mut w = world();
+    w.cluster_policy(&pass)
+        .cluster_policy(BASELINE_DEFAULT)
+        .policy(np);
+    // The NetworkPolicy isolates gryffindor's pods and allows slytherin.
+    let np_word = |pod: &str, _dir: u8, peer: &str| {
+        pod.starts_with("network-policy-conformance-gryffindor/")
+            .then(|| peer.starts_with("network-policy-conformance-slytherin/"))
+    };
+    check(&mut w, &policies, np_word);
+    // Without it the Baseline Deny decides.
+    w.remove_policy(
+        "network-policy-conformance-gryffindor/allow-gress-from-to-slytherin-to-gryffindor",
+    );
+    check(&mut w, &policies, |_, _, _| None);
+    // And with the Admin tier denying, nothing of slytherin passes.
+    let mut w2 = world();
+    w2.cluster_policy(PASS_EXAMPLE)
+        .cluster_policy(BASELINE_DEFAULT)
+        .policy(np);
+    check(
+        &mut w2,
+        &[parsed(PASS_EXAMPLE), parsed(BASELINE_DEFAULT)],
+        np_word,
+    );
+}
