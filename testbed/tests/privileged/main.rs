@@ -16,6 +16,7 @@
 mod attacker;
 mod bad_input_daemon;
 mod cluster_mode;
+mod cluster_policy;
 mod cni;
 mod conformance;
 mod full_maps;

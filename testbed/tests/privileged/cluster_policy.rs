@@ -1,0 +1,138 @@
+//! ClusterNetworkPolicy on the simulated node with real traffic, the
+//! whole matrix probed (3 namespaces x 3 pods, TCP 80/8080, UDP 53/5353,
+//! ICMP, IPv4 and IPv6), each scenario applied with `policy-agent apply`.
+//!
+//! The upstream conformance tests (kubernetes-sigs/network-policy-api,
+//! conformance/tests) are transcribed onto this node's world: their houses
+//! become namespaces and pods here (gryffindor: namespace beta; ravenclaw:
+//! alpha/api; hufflepuff: alpha/web; slytherin: namespace gamma), each
+//! test keeps its upstream name, and the whole matrix is checked, not only
+//! the pairs upstream pokes. Needs root.
+use policy_testbed::Transport;
+use policy_testbed::fixtures::conformance::{Backend, Conformance, is_node, ns_of};
+
+/// Self traffic and the node are always allowed.
+fn always(from: &str, to: &str) -> bool {
+    is_node(from) || from == to
+}
+
+/// CNPAdminTierIngressTCP's `ingress-tcp`, transcribed: rule `i` of the
+/// upstream list is rule `i` here.
+fn ingress_tcp(order: [usize; 7]) -> String {
+    let rules = [
+        "  - name: allow-from-ravenclaw-everything\n    action: Accept\n    from:\n    - pods: {namespaceSelector: {matchLabels: {team: a}}, podSelector: {matchLabels: {app: api}}}\n",
+        "  - name: deny-from-ravenclaw-everything\n    action: Deny\n    from:\n    - pods: {namespaceSelector: {matchLabels: {team: a}}, podSelector: {matchLabels: {app: api}}}\n",
+        "  - name: pass-from-ravenclaw-everything\n    action: Pass\n    from:\n    - pods: {namespaceSelector: {matchLabels: {team: a}}, podSelector: {matchLabels: {app: api}}}\n",
+        "  - name: deny-from-slytherin-at-port-80\n    action: Deny\n    from:\n    - namespaces: {matchLabels: {team: c}}\n    protocols:\n    - tcp: {destinationPort: {number: 80}}\n",
+        "  - name: pass-from-slytherin-at-port-80\n    action: Pass\n    from:\n    - namespaces: {matchLabels: {team: c}}\n    protocols:\n    - tcp: {destinationPort: {number: 80}}\n",
+        "  - name: allow-from-hufflepuff-at-port-80\n    action: Accept\n    from:\n    - pods: {namespaceSelector: {matchLabels: {team: a}}, podSelector: {matchLabels: {app: web}}}\n    protocols:\n    - tcp: {destinationPort: {number: 80}}\n",
+        "  - name: deny-from-hufflepuff-everything-else\n    action: Deny\n    from:\n    - pods: {namespaceSelector: {matchLabels: {team: a}}, podSelector: {matchLabels: {app: web}}}\n",
+    ];
+    let mut out = String::from(
+        "apiVersion: policy.networking.k8s.io/v1alpha2\nkind: ClusterNetworkPolicy\nmetadata: {name: ingress-tcp}\nspec:\n  tier: Admin\n  priority: 3\n  subject:\n    namespaces: {matchLabels: {kubernetes.io/metadata.name: beta}}\n  ingress:\n",
+    );
+    for i in order {
+        out.push_str(rules[i]);
+    }
+    out
+}
+
+/// CNPAdminTierIngressTCP, its six subtests, on the BPF datapath.
+#[test]
+fn cnp_admin_tier_ingress_tcp() {
+    let c = Conformance::new("cnptcp", Backend::Bpf);
+    c.write_policies(&ingress_tcp([0, 1, 2, 3, 4, 5, 6]));
+    c.apply_ok();
+    let tcp80 = |port: u16, tr: Transport| tr == Transport::Tcp && port == 80;
+    // "allow-ingress ... ensure rule ordering is respected" (index 0 before
+    // index 1); "allow-ingress ... at the specified port" (index 5, then 6);
+    // "deny-ingress ... at the specified port" (index 3; other ports match
+    // no rule).
+    c.check("ingress-tcp as written", |f, t, port, tr| {
+        always(f, t)
+            || ns_of(t) != "beta"
+            || match f {
+                "alpha/web" => tcp80(port, tr),
+                _ if ns_of(f) == "gamma" => !tcp80(port, tr),
+                _ => true,
+            }
+    });
+    // "deny-ingress ... ensure rule ordering is respected": 0 and 1 swapped.
+    c.write_policies(&ingress_tcp([1, 0, 2, 3, 4, 5, 6]));
+    c.apply_ok();
+    c.check("ingress-tcp, Deny first", |f, t, port, tr| {
+        always(f, t)
+            || ns_of(t) != "beta"
+            || match f {
+                "alpha/api" => false,
+                "alpha/web" => tcp80(port, tr),
+                _ if ns_of(f) == "gamma" => !tcp80(port, tr),
+                _ => true,
+            }
+    });
+    // "pass-ingress ... ensure rule ordering is respected" (0 and 2
+    // swapped: Pass first, nothing in the later tiers) and "pass-ingress
+    // ... at the specified port" (3 and 4 swapped).
+    c.write_policies(&ingress_tcp([2, 1, 0, 4, 3, 5, 6]));
+    c.apply_ok();
+    c.check("ingress-tcp, Pass first", |f, t, port, tr| {
+        always(f, t) || ns_of(t) != "beta" || f != "alpha/web" || tcp80(port, tr)
+    });
+}
+
+const PASS_EXAMPLE: &str = "apiVersion: policy.networking.k8s.io/v1alpha2\nkind: ClusterNetworkPolicy\nmetadata: {name: pass-example}\nspec:\n  tier: Admin\n  priority: 10\n  subject:\n    namespaces: {matchLabels: {team: b}}\n  ingress:\n  - name: deny-all-ingress-from-slytherin\n    action: ACTION\n    from: [{namespaces: {matchLabels: {team: c}}}]\n  egress:\n  - name: deny-all-egress-to-slytherin\n    action: ACTION\n    to: [{namespaces: {matchLabels: {team: c}}}]\n";
+
+const NETWORK_POLICY: &str = "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: allow-gress-from-to-slytherin-to-gryffindor, namespace: beta}\nspec:\n  podSelector: {}\n  policyTypes: [Ingress, Egress]\n  ingress:\n  - from: [{namespaceSelector: {matchLabels: {team: c}}}]\n  egress:\n  - to: [{namespaceSelector: {matchLabels: {team: c}}}]\n";
+
+const BASELINE: &str = "apiVersion: policy.networking.k8s.io/v1alpha2\nkind: ClusterNetworkPolicy\nmetadata: {name: default}\nspec:\n  tier: Baseline\n  priority: 10\n  subject:\n    namespaces: {matchLabels: {team: b}}\n  ingress:\n  - name: deny-all-ingress-from-slytherin\n    action: Deny\n    from: [{namespaces: {matchLabels: {team: c}}}]\n  egress:\n  - name: deny-all-egress-to-slytherin\n    action: Deny\n    to: [{namespaces: {matchLabels: {team: c}}}]\n";
+
+/// CNPAdminTierIntegration: an Admin Deny over a NetworkPolicy that
+/// admits gamma (slytherin) both ways; then Pass to it; then, with the
+/// NetworkPolicy deleted, Pass to the Baseline Deny.
+#[test]
+fn cnp_admin_tier_integration() {
+    let c = Conformance::new("cnpint", Backend::Bpf);
+    let docs = |action: &str, np: bool| {
+        let mut d = vec![PASS_EXAMPLE.replace("ACTION", action), BASELINE.to_owned()];
+        if np {
+            d.push(NETWORK_POLICY.to_owned());
+        }
+        d.join("---\n")
+    };
+    let beta_gamma = |f: &str, t: &str| {
+        (ns_of(f) == "beta" && ns_of(t) == "gamma") || (ns_of(f) == "gamma" && ns_of(t) == "beta")
+    };
+    // The NetworkPolicy isolates beta both ways: only gamma, which the
+    // Admin tier denies. "Should Deny traffic from slytherin to gryffindor
+    // respecting admin CNP" and the reverse.
+    c.write_policies(&docs("Deny", true));
+    c.apply_ok();
+    c.check("admin deny", |f, t, _, _| {
+        always(f, t) || (ns_of(f) != "beta" && ns_of(t) != "beta")
+    });
+    // "pass-ingress/egress ... respect the match for network policy".
+    c.write_policies(&docs("Pass", true));
+    c.apply_ok();
+    c.check("admin pass to the network policy", |f, t, _, _| {
+        always(f, t) || (ns_of(f) != "beta" && ns_of(t) != "beta") || beta_gamma(f, t)
+    });
+    // "... respect the match for baseline cluster network policy".
+    c.write_policies(&docs("Pass", false));
+    c.apply_ok();
+    c.check("admin pass to the baseline", |f, t, _, _| always(f, t) || !beta_gamma(f, t));
+}
+
+/// The iptables fallback does not render tiers yet: a pod they apply to
+/// admits no new flow in that direction, and the agent says so.
+#[test]
+fn iptables_fails_closed_for_pods_tiers_apply_to() {
+    let c = Conformance::new("cnpipt", Backend::Iptables);
+    c.write_policies(&ingress_tcp([0, 1, 2, 3, 4, 5, 6]));
+    let run = c.apply();
+    let out = format!("{}{}", run.stdout, run.stderr);
+    assert!(
+        out.contains("does not enforce them yet"),
+        "the fallback must say it does not enforce tiers:\n{out}"
+    );
+    c.check("tiers on iptables", |f, t, _, _| always(f, t) || ns_of(t) != "beta");
+}
