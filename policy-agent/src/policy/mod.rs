@@ -38,7 +38,7 @@ pub use self::{
     explain::{
         BackendReport, DirectionReport, ExplainError, ExplainQuery, Explanation, FlowEnd,
         KeyReport, PeerReport, PolicyReport, RuleMatch, ServiceExplainError, ServiceExplanation,
-        ServiceQuery, explain, explain_service,
+        ServiceQuery, TierReport, explain, explain_service,
     },
     parse::{ParsedPolicy, Peers, Rule, rule_ref},
     peer::{IpBlock, Namespaces, Peer},

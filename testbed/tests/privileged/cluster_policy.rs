@@ -119,7 +119,9 @@ fn cnp_admin_tier_integration() {
     // "... respect the match for baseline cluster network policy".
     c.write_policies(&docs("Pass", false));
     c.apply_ok();
-    c.check("admin pass to the baseline", |f, t, _, _| always(f, t) || !beta_gamma(f, t));
+    c.check("admin pass to the baseline", |f, t, _, _| {
+        always(f, t) || !beta_gamma(f, t)
+    });
 }
 
 /// The iptables fallback does not render tiers yet: a pod they apply to
@@ -134,5 +136,7 @@ fn iptables_fails_closed_for_pods_tiers_apply_to() {
         out.contains("does not enforce them yet"),
         "the fallback must say it does not enforce tiers:\n{out}"
     );
-    c.check("tiers on iptables", |f, t, _, _| always(f, t) || ns_of(t) != "beta");
+    c.check("tiers on iptables", |f, t, _, _| {
+        always(f, t) || ns_of(t) != "beta"
+    });
 }

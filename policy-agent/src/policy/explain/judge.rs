@@ -223,15 +223,17 @@ pub(super) fn judge_side(
     let port = if has_ports(protocol) { port } else { 0 };
     let judged = model.judge(ep, dir, peer.address, protocol, port);
     let mut probed = Vec::new();
-    if judged.peer.identity != NODE && ep.isolated(dir) {
+    if judged.peer.identity != NODE && ep.judged(dir) {
+        // Under tiers every shape is probed; else the first hit ends it.
+        let every = ep.tiered(dir);
         for peer_id in Maps::peers_to_probe(ep, dir, judged.peer) {
             for k in Maps::probes_for_peer(ep, dir, peer_id, protocol, port) {
                 probed.push(key_report(c, &k));
-                if model.policy.contains_key(&k) {
+                if !every && model.policy.contains_key(&k) {
                     break;
                 }
             }
-            if judged.matched.is_some_and(|m| m.peer_identity == peer_id) {
+            if !every && judged.matched.is_some_and(|m| m.peer_identity == peer_id) {
                 break;
             }
         }
@@ -257,6 +259,20 @@ pub(super) fn judge_side(
         });
     }
     let peer_is_node = state.node_ips.contains(&peer.address);
+    let tiers = super::tiers::tier_decision(
+        state,
+        dir,
+        endpoint.pod.as_ref()?,
+        peer,
+        protocol,
+        port,
+        isolated.then_some(any_rule),
+    );
+    let rules_allowed = peer_is_node
+        || match &tiers {
+            Some((decision, _)) => decision.allows(),
+            None => !isolated || any_rule,
+        };
     Some(DirectionReport {
         direction: direction::name(dir).to_owned(),
         endpoint: pod.to_string(),
@@ -268,7 +284,8 @@ pub(super) fn judge_side(
         matched_key: judged.matched.map(|k| key_report(c, &k)),
         map_reason: judged.reason.name().to_owned(),
         map_allowed: !judged.reason.is_drop(),
-        rules_allowed: peer_is_node || !isolated || any_rule,
+        rules_allowed,
+        tier: tiers.and_then(|(_, t)| t),
     })
 }
 

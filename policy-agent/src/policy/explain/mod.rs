@@ -13,6 +13,7 @@
 mod judge;
 mod report;
 mod service;
+mod tiers;
 
 use std::net::IpAddr;
 
@@ -20,7 +21,9 @@ use policy_common::direction;
 
 use self::judge::{Side, holders, judge_side, peer_report, pod_key};
 pub use self::{
-    report::{DirectionReport, Explanation, KeyReport, PeerReport, PolicyReport, RuleMatch},
+    report::{
+        DirectionReport, Explanation, KeyReport, PeerReport, PolicyReport, RuleMatch, TierReport,
+    },
     service::{
         BackendReport, ServiceExplainError, ServiceExplanation, ServiceQuery, explain_service,
     },

@@ -73,6 +73,22 @@ pub struct DirectionReport {
     pub map_reason: String,
     pub map_allowed: bool,
     pub rules_allowed: bool,
+    /// The ClusterNetworkPolicy rule that decided (or passed the flow on),
+    /// if one matched.
+    pub tier: Option<TierReport>,
+}
+
+/// A ClusterNetworkPolicy rule, as `explain` names it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct TierReport {
+    pub tier: String,
+    pub policy: String,
+    pub priority: u32,
+    pub rule_index: usize,
+    pub rule_name: String,
+    pub action: String,
+    /// For a Pass: the tier it handed the flow to.
+    pub passed_to: Option<String>,
 }
 
 /// The explanation of one flow.
@@ -181,6 +197,17 @@ impl fmt::Display for Explanation {
                         r.ports.join(", ")
                     );
                 }
+            }
+            if let Some(t) = &d.tier {
+                let _ = write!(
+                    s,
+                    "  {} tier: clusternetworkpolicy {} (priority {}) rule {}[{}] {:?}: {}",
+                    t.tier, t.policy, t.priority, d.direction, t.rule_index, t.rule_name, t.action
+                );
+                if let Some(to) = &t.passed_to {
+                    let _ = write!(s, ", passed to {to}");
+                }
+                s.push('\n');
             }
             for k in &d.probed {
                 s.push_str("  probe ");

@@ -11,7 +11,7 @@ use policy_common::{
 };
 
 use super::upstream::{BASELINE_DEFAULT, INGRESS_TCP, PASS_EXAMPLE};
-use crate::support::world::{World, named_port};
+use crate::support::world::{World, named_port, obj};
 
 const HOUSES: [&str; 4] = ["gryffindor", "slytherin", "hufflepuff", "ravenclaw"];
 
@@ -173,5 +173,57 @@ spec:
         &mut w2,
         &[parsed(PASS_EXAMPLE), parsed(BASELINE_DEFAULT)],
         np_word,
+    );
+}
+
+/// `explain` agrees with the maps under tiers and names the rule that
+/// decided: its tier, policy, priority, index and name, and where a Pass
+/// handed the flow on.
+#[test]
+fn explain_names_the_tier_rule() {
+    use policy_agent::policy::{ExplainQuery, FlowEnd, explain};
+    let mut w = world();
+    let pass = PASS_EXAMPLE.replace("action: \"Deny\"", "action: \"Pass\"");
+    w.cluster_policy(&pass).cluster_policy(BASELINE_DEFAULT);
+    let run = w.compile_all_local();
+    let pod = |s: &str| FlowEnd::Pod(obj(s));
+    let q = ExplainQuery {
+        src: pod("network-policy-conformance-slytherin/slytherin-0"),
+        dst: pod("network-policy-conformance-gryffindor/gryffindor-0"),
+        protocol: TCP,
+        port: 80,
+    };
+    let ex = explain(&run.state, &run.compiled, &q).unwrap();
+    assert!(ex.consistent(), "{ex}");
+    assert!(!ex.allowed, "{ex}");
+    let ingress = ex.ingress.as_ref().unwrap();
+    assert_eq!(ingress.map_reason, "drop_baseline_tier", "{ex}");
+    let tier = ingress.tier.as_ref().unwrap();
+    assert_eq!(
+        (
+            tier.tier.as_str(),
+            tier.policy.as_str(),
+            tier.priority,
+            tier.rule_index
+        ),
+        ("Baseline", "default", 10, 0),
+        "{ex}"
+    );
+    assert_eq!(tier.rule_name, "deny-all-ingress-from-slytherin");
+    let text = ex.to_string();
+    assert!(
+        text.contains("Baseline tier: clusternetworkpolicy default (priority 10)"),
+        "{text}"
+    );
+    // With the Admin rule a Deny, it decides and is named.
+    w.cluster_policy(PASS_EXAMPLE);
+    let run = w.compile_all_local();
+    let ex = explain(&run.state, &run.compiled, &q).unwrap();
+    assert!(ex.consistent(), "{ex}");
+    let tier = ex.ingress.as_ref().unwrap().tier.clone().unwrap();
+    assert_eq!(
+        (tier.tier.as_str(), tier.action.as_str()),
+        ("Admin", "Deny"),
+        "{ex}"
     );
 }
