@@ -80,10 +80,20 @@ impl EndpointInfo {
     /// Whether a NetworkPolicy isolates the pod in `direction`.
     #[inline(always)]
     pub const fn isolated(&self, direction: u8) -> bool {
+        self.has(
+            direction,
+            ENDPOINT_INGRESS_ISOLATED,
+            ENDPOINT_EGRESS_ISOLATED,
+        )
+    }
+
+    /// Whether the flag of `direction` (one bit for each) is set.
+    #[inline(always)]
+    const fn has(&self, direction: u8, ingress: u32, egress: u32) -> bool {
         let bit = if direction == crate::direction::INGRESS {
-            ENDPOINT_INGRESS_ISOLATED
+            ingress
         } else {
-            ENDPOINT_EGRESS_ISOLATED
+            egress
         };
         self.flags & bit != 0
     }
@@ -91,23 +101,17 @@ impl EndpointInfo {
     /// Whether ClusterNetworkPolicy rules apply to the pod in `direction`.
     #[inline(always)]
     pub const fn tiered(&self, direction: u8) -> bool {
-        let bit = if direction == crate::direction::INGRESS {
-            ENDPOINT_INGRESS_TIERED
-        } else {
-            ENDPOINT_EGRESS_TIERED
-        };
-        self.flags & bit != 0
+        self.has(direction, ENDPOINT_INGRESS_TIERED, ENDPOINT_EGRESS_TIERED)
     }
 
     /// Whether a change of its tier entries in `direction` is landing.
     #[inline(always)]
     pub const fn updating(&self, direction: u8) -> bool {
-        let bit = if direction == crate::direction::INGRESS {
-            ENDPOINT_INGRESS_UPDATING
-        } else {
-            ENDPOINT_EGRESS_UPDATING
-        };
-        self.flags & bit != 0
+        self.has(
+            direction,
+            ENDPOINT_INGRESS_UPDATING,
+            ENDPOINT_EGRESS_UPDATING,
+        )
     }
 
     /// Whether a new flow in `direction` is judged by policy at all (a

@@ -12,6 +12,10 @@
 //! probes run and miss. The probe counts are taken from the model
 //! (`policy_common::model`) and printed.
 //!
+//! Then ClusterNetworkPolicy: 100 of them in both tiers over 10,000 pods,
+//! compiled, beside the NetworkPolicy state of 10,000 entries, a denied new
+//! flow and an established one each (`tiers`).
+//!
 //! The kernel runs the program `REPEAT` times per call and reports the
 //! mean; each figure is the median of `ROUNDS` calls. Every ratio is the
 //! median of per-round ratios against the one-lookup floor measured in the
@@ -293,10 +297,12 @@ fn main() {
     println!(
         "floor: empty program {empty:.1} ns/pkt; parse + one hash lookup {one_lookup:.1} ns/pkt"
     );
+    let tiers = tiers(&mut floors, repeat, rounds);
     let json = serde_json::json!({
         "ipcache_entries": IPCACHE_ENTRIES, "repeat": repeat, "rounds": rounds,
         "typical_probes": typical_probes, "worst_probes": worst_probes,
         "floor_empty_ns": empty, "floor_one_lookup_ns": one_lookup, "rows": rows,
+        "tiers": tiers,
     });
     let out = std::env::var_os("POLICY_AGENT_BENCH_OUT").map_or_else(
         || {
@@ -309,4 +315,165 @@ fn main() {
         std::fs::create_dir_all(dir).unwrap();
     }
     std::fs::write(&out, serde_json::to_string_pretty(&json).unwrap()).unwrap();
+}
+
+/// 10,000 pods in 100 namespaces (teams t0-t9) on other nodes, ours
+/// (`ns0/me`, 10.0.0.200) on this one, and `cnps` ClusterNetworkPolicies
+/// on team t0, half Admin and half Baseline, each with three ingress and
+/// two egress rules of every kind of peer and port.
+fn tier_cluster(cnps: usize) -> policy_agent::cluster::ClusterState {
+    use policy_agent::cluster::{
+        ClusterNetworkPolicy, ClusterState, NamespaceInfo, ObjectRef, PodInfo,
+    };
+    let mut s = ClusterState {
+        node_name: "node-a".into(),
+        node_ips: vec![IpAddr::V4(Ipv4Addr::new(192, 168, 0, 1))],
+        ..Default::default()
+    };
+    for n in 0..100 {
+        let name = format!("ns{n}");
+        s.namespaces.insert(
+            name.clone(),
+            NamespaceInfo {
+                labels: [
+                    ("kubernetes.io/metadata.name".to_owned(), name),
+                    ("team".to_owned(), format!("t{}", n % 10)),
+                ]
+                .into(),
+            },
+        );
+    }
+    for i in 0..10_000u32 {
+        s.pods.insert(
+            ObjectRef::new(format!("ns{}", i % 100), format!("p{i}")),
+            PodInfo {
+                labels: [("app".to_owned(), format!("a{}", i % 20))].into(),
+                node_name: Some("node-b".into()),
+                ips: vec![IpAddr::V4(Ipv4Addr::from(0x0a01_0000u32 + i))],
+                ..Default::default()
+            },
+        );
+    }
+    s.pods.insert(
+        ObjectRef::new("ns0", "me"),
+        PodInfo {
+            labels: [("app".to_owned(), "me".to_owned())].into(),
+            node_name: Some("node-a".into()),
+            ips: vec![IpAddr::V4(Ipv4Addr::new(10, 0, 0, 200))],
+            ..Default::default()
+        },
+    );
+    for k in 0..cnps {
+        let tier = if k % 2 == 0 { "Admin" } else { "Baseline" };
+        let yaml = format!(
+            "metadata: {{name: cnp{k}}}\nspec:\n  tier: {tier}\n  priority: {p}\n  subject: {{namespaces: {{matchLabels: {{team: t0}}}}}}\n  ingress:\n  - {{action: Deny, from: [{{namespaces: {{matchLabels: {{team: t{a}}}}}}}], protocols: [{{tcp: {{destinationPort: {{number: {port}}}}}}}]}}\n  - {{action: Pass, from: [{{pods: {{namespaceSelector: {{matchLabels: {{team: t{b}}}}}, podSelector: {{matchLabels: {{app: a{c}}}}}}}}}]}}\n  - {{action: Accept, from: [{{namespaces: {{matchLabels: {{team: t{d}}}}}}}], protocols: [{{udp: {{destinationPort: {{number: 53}}}}}}]}}\n  egress:\n  - {{action: Deny, to: [{{networks: [203.0.113.{net}/32]}}]}}\n  - {{action: Accept, to: [{{namespaces: {{matchLabels: {{team: t{b}}}}}}}], protocols: [{{tcp: {{destinationPort: {{range: {{start: 8000, end: 8999}}}}}}}}]}}\n",
+            p = k / 2,
+            a = 1 + k % 9,
+            port = 8000 + k,
+            b = k % 10,
+            c = k % 20,
+            d = (k + 3) % 10,
+            net = k % 250,
+        );
+        let cnp: ClusterNetworkPolicy = serde_yaml::from_str(&yaml).unwrap();
+        s.cluster_policies.insert(format!("cnp{k}"), cnp);
+    }
+    s
+}
+
+/// The tier layer's cost per packet: ours with 100 ClusterNetworkPolicies
+/// of both tiers over 10,000 pods, compiled, against the NetworkPolicy
+/// state of `state(10_000)` measured in the same rounds. Every figure is
+/// taken over the one-lookup floor of its round.
+fn tiers(floors: &mut Unpinned, repeat: u32, rounds: usize) -> serde_json::Value {
+    use policy_agent::{cluster::ObjectRef, identity::IdentityAllocator, policy};
+    let me = ObjectRef::new("ns0", "me");
+    let t = std::time::Instant::now();
+    let compiled = policy::compile(&tier_cluster(100), &mut IdentityAllocator::new());
+    let compile_ms = t.elapsed().as_secs_f64() * 1e3;
+    assert!(compiled.errors.is_empty(), "{:?}", compiled.errors);
+    let mut s = compiled.maps.rekey(|p| (p == &me).then_some(1u32));
+    s.finalize();
+    let tier_keys = s.policy.len();
+    let mut dp = Unpinned::load_with(&[(policy_common::maps::CONNTRACK, 65536)]).unwrap();
+    let old = dp.maps.read_state().unwrap();
+    dp.maps.apply(&diff(&old, &s)).unwrap();
+    let mut np = Unpinned::load_with(&[(policy_common::maps::CONNTRACK, 65536)]).unwrap();
+    let old = np.maps.read_state().unwrap();
+    np.maps.apply(&diff(&old, &state(10_000))).unwrap();
+    let pod = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 200));
+    // p1 is in ns1 (team t1): cnp0's Admin Deny on TCP 8000 stops it.
+    let denied_peer = IpAddr::V4(Ipv4Addr::from(0x0a01_0001u32));
+    let tier_denied = Packet::tcp(denied_peer, 40000, pod, 8000, TCP_SYN).frame();
+    // p5 (ns5, team t5, app a5) meets only Baseline Passes: the default.
+    let open_peer = IpAddr::V4(Ipv4Addr::from(0x0a01_0005u32));
+    let tier_opening = Packet::tcp(open_peer, 40001, pod, 80, TCP_SYN).frame();
+    let tier_established = Packet::tcp(open_peer, 40001, pod, 80, TCP_ACK).frame();
+    let np_denied = Packet::tcp(
+        IpAddr::V4(Ipv4Addr::new(10, 0, 0, 3)),
+        40000,
+        pod,
+        80,
+        TCP_SYN,
+    )
+    .frame();
+    let np_opening = Packet::tcp(
+        IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1)),
+        40001,
+        pod,
+        80,
+        TCP_SYN,
+    )
+    .frame();
+    let np_established = Packet::tcp(
+        IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1)),
+        40001,
+        pod,
+        80,
+        TCP_ACK,
+    )
+    .frame();
+    let verdict = |d: &mut Unpinned, frame: &[u8]| {
+        d.program(Hook::Egress)
+            .unwrap()
+            .test_run(TestRunOptions {
+                data_in: Some(frame),
+                ..TestRunOptions::default()
+            })
+            .unwrap()
+            .return_value
+    };
+    assert_eq!(verdict(&mut dp, &tier_denied), 2, "the Admin Deny drops it");
+    assert_ne!(verdict(&mut dp, &tier_opening), 2, "the default admits it");
+    assert_ne!(
+        verdict(&mut np, &np_opening),
+        2,
+        "the NetworkPolicy admits it"
+    );
+    let mut r: [Vec<f64>; 5] = Default::default();
+    for _ in 0..rounds {
+        let f = run_once(
+            floors.extra_program("floor_one_lookup").unwrap(),
+            &np_established,
+            repeat,
+        );
+        let prog = |d: &mut Unpinned, frame: &[u8]| {
+            run_once(d.program(Hook::Egress).unwrap(), frame, repeat) / f
+        };
+        r[0].push(prog(&mut np, &np_denied));
+        r[1].push(prog(&mut dp, &tier_denied));
+        r[2].push(prog(&mut np, &np_established));
+        r[3].push(prog(&mut dp, &tier_established));
+        r[4].push(f);
+    }
+    let [np_new, tier_new, np_est, tier_est, floor] = r.map(median);
+    println!(
+        "tiers: 100 ClusterNetworkPolicies over 10,000 pods ({tier_keys} policy entries, compiled in {compile_ms:.0} ms): new flow denied {tier_new:.2}x the floor (NetworkPolicy {np_new:.2}x), established {tier_est:.2}x (NetworkPolicy {np_est:.2}x); floor {floor:.0} ns"
+    );
+    serde_json::json!({
+        "cluster_policies": 100, "pods": 10_000, "policy_entries": tier_keys,
+        "compile_ms": compile_ms, "floor_one_lookup_ns": floor,
+        "np_new_denied_over_floor": np_new, "tier_new_denied_over_floor": tier_new,
+        "np_established_over_floor": np_est, "tier_established_over_floor": tier_est,
+    })
 }
