@@ -86,20 +86,22 @@ const FOLD_ALL: u32 = 1 << 31;
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn probe_peer(endpoint: u32, peer: u32, packed: u32, bits: u32) -> u32 {
+    if bits & FOLD_ALL == 0 {
+        // An entry of tier slots alone allows nothing here (it may land
+        // before its endpoint's tier flag does).
+        return u32::from(visit_peer(endpoint, peer, packed, bits, |entry| {
+            entry.flags & ENTRY_TIERS_ONLY == 0
+        }));
+    }
     let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
         return 0;
     };
-    let fold_all = bits & FOLD_ALL != 0;
-    u32::from(visit_peer(endpoint, peer, packed, bits, |entry| {
-        if !fold_all {
-            // An entry of tier slots alone allows nothing here (it may
-            // land before its endpoint's tier flag does).
-            return entry.flags & ENTRY_TIERS_ONLY == 0;
-        }
+    visit_peer(endpoint, peer, packed, bits, |entry| {
         // SAFETY: the per-CPU scratch value, ours for this program run.
         unsafe { (*scratch).tiers.add(entry) };
         false
-    }))
+    });
+    0
 }
 
 /// The peer a flow is judged by (see `CtEntry::origin`): the address's
@@ -157,14 +159,17 @@ pub(super) fn judge(
     }
     let bits = ep.lookups(dir);
     let packed = (u32::from(dir) << 24) | (u32::from(protocol) << 16) | u32::from(port);
-    let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
-        return (Reason::DropPolicy, peer);
-    };
-    // SAFETY: the per-CPU scratch value, ours for this program run.
-    unsafe { (*scratch).tiers = Tiers::default() };
     // The same three probe calls either way: a hit returns only for an
-    // endpoint NetworkPolicy alone judges.
+    // endpoint NetworkPolicy alone judges. The scratch fold is touched
+    // only under tiers.
     let tiered = ep.tiered(dir);
+    if tiered {
+        let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
+            return (Reason::DropPolicy, peer);
+        };
+        // SAFETY: the per-CPU scratch value, ours for this program run.
+        unsafe { (*scratch).tiers = Tiers::default() };
+    }
     let bits = if tiered { bits | FOLD_ALL } else { bits };
     if peer.identity != identity::ANY && probe_peer(ep.identity, peer.identity, packed, bits) != 0 {
         return (Reason::AllowPolicy, peer);
@@ -178,6 +183,9 @@ pub(super) fn judge(
     if !tiered {
         return (Reason::DropPolicy, peer);
     }
+    let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
+        return (Reason::DropPolicy, peer);
+    };
     // SAFETY: as above.
     let tiers = unsafe { (*scratch).tiers };
     (tiers.decide(ep.isolated(dir)), peer)
