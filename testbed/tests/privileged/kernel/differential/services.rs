@@ -329,7 +329,9 @@ pub fn run_seed(seed: u64, packets: usize, seen: &mut Seen) -> usize {
     random_state(&mut h, &mut rng);
     let mut model = Datapath::new(h.state.to_model(|k| *k));
     let mut sent: Vec<Sent> = Vec::new();
+    let mut clock = super::HeldClock::new();
     for i in 0..packets {
+        clock.hold(&mut h, &mut model);
         if i % 100 == 99 {
             // The policy changes under live flows.
             let keys: Vec<PolicyKey> = h.state.policy.keys().copied().collect();
