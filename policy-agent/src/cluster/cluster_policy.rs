@@ -13,6 +13,15 @@ use serde_json::Value;
 pub type Unknown = BTreeMap<String, Value>;
 
 pub const API_VERSION: &str = "policy.networking.k8s.io/v1alpha2";
+
+/// How one ClusterNetworkPolicy is enforced, as its status reports it:
+/// the generation compiled and what is not enforced as written (the same
+/// on every node: validation only, never a node's own shortfall).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Standing {
+    pub generation: Option<i64>,
+    pub problems: Vec<String>,
+}
 pub const KIND: &str = "ClusterNetworkPolicy";
 
 /// "ClusterNetworkPolicy is a cluster-wide network policy resource."

@@ -215,10 +215,22 @@ pub async fn run(
         ))),
         Sources::Manifests(_) => None,
     };
+    // ...and one agent of the cluster writes ClusterNetworkPolicy status.
+    let (standings_tx, standings_rx) = tokio::sync::watch::channel(Default::default());
+    let status_task = match &sources {
+        Sources::Cluster(client) => Some(tokio::spawn(source::kube::write_status(
+            client.clone(),
+            client.default_namespace().to_owned(),
+            config.node.clone(),
+            standings_rx,
+        ))),
+        Sources::Manifests(_) => None,
+    };
     let context = Context {
         config: config.clone(),
         metrics: metrics.clone(),
         events: events_task.as_ref().map(|_| problem_tx),
+        standings: status_task.as_ref().map(|_| standings_tx),
         sources: sources.ids().into_iter().collect(),
     };
     let worker = reconcile::spawn(context, inbox).map_err(Error::Worker)?;
@@ -259,7 +271,10 @@ pub async fn run(
     {
         task.abort();
     }
-    for t in [events_task, pod_ranges_task].into_iter().flatten() {
+    for t in [events_task, status_task, pod_ranges_task]
+        .into_iter()
+        .flatten()
+    {
         t.abort();
     }
     if let Some(t) = cni {

@@ -34,6 +34,9 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
     /// Where each sync's problems go (cluster mode: Events on policies).
     pub events: Option<UnboundedSender<Vec<Problem>>>,
+    /// Where each sync's ClusterNetworkPolicy standings go (cluster mode:
+    /// their status, written by one agent of the cluster).
+    pub standings: Option<tokio::sync::watch::Sender<crate::source::kube::Standings>>,
     /// The sources whose first update the first sync waits for.
     pub sources: BTreeSet<SourceId>,
 }
@@ -289,6 +292,14 @@ fn record(ctx: &Context, state: &mut State, result: &Result<SyncReport, Error>, 
             if let Some(enforcer) = state.enforcer.as_ref() {
                 let (entries, refused) = enforcer.compiler().budget_use();
                 ctx.metrics.compiled(entries, refused);
+                if let Some(tx) = &ctx.standings {
+                    let now = enforcer.compiler().cluster_policy_standings();
+                    tx.send_if_modified(|had| {
+                        let changed = *had != now;
+                        *had = now;
+                        changed
+                    });
+                }
             }
             let known = state
                 .enforcer
@@ -351,6 +362,7 @@ mod tests {
             config,
             metrics: Arc::new(Metrics::new()),
             events: None,
+            standings: None,
             sources: [SourceId::Node].into_iter().collect(),
         }
     }

@@ -142,6 +142,8 @@ fn rbac_grants_reads_of_exactly_what_is_watched_and_events() {
         let verbs = rule.verbs;
         if resources == ["events"] {
             assert_eq!(verbs, ["create", "patch"]);
+        } else if resources == ["clusternetworkpolicies/status"] {
+            assert_eq!(verbs, ["patch"], "status by server-side apply only");
         } else if verbs == ["get"] {
             for group in rule.api_groups.unwrap_or_default() {
                 for r in &resources {
@@ -171,6 +173,36 @@ fn rbac_grants_reads_of_exactly_what_is_watched_and_events() {
             .map(|(g, r)| (g.to_string(), r.to_string()))
             .collect();
     assert_eq!(got, read_once, "get only, of exactly what is read once");
+}
+
+#[test]
+fn rbac_lets_the_status_writer_hold_one_lease_and_nothing_more() {
+    let all = docs("rbac.yaml");
+    let role: k8s_openapi::api::rbac::v1::Role = serde_yaml::from_value(all[3].clone()).unwrap();
+    let binding: k8s_openapi::api::rbac::v1::RoleBinding =
+        serde_yaml::from_value(all[4].clone()).unwrap();
+    assert_eq!(binding.role_ref.name, role.metadata.name.clone().unwrap());
+    assert_eq!(role.metadata.namespace.as_deref(), Some("kube-system"));
+    let rules = role.rules.unwrap();
+    for rule in &rules {
+        assert_eq!(
+            rule.api_groups.as_deref(),
+            Some(&["coordination.k8s.io".to_string()][..])
+        );
+        assert_eq!(rule.resources.as_deref(), Some(&["leases".to_string()][..]));
+        if rule.verbs != ["create"] {
+            assert_eq!(
+                rule.resource_names.as_deref(),
+                Some(&[policy_agent::source::kube::LEASE_NAME.to_string()][..]),
+                "reads and updates only of the agent's own Lease"
+            );
+        }
+    }
+    let verbs: std::collections::BTreeSet<&str> = rules
+        .iter()
+        .flat_map(|r| r.verbs.iter().map(String::as_str))
+        .collect();
+    assert_eq!(verbs, ["create", "get", "update"].into());
 }
 
 fn daemonset_pod() -> k8s_openapi::api::core::v1::PodSpec {

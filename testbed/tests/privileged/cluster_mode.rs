@@ -32,7 +32,7 @@ fn objects(yaml: &str) -> Vec<Value> {
 
 /// The cluster's objects, `more` (YAML) and this node's Node (without pod
 /// ranges: its IPAM does not use them).
-fn cluster_objects(c: &Conformance, more: &str) -> Vec<Value> {
+pub(crate) fn cluster_objects(c: &Conformance, more: &str) -> Vec<Value> {
     let mut out = objects(&format!(
         "{}---\n{more}",
         cluster_yaml(&c.namespaces, &c.pods)
@@ -56,7 +56,7 @@ fn comparable(dump: &Value) -> Value {
     json!({"endpoints": endpoints, "identities": dump["identities"], "ipcache": dump["ipcache"], "policy": dump["policy"]})
 }
 
-fn wait_for(what: &str, within: Duration, mut ok: impl FnMut() -> bool) {
+pub(crate) fn wait_for(what: &str, within: Duration, mut ok: impl FnMut() -> bool) {
     let start = Instant::now();
     while !ok() {
         assert!(start.elapsed() < within, "{what}: not within {within:?}");

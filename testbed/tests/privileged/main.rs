@@ -17,6 +17,7 @@ mod attacker;
 mod bad_input_daemon;
 mod cluster_mode;
 mod cluster_policy;
+mod cluster_policy_kube;
 mod cni;
 mod conformance;
 mod full_maps;

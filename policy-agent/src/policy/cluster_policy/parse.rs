@@ -167,6 +167,8 @@ pub struct ClusterRule {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParsedClusterPolicy {
     pub name: String,
+    /// `metadata.generation`: the version its status reports on.
+    pub generation: Option<i64>,
     pub tier: Tier,
     /// 0-1000, lower first.
     pub priority: u32,
@@ -273,6 +275,7 @@ impl ParsedClusterPolicy {
         }
         Self {
             name,
+            generation: cnp.metadata.generation,
             tier,
             priority,
             subject,

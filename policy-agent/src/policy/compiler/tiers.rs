@@ -225,3 +225,26 @@ fn port_keys(protocols: Option<&[ProtocolMatch]>, destination: Option<&LabelKey>
     }
     out
 }
+
+impl Compiler {
+    /// Every ClusterNetworkPolicy's standing for its status: the
+    /// generation compiled, and each field not enforced as written.
+    pub fn cluster_policy_standings(
+        &self,
+    ) -> BTreeMap<String, crate::cluster::cluster_policy::Standing> {
+        self.cluster_policies
+            .iter()
+            .map(|(name, p)| {
+                let standing = crate::cluster::cluster_policy::Standing {
+                    generation: p.generation,
+                    problems: p
+                        .errors
+                        .iter()
+                        .map(|e| format!("{}: {} ({})", e.field, e.kind, e.effect))
+                        .collect(),
+                };
+                (name.clone(), standing)
+            })
+            .collect()
+    }
+}

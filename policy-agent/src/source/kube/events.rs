@@ -21,14 +21,16 @@ enum Target {
 }
 
 /// The Event reason for a problem with an object of `kind`; None: no
-/// Event (pods and namespaces: their problems are the node's to log).
+/// Event from every node (pods and namespaces: their problems are the
+/// node's to log; ClusterNetworkPolicies: the status writer's).
 fn event_reason(kind: ObjectKind) -> Option<&'static str> {
     match kind {
         ObjectKind::NetworkPolicy => Some("InvalidNetworkPolicy"),
         ObjectKind::Service => Some("InvalidService"),
         ObjectKind::EndpointSlice => Some("InvalidEndpointSlice"),
         ObjectKind::ServiceCidr => Some("InvalidServiceCIDR"),
-        ObjectKind::ClusterNetworkPolicy => Some("InvalidClusterNetworkPolicy"),
+        // One agent of the cluster reports these (see `status.rs`).
+        ObjectKind::ClusterNetworkPolicy => None,
         ObjectKind::Pod | ObjectKind::Namespace => None,
     }
 }

@@ -1,7 +1,8 @@
 //! The API server as a source: watchers on Pods (every node: remote pod
 //! IPs feed the ipcache), Namespaces, NetworkPolicies, Services and
 //! EndpointSlices (the frontends judged after DNAT, and `explain`'s
-//! backends), and ServiceCIDRs (the Service ranges, unless
+//! backends), ClusterNetworkPolicies (a CRD that may be absent; see
+//! `cluster_policies.rs`), and ServiceCIDRs (the Service ranges, unless
 //! `--service-cidr` gives them; see `service_cidrs.rs`), kept as plain
 //! values (no managed fields, annotations or status beyond what policy
 //! reads).
@@ -12,9 +13,11 @@
 //! known: the datapath never sees a half-listed cluster. While the API
 //! server is unreachable nothing is published, so the last state stays
 //! enforced; the watchers retry with backoff.
+mod cluster_policies;
 mod events;
 mod pod_ranges;
 mod service_cidrs;
+mod status;
 mod store;
 
 use std::time::Duration;
@@ -27,6 +30,7 @@ use k8s_openapi::api::{
 };
 use kube::{
     Api, Client, ResourceExt as _,
+    api::DynamicObject,
     runtime::{
         WatchStreamExt as _,
         watcher::{self, Event},
@@ -34,13 +38,15 @@ use kube::{
 };
 use tracing::{debug, info, warn};
 
+use self::{
+    cluster_policies::ClusterPolicies,
+    service_cidrs::ServiceCidrs,
+    store::{Converted, Pods, Store},
+};
 pub use self::{
     events::publish_events,
     pod_ranges::{node_pod_cidrs, read_pod_ranges},
-};
-use self::{
-    service_cidrs::ServiceCidrs,
-    store::{Converted, Pods, Store},
+    status::{CONDITION, LEASE_NAME, Standings, write_status},
 };
 use super::{Sink, SourceId, SourceUpdate};
 use crate::cluster::{
@@ -53,13 +59,14 @@ use crate::cluster::{
 pub const READ_ONCE: [(&str, &str); 1] = [("", "nodes")];
 
 /// What the watchers read, as RBAC names it: (API group, resource).
-pub const WATCHED: [(&str, &str); 6] = [
+pub const WATCHED: [(&str, &str); 7] = [
     ("", "pods"),
     ("", "namespaces"),
     ("networking.k8s.io", "networkpolicies"),
     ("", "services"),
     ("discovery.k8s.io", "endpointslices"),
     ("networking.k8s.io", "servicecidrs"),
+    (cluster_policies::GROUP, cluster_policies::PLURAL),
 ];
 
 enum Update {
@@ -69,6 +76,8 @@ enum Update {
     Service(Box<Event<Service>>),
     Slice(Box<Event<EndpointSlice>>),
     ServiceCidr(Box<Event<ServiceCIDR>>),
+    ClusterPolicy(Box<Event<DynamicObject>>),
+    ClusterPolicyFailed(watcher::Error),
     Failed(&'static str, watcher::Error),
 }
 
@@ -158,6 +167,11 @@ pub async fn watch(client: Client, settle: Duration, sink: Sink, service_cidrs: 
             "endpointslices",
             |e| Update::Slice(Box::new(e)),
         ),
+        cluster_policies::stream(
+            client.clone(),
+            |e| Update::ClusterPolicy(Box::new(e)),
+            Update::ClusterPolicyFailed,
+        ),
     ];
     let mut cidrs = ServiceCidrs::default();
     if service_cidrs {
@@ -173,6 +187,7 @@ pub async fn watch(client: Client, settle: Duration, sink: Sink, service_cidrs: 
         Converted::new(ObjectKind::EndpointSlice, endpoint_slice_info);
     let mut namespaces: Store<NamespaceInfo> = Store::default();
     let mut policies: Store<NetworkPolicy> = Store::default();
+    let mut cluster_policies = ClusterPolicies::default();
     let mut changes: Vec<Change> = Vec::new();
     let mut dirty = false;
     let mut failing = false;
@@ -193,6 +208,12 @@ pub async fn watch(client: Client, settle: Duration, sink: Sink, service_cidrs: 
                     Update::Service(e) => services.apply(*e, &mut changes),
                     Update::Slice(e) => slices.apply(*e, &mut changes),
                     Update::ServiceCidr(e) => cidrs.apply(*e),
+                    Update::ClusterPolicy(e) => cluster_policies.apply(*e, &mut changes),
+                    Update::ClusterPolicyFailed(e) => {
+                        // Its own account of 404 and 403: no CRD is normal.
+                        cluster_policies.failed(&e, &mut changes);
+                        false
+                    }
                     Update::Failed("servicecidrs", e) => {
                         // Optional: never holds the other kinds back.
                         cidrs.failed(&e);
@@ -221,6 +242,7 @@ pub async fn watch(client: Client, settle: Duration, sink: Sink, service_cidrs: 
                     && policies.synced()
                     && services.store.synced()
                     && slices.store.synced()
+                    && cluster_policies.settled()
                     && cidrs.settled();
                 if !synced {
                     continue;
@@ -230,6 +252,7 @@ pub async fn watch(client: Client, settle: Duration, sink: Sink, service_cidrs: 
                     .problems()
                     .chain(services.problems())
                     .chain(slices.problems())
+                    .chain(cluster_policies.problems())
                     .cloned()
                     .collect();
                 problems.extend(cidrs.problems());

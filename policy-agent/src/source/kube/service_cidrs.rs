@@ -65,7 +65,7 @@ pub(super) fn service_cidr_info(obj: &ServiceCIDR) -> (String, ServiceCidrInfo) 
 }
 
 /// The HTTP status of an API server's answer behind `error`.
-fn status_code(error: &kube::runtime::watcher::Error) -> Option<u16> {
+pub(super) fn status_code(error: &kube::runtime::watcher::Error) -> Option<u16> {
     use kube::runtime::watcher::Error as E;
     match error {
         E::InitialListFailed(kube::Error::Api(s))
