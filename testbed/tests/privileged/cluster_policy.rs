@@ -7,7 +7,7 @@
 //! become namespaces and pods here (gryffindor: namespace beta; ravenclaw:
 //! alpha/api; hufflepuff: alpha/web; slytherin: namespace gamma), each
 //! test keeps its upstream name, and the whole matrix is checked, not only
-//! the pairs upstream pokes. Needs root.
+//! the pairs upstream pokes. Each runs on both datapaths. Needs root.
 use policy_testbed::Transport;
 use policy_testbed::fixtures::conformance::{Backend, Conformance, is_node, ns_of};
 
@@ -37,10 +37,9 @@ fn ingress_tcp(order: [usize; 7]) -> String {
     out
 }
 
-/// CNPAdminTierIngressTCP, its six subtests, on the BPF datapath.
-#[test]
-fn cnp_admin_tier_ingress_tcp() {
-    let c = Conformance::new("cnptcp", Backend::Bpf);
+/// CNPAdminTierIngressTCP, its six subtests.
+fn cnp_admin_tier_ingress_tcp(name: &'static str, backend: Backend) {
+    let c = Conformance::new(name, backend);
     c.write_policies(&ingress_tcp([0, 1, 2, 3, 4, 5, 6]));
     c.apply_ok();
     let tcp80 = |port: u16, tr: Transport| tr == Transport::Tcp && port == 80;
@@ -89,9 +88,8 @@ const BASELINE: &str = "apiVersion: policy.networking.k8s.io/v1alpha2\nkind: Clu
 /// CNPAdminTierIntegration: an Admin Deny over a NetworkPolicy that
 /// admits gamma (slytherin) both ways; then Pass to it; then, with the
 /// NetworkPolicy deleted, Pass to the Baseline Deny.
-#[test]
-fn cnp_admin_tier_integration() {
-    let c = Conformance::new("cnpint", Backend::Bpf);
+fn cnp_admin_tier_integration(name: &'static str, backend: Backend) {
+    let c = Conformance::new(name, backend);
     let docs = |action: &str, np: bool| {
         let mut d = vec![PASS_EXAMPLE.replace("ACTION", action), BASELINE.to_owned()];
         if np {
@@ -124,19 +122,22 @@ fn cnp_admin_tier_integration() {
     });
 }
 
-/// The iptables fallback does not render tiers yet: a pod they apply to
-/// admits no new flow in that direction, and the agent says so.
 #[test]
-fn iptables_fails_closed_for_pods_tiers_apply_to() {
-    let c = Conformance::new("cnpipt", Backend::Iptables);
-    c.write_policies(&ingress_tcp([0, 1, 2, 3, 4, 5, 6]));
-    let run = c.apply();
-    let out = format!("{}{}", run.stdout, run.stderr);
-    assert!(
-        out.contains("does not enforce them yet"),
-        "the fallback must say it does not enforce tiers:\n{out}"
-    );
-    c.check("tiers on iptables", |f, t, _, _| {
-        always(f, t) || ns_of(t) != "beta"
-    });
+fn cnp_admin_tier_ingress_tcp_bpf() {
+    cnp_admin_tier_ingress_tcp("cnptcp", Backend::Bpf);
+}
+
+#[test]
+fn cnp_admin_tier_ingress_tcp_iptables() {
+    cnp_admin_tier_ingress_tcp("cnptcpi", Backend::Iptables);
+}
+
+#[test]
+fn cnp_admin_tier_integration_bpf() {
+    cnp_admin_tier_integration("cnpint", Backend::Bpf);
+}
+
+#[test]
+fn cnp_admin_tier_integration_iptables() {
+    cnp_admin_tier_integration("cnpinti", Backend::Iptables);
 }

@@ -20,7 +20,9 @@ use policy_agent::{
     policy::{self, Budget, CompileOptions, Compiler, PolicyErrorKind},
 };
 use policy_common::{
-    direction, identity,
+    direction,
+    endpoint::{ENDPOINT_EGRESS_UPDATING, ENDPOINT_INGRESS_UPDATING},
+    identity,
     ipcache::IpcacheEntry,
     model::{Maps, has_ports},
     policy::{ENTRY_TIERS_ONLY, Tiers},
@@ -567,14 +569,25 @@ fn transients_are_safe(
         })
         .collect();
     // Peers a new carve covers (written at step 1, before any allow): its
-    // class has no allows until step 2 writes them.
+    // class has no allows until step 2 writes them. An endpoint held
+    // closed first (its old entry with the UPDATING bits) allows nothing.
+    let closes_only = |op: &MapOp<PodRef>| match op {
+        MapOp::UpsertEndpoint(k, e) => old.endpoints.get(k).is_some_and(|o| {
+            let bits = ENDPOINT_INGRESS_UPDATING | ENDPOINT_EGRESS_UPDATING;
+            let (mut a, mut b) = (*o, *e);
+            a.flags &= !bits;
+            b.flags &= !bits;
+            a == b
+        }),
+        _ => false,
+    };
     let first_allow = ops
         .iter()
         .position(|op| {
             !matches!(
                 op,
                 MapOp::UpsertIdentity(..) | MapOp::UpsertIpcache(..) | MapOp::UpsertService(..)
-            )
+            ) && !closes_only(op)
         })
         .unwrap_or(ops.len());
     let carved_early: BTreeSet<usize> = ops[..first_allow]

@@ -58,6 +58,8 @@
 //! things that would share a name are not rendered (fail closed: the rules
 //! naming a colliding set or policy chain are left out, colliding pods'
 //! traffic is dropped) and each collision is reported.
+mod tiers;
+
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
@@ -75,6 +77,7 @@ use policy_common::{
     proto,
 };
 
+use self::tiers::{TierKeys, chain_label, tier_keys, tier_rules};
 use super::ruleset::{
     Chain, ChainKind, FORWARD_CHAIN, Family, INPUT_CHAIN, IpSet, OUTPUT_CHAIN, Ruleset, SetKind,
     SetName, TUNNEL_CHAIN,
@@ -377,7 +380,7 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
             }
         };
         // The policy chains each (pod, direction) would jump to, by policy.
-        let mut wanted: Vec<(&PodEntry<'_>, u8, ByPolicy)> = Vec::new();
+        let mut wanted: Vec<(&PodEntry<'_>, u8, ByPolicy, Option<[TierKeys; 2]>)> = Vec::new();
         for p in &pods {
             for (dir, flag, tiered) in [
                 (
@@ -394,25 +397,11 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                 if p.flags & (flag | tiered) == 0 {
                     continue;
                 }
+                let tiers = (p.flags & tiered != 0).then(|| tier_keys(maps, p.identity, dir));
                 let mut by_policy = ByPolicy::new();
-                // ClusterNetworkPolicy tiers are not rendered here yet:
-                // a pod they apply to allows nothing new in that
-                // direction (fail closed), and says so.
-                if p.flags & tiered != 0 {
-                    out.problems.push(Problem::object(
-                        ObjectKind::Pod,
-                        p.pod.clone(),
-                        format!(
-                            "iptables: ClusterNetworkPolicy rules apply to its {} and this datapath does not enforce them yet; it allows no new {} flow",
-                            direction::name(dir),
-                            direction::name(dir)
-                        ),
-                    ));
-                    wanted.push((p, dir, by_policy));
-                    continue;
-                }
                 // Group this identity's keys by the policy they came from
-                // (NetworkPolicy allows only).
+                // (NetworkPolicy allows only; tier slots are the tier
+                // chains').
                 for (key, entry) in maps
                     .policy_of(p.identity)
                     .filter(|(k, e)| k.direction == dir && e.flags & ENTRY_TIERS_ONLY == 0)
@@ -426,7 +415,7 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                         .or_insert_with(|| (origin.cloned(), Vec::new()));
                     slot.1.push(*key);
                 }
-                wanted.push((p, dir, by_policy));
+                wanted.push((p, dir, by_policy, tiers));
             }
         }
         // A policy chain is named by what it holds: the policy, the
@@ -443,18 +432,27 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
             ))
         };
         let colliding_chains: BTreeSet<(String, u32, u8)> =
-            collisions(wanted.iter().flat_map(|(p, dir, by_policy)| {
-                by_policy.keys().map(move |policy| {
-                    (
-                        policy_chain_hash(policy, p.identity, *dir),
-                        (policy.clone(), p.identity, *dir),
-                    )
-                })
+            collisions(wanted.iter().flat_map(|(p, dir, by_policy, tiers)| {
+                let tier_chains = tiers.iter().flat_map(|t| {
+                    (0..2)
+                        .filter(|i| !t[*i].is_empty())
+                        .map(|i| chain_label(i).to_owned())
+                });
+                by_policy
+                    .keys()
+                    .cloned()
+                    .chain(tier_chains)
+                    .map(move |policy| {
+                        (
+                            policy_chain_hash(&policy, p.identity, *dir),
+                            (policy, p.identity, *dir),
+                        )
+                    })
             }));
         for (policy, _, dir) in &colliding_chains {
             let origin = wanted
                 .iter()
-                .flat_map(|(_, _, b)| b.get(policy))
+                .flat_map(|(_, _, b, _)| b.get(policy))
                 .find_map(|(o, _)| o.clone());
             let reason = format!(
                 "iptables: its {} rule chain name collides with another's (hash collision); those rules are left out",
@@ -469,7 +467,7 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
         // An egress-isolated pod's encapsulations to the node's addresses,
         // to its egress chain.
         let mut tunnel = Vec::new();
-        for (p, dir, by_policy) in &wanted {
+        for (p, dir, by_policy, tiers) in &wanted {
             let (kind, iface) = if *dir == direction::INGRESS {
                 (ChainKind::Ingress, "-o")
             } else {
@@ -509,7 +507,95 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                     if_ = p.ifname
                 ));
             }
+            let isolated = p.flags
+                & if *dir == direction::INGRESS {
+                    ENDPOINT_INGRESS_ISOLATED
+                } else {
+                    ENDPOINT_EGRESS_ISOLATED
+                }
+                != 0;
+            // The tier chains this pod's chain jumps to: Admin first, then
+            // (not isolated by a NetworkPolicy) Baseline after the policies.
+            let mut tier_jumps: [Option<String>; 2] = [None, None];
+            let mut tier_failed = false;
+            for (i, keys) in tiers.iter().flat_map(|t| t.iter().enumerate()) {
+                if keys.is_empty() {
+                    continue;
+                }
+                let label = chain_label(i);
+                if colliding_chains.contains(&(label.to_owned(), p.identity, *dir)) {
+                    tier_failed = true;
+                    continue;
+                }
+                let chain_name = ChainKind::Policy.name(policy_chain_hash(label, p.identity, *dir));
+                tier_jumps[i] = Some(chain_name.clone());
+                out.chain_refs
+                    .entry(pod_chain.clone())
+                    .or_default()
+                    .insert(chain_name.clone());
+                if chains.contains_key(&chain_name) {
+                    continue;
+                }
+                let mut used_sets = BTreeSet::new();
+                let side = if *dir == direction::INGRESS {
+                    "src"
+                } else {
+                    "dst"
+                };
+                let tier_chain_rules = tier_rules(
+                    keys,
+                    |key| {
+                        if key.peer_identity == ANY {
+                            return Some(port_match(key));
+                        }
+                        if unnamed_peers.contains(&key.peer_identity) {
+                            return None;
+                        }
+                        let set = set_of(input, key.peer_identity)?;
+                        let name = set.render(fam);
+                        out.sets.entry(name.clone()).or_insert_with(|| {
+                            build_set(
+                                name.clone(),
+                                set.kind,
+                                fam,
+                                addresses.get(&key.peer_identity),
+                            )
+                        });
+                        used_sets.insert(name.clone());
+                        Some(format!(
+                            "-m set --match-set {name} {side} {}",
+                            port_match(key)
+                        ))
+                    },
+                    port_match,
+                    &mark,
+                    *dir,
+                );
+                out.chain_sets.insert(chain_name.clone(), used_sets);
+                chains.insert(
+                    chain_name.clone(),
+                    Chain {
+                        name: chain_name,
+                        rules: tier_chain_rules,
+                    },
+                );
+            }
+            if tier_failed {
+                // A tier chain that cannot be named: nothing new passes.
+                rules.push("-j DROP".into());
+            }
+            if let Some(admin) = &tier_jumps[0] {
+                rules.push(format!(
+                    "-m comment --comment \"{}\" -j {admin}",
+                    chain_label(0)
+                ));
+                rules.push(format!("-m mark --mark {mark}/{mark} -j RETURN"));
+            }
+            let baseline_decides = tiers.is_some() && !isolated;
             for (policy, (_, keys)) in by_policy {
+                if baseline_decides {
+                    break;
+                }
                 if colliding_chains.contains(&(policy.clone(), p.identity, *dir)) {
                     continue;
                 }
@@ -562,8 +648,20 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                     },
                 );
             }
-            rules.push(format!("-m mark --mark {mark}/{mark} -j RETURN"));
-            rules.push("-j DROP".into());
+            if baseline_decides {
+                // Not isolated by a NetworkPolicy: the Baseline tier, then
+                // the default (allowed).
+                if let Some(baseline) = &tier_jumps[1] {
+                    rules.push(format!(
+                        "-m comment --comment \"{}\" -j {baseline}",
+                        chain_label(1)
+                    ));
+                }
+                rules.push("-j RETURN".into());
+            } else {
+                rules.push(format!("-m mark --mark {mark}/{mark} -j RETURN"));
+                rules.push("-j DROP".into());
+            }
             out.pod_chains
                 .entry(pod_chain.clone())
                 .or_insert_with(|| (p.pod.clone(), *dir, Vec::new()))

@@ -1,0 +1,97 @@
+//! ClusterNetworkPolicy tiers as chains: the same decision the classifier
+//! takes from its folded tier slots (`policy_common::policy::Tiers`).
+//!
+//! The classifier folds every entry a new flow matches and keeps the best
+//! slot of each tier: the rule of lowest rank. iptables takes the first
+//! rule that matches. So a tier chain holds each key the tier has a rule
+//! for, best rank first, and its first match is the classifier's best
+//! slot:
+//! ```text
+//! I-/E-<pod>:  clear mark; hairpin -> RETURN
+//!              -> <Admin chain>; mark set -> RETURN     (Admin Accept)
+//!              isolated by a NetworkPolicy:
+//!                  -> P-<policy>...; mark set -> RETURN; DROP
+//!              not isolated:
+//!                  -> <Baseline chain>; RETURN          (the default allows)
+//! tier chain:  <key> -> set mark, RETURN                (Accept)
+//!              <key> -> DROP                            (Deny)
+//!              <key> -> RETURN                          (Pass: the next tier)
+//! ```
+//! "Policy tiers are evaluated in the following order: Admin tier,
+//! NetworkPolicy tier, Baseline tier. [...] v1.NetworkPolicy always makes
+//! a final decision for selected pods. Further evaluation only happens for
+//! Pods not selected by a v1.NetworkPolicy."
+use policy_common::{
+    direction,
+    policy::{PolicyKey, TierSlot, action},
+};
+
+use crate::{cluster::PodRef, mapstate::MapState};
+
+/// The keys one tier has a rule for, for one endpoint identity and
+/// direction, best rank first.
+pub(super) type TierKeys = Vec<(PolicyKey, TierSlot)>;
+
+/// The Admin and Baseline keys of `identity` in `dir`.
+pub(super) fn tier_keys(maps: &MapState<PodRef>, identity: u32, dir: u8) -> [TierKeys; 2] {
+    let mut admin = TierKeys::new();
+    let mut baseline = TierKeys::new();
+    for (key, entry) in maps.policy_of(identity).filter(|(k, _)| k.direction == dir) {
+        if !entry.admin.is_none() {
+            admin.push((*key, entry.admin));
+        }
+        if !entry.baseline.is_none() {
+            baseline.push((*key, entry.baseline));
+        }
+    }
+    for keys in [&mut admin, &mut baseline] {
+        keys.sort_by_key(|(k, slot)| (slot.rank(), *k));
+    }
+    [admin, baseline]
+}
+
+/// A tier chain's name in the policy-chain namespace (a NetworkPolicy's
+/// is `namespace/name`, which always holds a slash: no clash).
+pub(super) fn chain_label(tier: usize) -> &'static str {
+    if tier == 0 {
+        "ClusterNetworkPolicy Admin tier"
+    } else {
+        "ClusterNetworkPolicy Baseline tier"
+    }
+}
+
+/// The rules of one tier chain. `matches(key)` is the key's peer and port
+/// match (None: its peer's set cannot be named). A key whose peer cannot
+/// be matched fails closed: an Accept is left out, a Deny or a Pass drops
+/// whatever its ports match (more than written, never less).
+pub(super) fn tier_rules(
+    keys: &TierKeys,
+    mut matches: impl FnMut(&PolicyKey) -> Option<String>,
+    port_only: impl Fn(&PolicyKey) -> String,
+    mark: &str,
+    dir: u8,
+) -> Vec<String> {
+    let mut rules = Vec::new();
+    for (key, slot) in keys {
+        let comment = format!(
+            "-m comment --comment \"{} rank {}\" ",
+            direction::name(dir),
+            slot.rank()
+        );
+        let Some(m) = matches(key) else {
+            if slot.action() != action::ACCEPT {
+                rules.push(format!("{}{comment}-j DROP", port_only(key)));
+            }
+            continue;
+        };
+        match slot.action() {
+            action::ACCEPT => {
+                rules.push(format!("{m}{comment}-j MARK --set-xmark {mark}/{mark}"));
+                rules.push(format!("{m}{comment}-j RETURN"));
+            }
+            action::DENY => rules.push(format!("{m}{comment}-j DROP")),
+            _ => rules.push(format!("{m}{comment}-j RETURN")),
+        }
+    }
+    rules
+}
