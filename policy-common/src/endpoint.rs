@@ -121,6 +121,18 @@ impl EndpointInfo {
         self.isolated(direction) || self.tiered(direction)
     }
 
+    /// Whether a new flow the pod's `direction` admitted with `reason` is
+    /// tracked: every admitted one, and what the node opens to a pod whose
+    /// egress tiers judge (node traffic is otherwise untracked; the pod's
+    /// answers would meet the tiers as new flows to the node).
+    #[inline(always)]
+    pub const fn tracks_new(&self, reason: crate::verdict::Reason, direction: u8) -> bool {
+        reason.admits_new_flow()
+            || (matches!(reason, crate::verdict::Reason::AllowNode)
+                && direction == crate::direction::INGRESS
+                && self.tiered(crate::direction::EGRESS))
+    }
+
     /// Whether `addr` (a 16-byte field, IPv4 in its first 4 bytes) of
     /// family `fam` is the pod's own address.
     #[inline(always)]

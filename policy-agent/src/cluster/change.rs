@@ -13,8 +13,8 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 use super::ClusterNetworkPolicy;
 
 use super::{
-    ClusterState, EndpointSliceInfo, NamespaceInfo, ObjectRef, PodInfo, PodRef, PolicyRef,
-    ServiceInfo, ServiceRef,
+    ClusterState, EndpointSliceInfo, NamespaceInfo, NodeInfo, ObjectRef, PodInfo, PodRef,
+    PolicyRef, ServiceInfo, ServiceRef,
 };
 
 /// One change of the cluster state.
@@ -28,6 +28,9 @@ pub enum Change {
     DeletePolicy(PolicyRef),
     UpsertClusterPolicy(String, Box<ClusterNetworkPolicy>),
     DeleteClusterPolicy(String),
+    /// A Node of the cluster (any node's; for `nodes` peers).
+    UpsertNodeObject(String, NodeInfo),
+    DeleteNodeObject(String),
     UpsertService(ServiceRef, ServiceInfo),
     DeleteService(ServiceRef),
     UpsertEndpointSlice(ObjectRef, EndpointSliceInfo),
@@ -85,6 +88,7 @@ keyed!(
     DeleteClusterPolicy,
     Box::new
 );
+keyed!(NodeInfo, String, UpsertNodeObject, DeleteNodeObject);
 keyed!(ServiceInfo, ServiceRef, UpsertService, DeleteService);
 keyed!(
     EndpointSliceInfo,
@@ -133,6 +137,7 @@ pub fn changes_between(old: &ClusterState, new: &ClusterState) -> Vec<Change> {
     keyed_changes(&old.namespaces, &new.namespaces, &mut out);
     keyed_changes(&old.pods, &new.pods, &mut out);
     keyed_changes(&old.policies, &new.policies, &mut out);
+    keyed_changes(&old.nodes, &new.nodes, &mut out);
     keyed_changes(&old.cluster_policies, &new.cluster_policies, &mut out);
     keyed_changes(&old.services, &new.services, &mut out);
     keyed_changes(&old.endpoint_slices, &new.endpoint_slices, &mut out);
@@ -166,6 +171,12 @@ impl ClusterState {
             }
             Change::DeleteClusterPolicy(k) => {
                 self.cluster_policies.remove(k);
+            }
+            Change::UpsertNodeObject(k, v) => {
+                self.nodes.insert(k.clone(), v.clone());
+            }
+            Change::DeleteNodeObject(k) => {
+                self.nodes.remove(k);
             }
             Change::UpsertService(k, v) => {
                 self.services.insert(k.clone(), v.clone());

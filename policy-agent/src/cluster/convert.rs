@@ -4,7 +4,7 @@ use std::net::IpAddr;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use policy_common::proto;
 
-use super::{ContainerPort, NamespaceInfo, ObjectRef, PodInfo};
+use super::{ContainerPort, NamespaceInfo, NodeInfo, ObjectRef, PodInfo};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConvertError {
@@ -41,6 +41,27 @@ pub fn namespace_info(ns: &Namespace) -> Result<(String, NamespaceInfo), Convert
         .entry("kubernetes.io/metadata.name".to_owned())
         .or_insert_with(|| name.clone());
     Ok((name, NamespaceInfo { labels }))
+}
+
+/// A Node's labels and addresses.
+pub fn node_info(
+    node: &k8s_openapi::api::core::v1::Node,
+) -> Result<(String, NodeInfo), ConvertError> {
+    let name = node
+        .metadata
+        .name
+        .clone()
+        .ok_or(ConvertError::MissingName { kind: "Node" })?;
+    let mut addresses: Vec<IpAddr> = node
+        .status
+        .iter()
+        .flat_map(|s| s.addresses.iter().flatten())
+        .filter_map(|a| a.address.parse().ok())
+        .collect();
+    addresses.sort();
+    addresses.dedup();
+    let labels = node.metadata.labels.clone().unwrap_or_default();
+    Ok((name, NodeInfo { labels, addresses }))
 }
 
 pub fn pod_info(pod: &Pod) -> Result<(ObjectRef, PodInfo), ConvertError> {

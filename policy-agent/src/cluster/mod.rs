@@ -22,7 +22,7 @@ pub(crate) use self::convert::protocol_number;
 pub use self::{
     address::{parse_cidr_sloppy, parse_ip_sloppy},
     change::{Change, Keyed, changes_between, keyed_changes},
-    convert::{ConvertError, namespace_info, pod_info},
+    convert::{ConvertError, namespace_info, node_info, pod_info},
     problem::{ObjectKind, Problem, Subject},
     service::{
         Backend, Endpoint, EndpointSliceInfo, SERVICE_NAME_LABEL, ServiceInfo, ServicePort,
@@ -63,6 +63,17 @@ pub type PolicyRef = ObjectRef;
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NamespaceInfo {
     pub labels: Labels,
+}
+
+/// A Node as ClusterNetworkPolicy `nodes` peers read it: "It selects the
+/// nodeIPs as the peer type by matching on the IPs present in the
+/// node.Status.Addresses field of the node."
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeInfo {
+    pub labels: Labels,
+    /// Every `status.addresses` entry that is an IP address (Hostname and
+    /// DNS entries are not), sorted, once each.
+    pub addresses: Vec<IpAddr>,
 }
 
 /// A container port a named port can resolve to.
@@ -106,6 +117,8 @@ pub struct ClusterState {
     pub policies: BTreeMap<PolicyRef, NetworkPolicy>,
     /// ClusterNetworkPolicies by name (cluster-scoped).
     pub cluster_policies: BTreeMap<String, ClusterNetworkPolicy>,
+    /// Every Node of the cluster by name (`nodes` peers).
+    pub nodes: BTreeMap<String, NodeInfo>,
     pub services: BTreeMap<ServiceRef, ServiceInfo>,
     pub endpoint_slices: BTreeMap<ObjectRef, EndpointSliceInfo>,
     /// The cluster's Service ranges, sorted, host bits clear.

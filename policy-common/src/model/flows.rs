@@ -342,7 +342,7 @@ impl Datapath {
         let judged =
             self.maps
                 .judge_as(&ep, pkt.direction, pkt.peer(), pkt.protocol, port, peer_of);
-        let allowed = judged.reason.admits_new_flow();
+        let allowed = ep.tracks_new(judged.reason, pkt.direction);
         // Only what the pod sent, or received at its own address, opens a
         // flow; and never a TCP packet without SYN (a mid-stream packet
         // cannot say who opened the connection: the pod answering a

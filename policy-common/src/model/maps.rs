@@ -228,16 +228,21 @@ impl Maps {
         peer_of: PeerOf,
     ) -> Judgement {
         let mut peer = self.peer_entry(peer_addr, peer_of);
+        // What a pod sends the node, unencapsulated, under tiers: judged
+        // by the tiers (`nodes` and `networks` peers), the NetworkPolicy
+        // tier allowing it.
+        let mut to_node = false;
         if peer.identity == identity::NODE {
             let encapsulated = matches!(protocol, 4 | 41 | 47 | 97 | 137)
                 || (protocol == proto::UDP && matches!(port, 4789 | 8472 | 6081));
-            if dir == direction::INGRESS || !encapsulated {
+            if dir == direction::INGRESS || (!encapsulated && !ep.tiered(dir)) {
                 return Judgement {
                     reason: Reason::AllowNode,
                     matched: None,
                     peer,
                 };
             }
+            to_node = !encapsulated;
             peer.identity = identity::ANY;
         }
         let verdict = |reason, matched| Judgement {
@@ -278,7 +283,10 @@ impl Maps {
         for (_, entry) in &hits {
             tiers.add(entry);
         }
-        let reason = tiers.decide(ep.isolated(dir));
+        let mut reason = tiers.decide(ep.isolated(dir));
+        if to_node && reason == Reason::DropPolicy {
+            reason = Reason::AllowNode;
+        }
         // The entry that decided: the winning tier slot's, or the first
         // NetworkPolicy allow.
         let matched = hits.iter().find_map(|(key, e)| {

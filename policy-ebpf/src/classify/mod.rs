@@ -261,7 +261,7 @@ fn decide(
     // in its own name (the peer's packets then pass as replies). Such a
     // flow is judged packet by packet both ways.
     let opens = dir == direction::EGRESS || ep.owns(pkt.family, &pkt.dst);
-    if reason.admits_new_flow() && lookups != 0 && opens && !midstream {
+    if ep.tracks_new(reason, dir) && lookups != 0 && opens && !midstream {
         let mut flags = 0;
         if pkt.protocol == proto::TCP {
             if syn_only(pkt) {

@@ -131,7 +131,9 @@ fn peer_of(origin: u16, fam: u8, peer_addr: &[u8; 16]) -> IpcacheEntry {
 /// node itself sent it or the pod sends it to the node) is always
 /// allowed, but for an encapsulation a pod sends to the node: decapsulated
 /// there, its inner packet would travel on with a source the pod chose, so
-/// it is judged by the address's class as any other peer.
+/// it is judged by the address's class as any other peer. What a pod
+/// ClusterNetworkPolicy tiers judge sends the node is judged by the tiers
+/// (`nodes` and `networks` peers), the NetworkPolicy tier allowing it.
 #[inline(always)]
 pub(super) fn judge(
     ep: &EndpointInfo,
@@ -143,10 +145,13 @@ pub(super) fn judge(
     origin: u16,
 ) -> (Reason, IpcacheEntry) {
     let mut peer = peer_of(origin, fam, peer_addr);
+    let mut to_node = false;
     if peer.identity == identity::NODE {
-        if dir == direction::INGRESS || !encapsulation::is(protocol, port) {
+        let encapsulated = encapsulation::is(protocol, port);
+        if dir == direction::INGRESS || (!encapsulated && !ep.tiered(dir)) {
             return (Reason::AllowNode, peer);
         }
+        to_node = !encapsulated;
         peer.identity = identity::ANY;
     }
     if !ep.judged(dir) {
@@ -188,5 +193,9 @@ pub(super) fn judge(
     };
     // SAFETY: as above.
     let tiers = unsafe { (*scratch).tiers };
-    (tiers.decide(ep.isolated(dir)), peer)
+    let reason = tiers.decide(ep.isolated(dir));
+    if to_node && matches!(reason, Reason::DropPolicy) {
+        return (Reason::AllowNode, peer);
+    }
+    (reason, peer)
 }

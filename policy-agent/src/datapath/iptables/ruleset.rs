@@ -105,6 +105,8 @@ pub enum ChainKind {
     Policy,
     /// The addresses a pod may send from.
     Source,
+    /// What a pod whose egress tiers judge sends the node itself.
+    ToNode,
 }
 
 impl ChainKind {
@@ -115,6 +117,7 @@ impl ChainKind {
             ChainKind::Egress => 'E',
             ChainKind::Policy => 'P',
             ChainKind::Source => 'S',
+            ChainKind::ToNode => 'N',
         };
         format!("{OWN_PREFIX}{letter}-{hash:016x}")
     }

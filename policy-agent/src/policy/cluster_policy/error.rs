@@ -53,8 +53,6 @@ pub enum ClusterPolicyErrorKind {
     BadCidr { value: String },
     #[error("domainNames peers are not supported yet")]
     DomainNamesNotSupported,
-    #[error("nodes peers are not supported yet")]
-    NodePeersNotSupported,
     #[error("exactly one of tcp, udp, sctp and destinationNamedPort must be set")]
     ProtocolNotOne,
     #[error("exactly one of number and range must be set")]

@@ -196,6 +196,21 @@ impl ParsedClusterPolicy {
             .flatten()
     }
 
+    /// The selectors of its `nodes` peers (egress only).
+    pub fn node_selectors(&self) -> impl Iterator<Item = &Selector> + '_ {
+        self.egress
+            .iter()
+            .filter_map(|r| match &r.matches {
+                RuleMatch::Peers { peers, .. } => Some(peers),
+                _ => None,
+            })
+            .flatten()
+            .filter_map(|p| match p {
+                ClusterPeer::Nodes(sel) => Some(sel),
+                _ => None,
+            })
+    }
+
     pub fn rules(&self, dir: u8) -> &[ClusterRule] {
         if dir == direction::INGRESS {
             &self.ingress
@@ -470,9 +485,8 @@ impl Parser<'_> {
                         PeerOutcome::Peer(p) => out.push(p),
                         PeerOutcome::Unsupported => {
                             // domainNames ("only supported for Accept
-                            // rules") and nodes, not enforced yet: an
-                            // Accept rule matches nothing; any other
-                            // fails closed.
+                            // rules"), not enforced yet: an Accept rule
+                            // matches nothing; any other fails closed.
                             if action == Action::Accept {
                                 return ClusterRule {
                                     index,
@@ -591,16 +605,13 @@ impl Parser<'_> {
             self.error(field, egress_only(name), effect);
             return PeerOutcome::Bad;
         }
-        if peer.nodes.is_some() {
-            // Node addresses are not read yet: a rule with a node peer is
-            // reported and, as an unsupported peer, matches nothing if it
-            // is an Accept and denies everything otherwise.
-            self.error(
-                format!("{field}.nodes"),
-                Kind::NodePeersNotSupported,
-                effect,
-            );
-            return PeerOutcome::Unsupported;
+        if let Some(nodes) = &peer.nodes {
+            // "if present but empty, it selects all Nodes."
+            return self
+                .selector(&format!("{field}.nodes"), Some(nodes), effect)
+                .map_or(PeerOutcome::Bad, |s| {
+                    PeerOutcome::Peer(ClusterPeer::Nodes(s))
+                });
         }
         if let Some(nets) = &peer.networks {
             if nets.is_empty() {

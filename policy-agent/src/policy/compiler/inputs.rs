@@ -54,6 +54,19 @@ impl Compiler {
                     self.rebuild_pending = true;
                 }
             }
+            // Node addresses carve classes only for `nodes` peers: a
+            // change matters (compiled in full) only while one exists.
+            Change::UpsertNodeObject(name, info) => {
+                if self.nodes.get(&name) != Some(&info) {
+                    self.nodes.insert(name, info);
+                    self.rebuild_pending |= self.has_node_peers();
+                }
+            }
+            Change::DeleteNodeObject(name) => {
+                if self.nodes.remove(&name).is_some() {
+                    self.rebuild_pending |= self.has_node_peers();
+                }
+            }
             Change::UpsertService(name, info) => {
                 self.services.insert(name, info);
                 if !self.rebuild_pending {

@@ -65,8 +65,8 @@ use super::{
 };
 use crate::{
     cluster::{
-        Change, ClusterState, EndpointSliceInfo, NamespaceInfo, ObjectRef, PodInfo, PodRef,
-        PolicyRef, Problem, ServiceInfo, ServiceRef, normalized_ranges, unready_local_pods,
+        Change, ClusterState, EndpointSliceInfo, NamespaceInfo, NodeInfo, ObjectRef, PodInfo,
+        PodRef, PolicyRef, Problem, ServiceInfo, ServiceRef, normalized_ranges, unready_local_pods,
     },
     identity::{IdentityAllocator, IdentityError},
     mapstate::{MapOp, MapState, RuleOrigin, diff, identity_name},
@@ -96,6 +96,8 @@ pub struct Compiler {
     policies: BTreeMap<PolicyRef, PolicyState>,
     /// ClusterNetworkPolicies, validated, by name.
     cluster_policies: BTreeMap<String, ParsedClusterPolicy>,
+    /// Every Node of the cluster (`nodes` peers).
+    nodes: BTreeMap<String, NodeInfo>,
     services: BTreeMap<ServiceRef, ServiceInfo>,
     endpoint_slices: BTreeMap<ObjectRef, EndpointSliceInfo>,
     /// The cluster's Service ranges: frontends as a whole.
@@ -156,6 +158,7 @@ impl Compiler {
             c.policies
                 .insert(name.clone(), PolicyState::unmatched(parsed));
         }
+        c.nodes = state.nodes.clone();
         c.cluster_policies = state
             .cluster_policies
             .iter()
@@ -180,6 +183,7 @@ impl Compiler {
             std::mem::take(&mut self.pods),
         );
         let cluster_policies = std::mem::take(&mut self.cluster_policies);
+        let nodes = std::mem::take(&mut self.nodes);
         let services = (
             std::mem::take(&mut self.services),
             std::mem::take(&mut self.endpoint_slices),
@@ -195,6 +199,7 @@ impl Compiler {
             self.pod_ranges,
         ) = services;
         self.cluster_policies = cluster_policies;
+        self.nodes = nodes;
         self.built = true;
 
         self.carve(&parsed, ids);
@@ -234,6 +239,7 @@ impl Compiler {
                     .values()
                     .flat_map(ParsedClusterPolicy::prefixes),
             )
+            .chain(self.node_peer_addresses().into_iter().map(host_net))
             .collect();
         let mut by_name: Vec<(String, IpNet)> =
             carved.iter().map(|n| (n.to_string(), *n)).collect();

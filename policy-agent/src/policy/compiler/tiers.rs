@@ -14,6 +14,7 @@
 //! changes, and written as a difference: only changed keys are written.
 use std::collections::{BTreeMap, BTreeSet};
 
+use ipnet::IpNet;
 use policy_common::{
     direction,
     identity::ANY,
@@ -170,9 +171,15 @@ impl Compiler {
                         .filter(|(net, _)| nets.iter().any(|n| n.contains(*net)))
                         .map(|(_, id)| *id),
                 ),
-                // Parsing keeps node peers out until node addresses are
-                // read (the rule fails closed instead).
-                ClusterPeer::Nodes(_) => {}
+                // The class of each address of each Node selected (each
+                // a carved host prefix, see `node_peer_addresses`).
+                ClusterPeer::Nodes(sel) => classes.extend(
+                    self.nodes
+                        .values()
+                        .filter(|n| sel.matches(&n.labels))
+                        .flat_map(|n| n.addresses.iter())
+                        .filter_map(|ip| self.classes.id_of(&IpNet::from(*ip))),
+                ),
             }
         }
         let mut out = Vec::new();
@@ -227,6 +234,31 @@ fn port_keys(protocols: Option<&[ProtocolMatch]>, destination: Option<&LabelKey>
 }
 
 impl Compiler {
+    /// Whether some ClusterNetworkPolicy has a `nodes` peer.
+    pub(super) fn has_node_peers(&self) -> bool {
+        self.cluster_policies
+            .values()
+            .any(|p| p.node_selectors().next().is_some())
+    }
+
+    /// The addresses of every Node a `nodes` peer selects: "It selects the
+    /// nodeIPs as the peer type by matching on the IPs present in the
+    /// node.Status.Addresses field of the node." Each is carved as a
+    /// host prefix, so it resolves to a class of its own (this node's
+    /// keep the node identity, with that class beside it).
+    pub(super) fn node_peer_addresses(&self) -> BTreeSet<std::net::IpAddr> {
+        let selectors: Vec<_> = self
+            .cluster_policies
+            .values()
+            .flat_map(ParsedClusterPolicy::node_selectors)
+            .collect();
+        self.nodes
+            .values()
+            .filter(|n| selectors.iter().any(|s| s.matches(&n.labels)))
+            .flat_map(|n| n.addresses.iter().copied())
+            .collect()
+    }
+
     /// Every ClusterNetworkPolicy's standing for its status: the
     /// generation compiled, and each field not enforced as written.
     pub fn cluster_policy_standings(

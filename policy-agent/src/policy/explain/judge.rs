@@ -258,6 +258,8 @@ pub(super) fn judge_side(
             matched_rules,
         });
     }
+    // Node traffic: the NetworkPolicy tier allows it; what the pod sends
+    // the node still meets the ClusterNetworkPolicy tiers.
     let peer_is_node = state.node_ips.contains(&peer.address);
     let tiers = super::tiers::tier_decision(
         state,
@@ -266,9 +268,9 @@ pub(super) fn judge_side(
         peer,
         protocol,
         port,
-        isolated.then_some(any_rule),
+        isolated.then_some(any_rule || peer_is_node),
     );
-    let rules_allowed = peer_is_node
+    let rules_allowed = (peer_is_node && (dir == direction::INGRESS || tiers.is_none()))
         || match &tiers {
             Some((decision, _)) => decision.allows(),
             None => !isolated || any_rule,

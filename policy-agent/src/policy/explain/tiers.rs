@@ -59,12 +59,21 @@ pub(super) fn tier_decision(
             .map(|(_, k)| ports_of(k))
             .unwrap_or_default(),
     );
-    let remote = match &peer.pod {
-        Some((p, k)) => Remote::Pod {
+    // A Node's address (a host-network pod's too) is a `nodes` peer's.
+    let node = state
+        .nodes
+        .values()
+        .find(|n| n.addresses.contains(&peer.address));
+    let remote = match (&peer.pod, node) {
+        (Some((p, k)), _) => Remote::Pod {
             pod: view(p, k, &peer_ports),
             ip: peer.address,
         },
-        None => Remote::Address(peer.address),
+        (None, Some(n)) => Remote::Node {
+            labels: &n.labels,
+            ip: peer.address,
+        },
+        (None, None) => Remote::Address(peer.address),
     };
     let conn = Connection {
         direction: dir,

@@ -1,5 +1,6 @@
 //! The API server as a source: watchers on Pods (every node: remote pod
-//! IPs feed the ipcache), Namespaces, NetworkPolicies, Services and
+//! IPs feed the ipcache), Namespaces, Nodes (labels and addresses, for
+//! ClusterNetworkPolicy `nodes` peers), NetworkPolicies, Services and
 //! EndpointSlices (the frontends judged after DNAT, and `explain`'s
 //! backends), ClusterNetworkPolicies (a CRD that may be absent; see
 //! `cluster_policies.rs`), and ServiceCIDRs (the Service ranges, unless
@@ -24,7 +25,7 @@ use std::time::Duration;
 
 use futures::{StreamExt as _, stream::BoxStream};
 use k8s_openapi::api::{
-    core::v1::{Namespace, Pod, Service},
+    core::v1::{Namespace, Node, Pod, Service},
     discovery::v1::EndpointSlice,
     networking::v1::{NetworkPolicy, ServiceCIDR},
 };
@@ -50,17 +51,20 @@ pub use self::{
 };
 use super::{Sink, SourceId, SourceUpdate};
 use crate::cluster::{
-    Change, EndpointSliceInfo, NamespaceInfo, ObjectKind, ObjectRef, Problem, ServiceInfo,
-    endpoint_slice_info, namespace_info, service_info,
+    Change, EndpointSliceInfo, NamespaceInfo, NodeInfo, ObjectKind, ObjectRef, Problem,
+    ServiceInfo, endpoint_slice_info, namespace_info, node_info, service_info,
 };
 
-/// What is read once, with `get` only: this node's own Node object (its
-/// `spec.podCIDRs`, when `--pod-cidr` is not given; see `pod_ranges.rs`).
-pub const READ_ONCE: [(&str, &str); 1] = [("", "nodes")];
+/// What is read with `get` only. Nothing now: this node's own Node object
+/// (its `spec.podCIDRs`, when `--pod-cidr` is not given; see
+/// `pod_ranges.rs`) is read with the grant of the Node watch.
+pub const READ_ONCE: [(&str, &str); 0] = [];
 
 /// What the watchers read, as RBAC names it: (API group, resource).
-pub const WATCHED: [(&str, &str); 7] = [
+pub const WATCHED: [(&str, &str); 8] = [
     ("", "pods"),
+    // Every Node's labels and addresses: ClusterNetworkPolicy `nodes` peers.
+    ("", "nodes"),
     ("", "namespaces"),
     ("networking.k8s.io", "networkpolicies"),
     ("", "services"),
@@ -73,6 +77,7 @@ enum Update {
     Pod(Box<Event<Pod>>),
     Namespace(Box<Event<Namespace>>),
     Policy(Box<Event<NetworkPolicy>>),
+    Node(Box<Event<Node>>),
     Service(Box<Event<Service>>),
     Slice(Box<Event<EndpointSlice>>),
     ServiceCidr(Box<Event<ServiceCIDR>>),
@@ -142,6 +147,10 @@ fn namespace_entry(n: &Namespace) -> Option<(String, NamespaceInfo)> {
     namespace_info(n).ok()
 }
 
+fn node_entry(n: &Node) -> Option<(String, NodeInfo)> {
+    node_info(n).ok()
+}
+
 /// Watches the cluster and publishes every object once each kind is
 /// listed, then what changed after each settled burst, until `sink` is
 /// closed. With `service_cidrs`, the Service ranges too (without:
@@ -153,6 +162,9 @@ pub async fn watch(client: Client, settle: Duration, sink: Sink, service_cidrs: 
         }),
         stream(Api::<Namespace>::all(client.clone()), "namespaces", |e| {
             Update::Namespace(Box::new(e))
+        }),
+        stream(Api::<Node>::all(client.clone()), "nodes", |e| {
+            Update::Node(Box::new(e))
         }),
         stream(
             Api::<NetworkPolicy>::all(client.clone()),
@@ -186,6 +198,7 @@ pub async fn watch(client: Client, settle: Duration, sink: Sink, service_cidrs: 
     let mut slices: Converted<EndpointSlice, EndpointSliceInfo> =
         Converted::new(ObjectKind::EndpointSlice, endpoint_slice_info);
     let mut namespaces: Store<NamespaceInfo> = Store::default();
+    let mut nodes: Store<NodeInfo> = Store::default();
     let mut policies: Store<NetworkPolicy> = Store::default();
     let mut cluster_policies = ClusterPolicies::default();
     let mut changes: Vec<Change> = Vec::new();
@@ -204,6 +217,7 @@ pub async fn watch(client: Client, settle: Duration, sink: Sink, service_cidrs: 
                 let relisted = match update {
                     Update::Pod(e) => pods.apply(*e, &mut changes),
                     Update::Namespace(e) => namespaces.apply(*e, namespace_entry, &mut changes),
+                    Update::Node(e) => nodes.apply(*e, node_entry, &mut changes),
                     Update::Policy(e) => policies.apply(*e, policy_entry, &mut changes),
                     Update::Service(e) => services.apply(*e, &mut changes),
                     Update::Slice(e) => slices.apply(*e, &mut changes),
@@ -239,6 +253,7 @@ pub async fn watch(client: Client, settle: Duration, sink: Sink, service_cidrs: 
                 dirty = false;
                 let synced = pods.store.synced()
                     && namespaces.synced()
+                    && nodes.synced()
                     && policies.synced()
                     && services.store.synced()
                     && slices.store.synced()

@@ -25,8 +25,8 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 
 use super::load::{Fallback, LoadedManifests, ManifestError, is_manifest, load_file};
 use crate::cluster::{
-    Change, ClusterNetworkPolicy, ClusterState, EndpointSliceInfo, Keyed, NamespaceInfo, ObjectRef,
-    PodInfo, Problem, ServiceInfo, Subject, keyed_changes,
+    Change, ClusterNetworkPolicy, ClusterState, EndpointSliceInfo, Keyed, NamespaceInfo, NodeInfo,
+    ObjectRef, PodInfo, Problem, ServiceInfo, Subject, keyed_changes,
 };
 
 type Stamp = (u64, Option<SystemTime>);
@@ -40,6 +40,7 @@ struct FileContent {
     pods: BTreeMap<ObjectRef, PodInfo>,
     policies: BTreeMap<ObjectRef, NetworkPolicy>,
     cluster_policies: BTreeMap<String, ClusterNetworkPolicy>,
+    nodes: BTreeMap<String, NodeInfo>,
     services: BTreeMap<ObjectRef, ServiceInfo>,
     slices: BTreeMap<ObjectRef, EndpointSliceInfo>,
     /// Policies held as fail-closed stand-ins: no version of them decoded.
@@ -76,6 +77,12 @@ impl FileContent {
             if !self.pods.contains_key(key) {
                 self.pods.insert(key.clone(), pod.clone());
                 kept.push(("Pod", key.clone()));
+            }
+        }
+        for (name, node) in &old.nodes {
+            if !self.nodes.contains_key(name) {
+                self.nodes.insert(name.clone(), node.clone());
+                kept.push(("Node", ObjectRef::new("", name.clone())));
             }
         }
         for (name, cnp) in &old.cluster_policies {
@@ -142,6 +149,7 @@ fn read_file(path: &Path, stamp: Option<Stamp>, old: &FileContent) -> FileConten
         pods: state.pods,
         policies: state.policies,
         cluster_policies: state.cluster_policies,
+        nodes: state.nodes,
         services: state.services,
         slices: state.endpoint_slices,
         stand_ins: std::mem::take(&mut loaded.standing_in),
@@ -340,6 +348,7 @@ impl Directory {
             &m.cluster_policies,
             &mut changes,
         );
+        merge_keys(&self.files, &touched, |f| &f.nodes, &m.nodes, &mut changes);
         merge_keys(
             &self.files,
             &touched,
@@ -397,6 +406,7 @@ impl Directory {
                         .keys()
                         .map(|k| format!("ClusterNetworkPolicy {k}")),
                 )
+                .chain(f.nodes.keys().map(|k| format!("Node {k}")))
                 .chain(f.services.keys().map(|k| format!("Service {k}")))
                 .chain(f.slices.keys().map(|k| format!("EndpointSlice {k}")));
             for key in keys {

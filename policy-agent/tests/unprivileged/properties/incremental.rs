@@ -27,6 +27,7 @@ use policy_common::{
     model::{Maps, has_ports},
     policy::{ENTRY_TIERS_ONLY, Tiers},
     proto,
+    verdict::Reason,
 };
 use proptest::{prelude::*, test_runner::FileFailurePersistence};
 
@@ -135,6 +136,12 @@ fn step(state: &mut ClusterState, target: &ClusterState, kind: u8, i: usize) -> 
             cnp.metadata.name = Some(name.clone());
             state.cluster_policies.insert(name.clone(), cnp.clone());
             Change::UpsertClusterPolicy(name, Box::new(cnp))
+        }
+        // A Node takes the target's labels (its `nodes` peers move).
+        10 if i % 2 == 1 && !target.nodes.is_empty() => {
+            let (name, info) = nth(&target.nodes, i);
+            state.nodes.insert(name.clone(), info.clone());
+            Change::UpsertNodeObject(name.clone(), info.clone())
         }
         10 if !state.cluster_policies.is_empty() => {
             let name = nth(&state.cluster_policies, i).0.clone();
@@ -442,11 +449,17 @@ impl<'a> Live<'a> {
         let Some(e) = self.maps.endpoints.get(&ep) else {
             return true;
         };
-        let entry = self.resolved[peer];
+        let mut entry = self.resolved[peer];
         let (p, port) = FLOWS[flow];
         let port = if has_ports(p) { port } else { 0 };
-        if entry.identity == identity::NODE || !e.judged(dir) {
+        // Node traffic: allowed, but what a pod whose egress tiers judge
+        // sends the node meets them (the NetworkPolicy tier allows it).
+        let to_node = entry.identity == identity::NODE;
+        if (to_node && (dir == direction::INGRESS || !e.tiered(dir))) || !e.judged(dir) {
             return true;
+        }
+        if to_node {
+            entry.identity = identity::ANY;
         }
         if e.updating(dir) || (e.tiered(dir) && entry.cidr_identity == identity::IN_TRANSIT) {
             return false;
@@ -469,7 +482,8 @@ impl<'a> Live<'a> {
                 tiers.add(v);
             }
         }
-        !tiers.decide(e.isolated(dir)).is_drop()
+        let reason = tiers.decide(e.isolated(dir));
+        !reason.is_drop() || (to_node && reason == Reason::DropPolicy)
     }
 }
 

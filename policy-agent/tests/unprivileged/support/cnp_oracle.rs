@@ -7,7 +7,7 @@ use std::{collections::BTreeMap, net::IpAddr};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use policy_agent::{
     cluster::{
-        ClusterNetworkPolicy, ClusterState, ObjectRef, PodInfo,
+        ClusterNetworkPolicy, ClusterState, NodeInfo, ObjectRef, PodInfo,
         cluster_policy::{
             NamespacedPod, Peer, Port, PortRange, Protocol, ProtocolPorts, Rule, Spec, Subject,
         },
@@ -47,15 +47,23 @@ pub fn decide(
         labels: &ep.labels,
         ports: &ep.ports,
     };
+    // "host-networked pods are not included in this type of peer": they
+    // live at their node's addresses, a node peer's.
+    let peer_pod = peer_pod.filter(|(_, p)| !p.host_network);
     let peer_ns = peer_pod.map(|(n, _)| ns_labels(state, &n.namespace));
-    let remote = match (peer_pod, &peer_ns) {
-        (Some((n, p)), Some(ns)) => Remote::Pod {
+    let node = state.nodes.values().find(|n| n.addresses.contains(&peer));
+    let remote = match (peer_pod, &peer_ns, node) {
+        (Some((n, p)), Some(ns), _) => Remote::Pod {
             pod: PodView {
                 namespace: &n.namespace,
                 namespace_labels: ns,
                 labels: &p.labels,
                 ports: &p.ports,
             },
+            ip: peer,
+        },
+        (_, _, Some(node)) => Remote::Node {
+            labels: &node.labels,
             ip: peer,
         },
         _ => Remote::Address(peer),
@@ -99,9 +107,14 @@ fn ns_selector() -> impl Strategy<Value = LabelSelector> {
     ]
 }
 
+/// Label keys of the generated Nodes.
+const NODE_KEYS: &[&str] = &["zone"];
+
 fn peer(egress: bool) -> impl Strategy<Value = Peer> {
     let networks = if egress { 3 } else { 0 };
+    let nodes = if egress { 2 } else { 0 };
     prop_oneof![
+        nodes => selector(NODE_KEYS).prop_map(|s| Peer { nodes: Some(s), ..Default::default() }),
         3 => ns_selector().prop_map(|s| Peer { namespaces: Some(s), ..Default::default() }),
         3 => (ns_selector(), selector(KEYS)).prop_map(|(n, p)| Peer {
             pods: Some(NamespacedPod { namespace_selector: Some(n), pod_selector: Some(p), ..Default::default() }),
@@ -194,8 +207,17 @@ pub fn cluster_with_tiers() -> impl Strategy<Value = ClusterState> {
     (
         cluster(),
         proptest::collection::vec(cluster_policy(), 1..=3),
+        (labels(NODE_KEYS), labels(NODE_KEYS)),
     )
-        .prop_map(|(mut s, cnps)| {
+        .prop_map(|(mut s, cnps, (here, there))| {
+            // This node, and another one at an address outside the pods'.
+            for (name, labels, ip) in [
+                (super::oracle::NODE, here, super::oracle::NODE_IP),
+                ("node-b", there, "203.0.113.1"),
+            ] {
+                let addresses = vec![ip.parse().unwrap()];
+                s.nodes.insert(name.into(), NodeInfo { labels, addresses });
+            }
             for (i, mut c) in cnps.into_iter().enumerate() {
                 let name = format!("cnp{i}");
                 c.metadata.name = Some(name.clone());

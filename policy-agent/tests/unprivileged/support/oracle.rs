@@ -318,7 +318,11 @@ impl<'a> World<'a> {
     ) -> bool {
         // "traffic to and from the node where a Pod is running is always
         // allowed, regardless of the IP address of the Pod or the node."
-        if node_traffic && self.state.node_ips.contains(&peer) {
+        // DOCUMENTED CHOICE: that is the NetworkPolicy tier's word; what a
+        // pod sends the node meets the ClusterNetworkPolicy tiers (nodes
+        // and networks peers) like any other egress.
+        let to_node = node_traffic && self.state.node_ips.contains(&peer);
+        if to_node && (ingress || self.state.cluster_policies.is_empty()) {
             return true;
         }
         let ep = &self.state.pods[endpoint];
@@ -371,7 +375,7 @@ impl<'a> World<'a> {
         }
         // "the only allowed connections are those allowed by the union of
         // the policies' rules".
-        let np_word = isolated.then_some(allowed_by_np);
+        let np_word = isolated.then_some(allowed_by_np || to_node);
         if self.state.cluster_policies.is_empty() {
             return np_word.unwrap_or(true);
         }

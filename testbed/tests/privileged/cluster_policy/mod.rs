@@ -11,8 +11,10 @@
 use policy_testbed::Transport;
 use policy_testbed::fixtures::conformance::{Backend, Conformance, is_node, ns_of};
 
+mod node_peers;
+
 /// Self traffic and the node are always allowed.
-fn always(from: &str, to: &str) -> bool {
+pub(super) fn always(from: &str, to: &str) -> bool {
     is_node(from) || from == to
 }
 

@@ -77,7 +77,7 @@ use policy_common::{
     proto,
 };
 
-use self::tiers::{TierKeys, chain_label, tier_keys, tier_rules};
+use self::tiers::{TierKeys, chain_label, tier_keys, tier_rules, to_node_chain, to_node_rules};
 use super::ruleset::{
     Chain, ChainKind, FORWARD_CHAIN, Family, INPUT_CHAIN, IpSet, OUTPUT_CHAIN, Ruleset, SetKind,
     SetName, TUNNEL_CHAIN,
@@ -467,6 +467,9 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
         // An egress-isolated pod's encapsulations to the node's addresses,
         // to its egress chain.
         let mut tunnel = Vec::new();
+        // What tier-judged pods send the node itself (INPUT), see
+        // `to_node_chain`.
+        let mut to_node = Vec::new();
         for (p, dir, by_policy, tiers) in &wanted {
             let (kind, iface) = if *dir == direction::INGRESS {
                 (ChainKind::Ingress, "-o")
@@ -584,6 +587,16 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                 // A tier chain that cannot be named: nothing new passes.
                 rules.push("-j DROP".into());
             }
+            if *dir == direction::EGRESS && tiers.is_some() {
+                let chain = to_node_chain(p, &tier_jumps, tier_failed, isolated, &mark);
+                to_node.extend(to_node_rules(
+                    p.ifname,
+                    &chain.name,
+                    &mark,
+                    fam == Family::V6,
+                ));
+                chains.insert(chain.name.clone(), chain);
+            }
             if let Some(admin) = &tier_jumps[0] {
                 rules.push(format!(
                     "-m comment --comment \"{}\" -j {admin}",
@@ -680,6 +693,7 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
         // through below for neighbour discovery) must not carry an
         // encapsulation past it. The colliding pods' packets are dropped
         // there whatever they are.
+        input_chain.rules.extend(to_node);
         if !tunnel.is_empty() {
             input_chain.rules.splice(
                 0..0,

@@ -17,6 +17,15 @@
 //!              <key> -> DROP                            (Deny)
 //!              <key> -> RETURN                          (Pass: the next tier)
 //! ```
+//! What such a pod sends the node itself never crosses FORWARD: INPUT
+//! sends it (after the pod's source check, tracked flows aside) to a
+//! chain of its own, where the tiers decide and the NetworkPolicy tier
+//! allows (node traffic is always allowed there), as the classifier does:
+//! ```text
+//! N-<pod>:     clear mark; -> <Admin chain>; mark set -> RETURN
+//!              not isolated: -> <Baseline chain>
+//!              RETURN
+//! ```
 //! "Policy tiers are evaluated in the following order: Admin tier,
 //! NetworkPolicy tier, Baseline tier. [...] v1.NetworkPolicy always makes
 //! a final decision for selected pods. Further evaluation only happens for
@@ -26,6 +35,10 @@ use policy_common::{
     policy::{PolicyKey, TierSlot, action},
 };
 
+use super::{
+    super::ruleset::{Chain, ChainKind},
+    PodEntry,
+};
 use crate::{cluster::PodRef, mapstate::MapState};
 
 /// The keys one tier has a rule for, for one endpoint identity and
@@ -93,5 +106,48 @@ pub(super) fn tier_rules(
             _ => rules.push(format!("{m}{comment}-j RETURN")),
         }
     }
+    rules
+}
+
+/// The chain judging what pod `p` (its egress judged by tiers) sends the
+/// node: `jumps` are its Admin and Baseline chains.
+pub(super) fn to_node_chain(
+    p: &PodEntry<'_>,
+    jumps: &[Option<String>; 2],
+    failed: bool,
+    isolated: bool,
+    mark: &str,
+) -> Chain {
+    let name = ChainKind::ToNode.name(p.chain_hash);
+    let mut rules = vec![format!("-j MARK --set-xmark 0x0/{mark}")];
+    if failed {
+        rules.push("-j DROP".into());
+    }
+    if let Some(admin) = &jumps[0] {
+        rules.push(format!("-j {admin}"));
+        rules.push(format!("-m mark --mark {mark}/{mark} -j RETURN"));
+    }
+    if let (false, Some(baseline)) = (isolated, &jumps[1]) {
+        rules.push(format!("-j {baseline}"));
+    }
+    rules.push("-j RETURN".into());
+    Chain { name, rules }
+}
+
+/// The INPUT rules sending what the pod at `ifname` sends the node to
+/// `chain`: a flow tracked and not revoked (the node's own, answered by
+/// the pod, or one allowed before) passes first, and in IPv6 what cannot
+/// leave the link (neighbour discovery to a multicast or link-local
+/// address, as the classifier lets it pass).
+pub(super) fn to_node_rules(ifname: &str, chain: &str, mark: &str, v6: bool) -> Vec<String> {
+    let mut rules = vec![format!(
+        "-i {ifname} -m connmark ! --mark {mark}/{mark} -m conntrack --ctstate RELATED,ESTABLISHED -j RETURN"
+    )];
+    if v6 {
+        for on_link in ["ff00::/8", "fe80::/10"] {
+            rules.push(format!("-i {ifname} -d {on_link} -j RETURN"));
+        }
+    }
+    rules.push(format!("-i {ifname} -j {chain}"));
     rules
 }

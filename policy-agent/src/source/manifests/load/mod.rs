@@ -18,7 +18,7 @@ use std::{
 
 use k8s_openapi::{
     api::{
-        core::v1::{Namespace, Pod, Service},
+        core::v1::{Namespace, Node, Pod, Service},
         discovery::v1::EndpointSlice,
         networking::v1::{NetworkPolicy, NetworkPolicySpec},
     },
@@ -29,7 +29,7 @@ use serde_yaml::Value;
 
 use crate::cluster::{
     ClusterNetworkPolicy, ClusterState, NamespaceInfo, ObjectRef, Problem, Subject, cluster_policy,
-    endpoint_slice_info, namespace_info, pod_info, service_info,
+    endpoint_slice_info, namespace_info, node_info, pod_info, service_info,
 };
 
 /// Where an object came from: file and 1-based document number.
@@ -58,7 +58,7 @@ pub enum ManifestError {
     #[error("{origin}: not a Kubernetes object (no apiVersion and kind)")]
     NotAnObject { origin: Origin },
     #[error(
-        "{origin}: unsupported object kind {kind:?} (apiVersion {api_version:?}); expected v1 Namespace, Pod or Service, networking.k8s.io/v1 NetworkPolicy, discovery.k8s.io/v1 EndpointSlice or policy.networking.k8s.io/v1alpha2 ClusterNetworkPolicy"
+        "{origin}: unsupported object kind {kind:?} (apiVersion {api_version:?}); expected v1 Namespace, Pod, Node or Service, networking.k8s.io/v1 NetworkPolicy, discovery.k8s.io/v1 EndpointSlice or policy.networking.k8s.io/v1alpha2 ClusterNetworkPolicy"
     )]
     UnknownKind {
         origin: Origin,
@@ -158,7 +158,7 @@ impl ManifestError {
             Self::UnknownKind {
                 api_version, kind, ..
             } => format!(
-                "unsupported object kind {kind:?} (apiVersion {api_version:?}); expected v1 Namespace, Pod or Service, networking.k8s.io/v1 NetworkPolicy, discovery.k8s.io/v1 EndpointSlice or policy.networking.k8s.io/v1alpha2 ClusterNetworkPolicy"
+                "unsupported object kind {kind:?} (apiVersion {api_version:?}); expected v1 Namespace, Pod, Node or Service, networking.k8s.io/v1 NetworkPolicy, discovery.k8s.io/v1 EndpointSlice or policy.networking.k8s.io/v1alpha2 ClusterNetworkPolicy"
             ),
             Self::Invalid {
                 kind,
@@ -184,6 +184,7 @@ pub struct LoadedManifests {
     pub pods: Vec<(Origin, Pod)>,
     pub policies: Vec<(Origin, NetworkPolicy)>,
     pub cluster_policies: Vec<(Origin, ClusterNetworkPolicy)>,
+    pub nodes: Vec<(Origin, Node)>,
     pub services: Vec<(Origin, Service)>,
     pub slices: Vec<(Origin, EndpointSlice)>,
     /// Fail-closed stand-ins for NetworkPolicy documents that name
@@ -382,6 +383,7 @@ fn add_object(origin: Origin, value: Value, out: &mut LoadedManifests) {
     match (api_version.as_str(), kind.as_str()) {
         ("v1", "Namespace") => parse!(Namespace, "Namespace", namespaces, false),
         ("v1", "Pod") => parse!(Pod, "Pod", pods, true),
+        ("v1", "Node") => parse!(Node, "Node", nodes, false),
         ("v1", "Service") => parse!(Service, "Service", services, true),
         ("discovery.k8s.io/v1", "EndpointSlice") => {
             parse!(EndpointSlice, "EndpointSlice", slices, true)
@@ -565,6 +567,23 @@ impl LoadedManifests {
                     }
                 }
             };
+        }
+        for (origin, node) in &self.nodes {
+            match node_info(node) {
+                Ok((name, info)) => {
+                    if !duplicate(&mut self.errors, "Node", name.clone(), origin) {
+                        state.nodes.insert(name, info);
+                    }
+                }
+                Err(e) => self.errors.push(ManifestError::Invalid {
+                    origin: origin.clone(),
+                    kind: "Node",
+                    name: "<unnamed>".into(),
+                    key: None,
+                    detail: e.to_string(),
+                    fallback: Fallback::LeftOut,
+                }),
+            }
         }
         for (origin, cnp) in &self.cluster_policies {
             let Some(name) = cnp.metadata.name.clone() else {

@@ -574,6 +574,9 @@ struct Coverage {
     encapsulated_to_node: usize,
     /// Neighbour-discovery types with hop limit 255 the pod sends.
     nd_from_pod: usize,
+    /// What the pod sends the node while tiers judge its egress (the
+    /// tiers decide it, the NetworkPolicy tier allows it), by verdict.
+    to_node_tiered: Seen,
     /// Flows the pod's conntrack share kept untracked.
     share_full: u64,
 }
@@ -763,6 +766,12 @@ fn run_seed(seed: u64, seen: &mut Seen, coverage: &mut Coverage) -> usize {
             ..to_model(&pkt, hook)
         });
         let (_, got) = h.run_reason_from(hook, &pkt.frame(), iif);
+        if hook == Hook::Ingress
+            && pkt.dst == node_v4()
+            && h.state.endpoints[&TEST_IFINDEX].flags & ENDPOINT_EGRESS_TIERED != 0
+        {
+            *coverage.to_node_tiered.entry(got).or_default() += 1;
+        }
         assert_eq!(
             Some(got),
             want.reason(),
@@ -844,6 +853,14 @@ fn kernel_verdicts_equal_the_model() {
                 && coverage.share_full >= 10,
             "{coverage:?}"
         );
+        // Under tiers the node is a peer like any other, but for the
+        // NetworkPolicy tier, which allows it.
+        for reason in [AllowNode, DropAdminTier] {
+            assert!(
+                coverage.to_node_tiered.get(&reason).copied().unwrap_or(0) >= 3,
+                "{reason:?} to the node under tiers: {coverage:?}"
+            );
+        }
     }
 }
 
