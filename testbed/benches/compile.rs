@@ -203,12 +203,29 @@ struct Size {
     compile: Duration,
 }
 
+/// `cluster(10_000, 7)` with 100 ClusterNetworkPolicies of both tiers.
+fn cluster_with_tiers() -> ClusterState {
+    let mut state = cluster(10_000, 7);
+    state
+        .cluster_policies
+        .extend(policy_testbed::fixtures::tier_load::cluster_policies(
+            100,
+            |i| format!("team-{i}"),
+            |i| format!("app-{i}"),
+        ));
+    state
+}
+
 fn measure(pods: usize, options: CompileOptions) -> Size {
-    let state = cluster(pods, 7);
+    measure_state(&cluster(pods, 7), options)
+}
+
+fn measure_state(state: &ClusterState, options: CompileOptions) -> Size {
+    let pods = state.pods.len();
     let mut ids = IdentityAllocator::new();
     let before = LIVE.load(Ordering::Relaxed);
     let start = Instant::now();
-    let c = Compiler::build(&state, &mut ids, options);
+    let c = Compiler::build(state, &mut ids, options);
     let compile = start.elapsed();
     let heap_bytes = LIVE.load(Ordering::Relaxed) - before;
     let m = c.maps();
@@ -253,9 +270,23 @@ fn report() -> Vec<serde_json::Value> {
         ),
     ] {
         let s = measure(pods, options);
+        rows.push(size_row(&s, options, ""));
+    }
+    // The tiers' own entries: 10,000 pods with 100 ClusterNetworkPolicies.
+    let s = measure_state(&cluster_with_tiers(), CompileOptions::default());
+    rows.push(size_row(
+        &s,
+        CompileOptions::default(),
+        " + 100 ClusterNetworkPolicies",
+    ));
+    rows
+}
+
+fn size_row(s: &Size, options: CompileOptions, note: &str) -> serde_json::Value {
+    {
         let mib = |b: f64| b / (1 << 20) as f64;
         println!(
-            "| {}{} | {} | {} | {} | {} | {} | {:.1} MiB | {:.1} MiB | {:.0} ms |",
+            "| {}{}{note} | {} | {} | {} | {} | {} | {:.1} MiB | {:.1} MiB | {:.0} ms |",
             s.pods,
             if options.all_pods_local {
                 " (all local)"
@@ -271,14 +302,14 @@ fn report() -> Vec<serde_json::Value> {
             mib(s.heap_bytes as f64),
             s.compile.as_secs_f64() * 1e3,
         );
-        rows.push(serde_json::json!({
+        serde_json::json!({
             "pods": s.pods, "all_local": options.all_pods_local, "policies": s.pods / 10,
+            "cluster_policies": if note.is_empty() { 0 } else { 100 },
             "local_endpoints": s.local, "policy_entries": s.policy, "ipcache_entries": s.ipcache,
             "identities": s.identities, "entries_mib": mib(s.entry_bytes as f64),
             "heap_mib": mib(s.heap_bytes as f64), "one_compile_ms": s.compile.as_secs_f64() * 1e3,
-        }));
+        })
     }
-    rows
 }
 
 /// One local relabel at 10k pods: incremental vs recompiling and diffing.
@@ -358,15 +389,33 @@ fn bench_full(c: &mut Criterion) {
         ),
     ] {
         let state = cluster(pods, 7);
+        bench_build(&mut g, name, &state, options);
+    }
+    let state = cluster_with_tiers();
+    bench_build(
+        &mut g,
+        "10k_pods_100_cnps",
+        &state,
+        CompileOptions::default(),
+    );
+    g.finish();
+}
+
+fn bench_build(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    name: &str,
+    state: &ClusterState,
+    options: CompileOptions,
+) {
+    {
         g.bench_function(name, |b| {
             b.iter_batched(
                 IdentityAllocator::new,
-                |mut ids| black_box(Compiler::build(&state, &mut ids, options)),
+                |mut ids| black_box(Compiler::build(state, &mut ids, options)),
                 BatchSize::LargeInput,
             );
         });
     }
-    g.finish();
 }
 
 fn bench_relabel(c: &mut Criterion) {
@@ -447,10 +496,11 @@ fn bench_policy_update(c: &mut Criterion) {
 }
 
 /// Every benchmark: (criterion group, name).
-const BENCHES: [(&str, &str); 7] = [
+const BENCHES: [(&str, &str); 8] = [
     ("full_compile", "1k_pods"),
     ("full_compile", "10k_pods_500_local"),
     ("full_compile", "10k_pods_all_local"),
+    ("full_compile", "10k_pods_100_cnps"),
     ("relabel_one_pod_diff", "10k_pods_local_pod"),
     ("relabel_one_pod_diff", "10k_pods_remote_pod"),
     ("relabel_one_pod_diff", "10k_pods_all_local"),

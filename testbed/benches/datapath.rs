@@ -322,9 +322,7 @@ fn main() {
 /// on team t0, half Admin and half Baseline, each with three ingress and
 /// two egress rules of every kind of peer and port.
 fn tier_cluster(cnps: usize) -> policy_agent::cluster::ClusterState {
-    use policy_agent::cluster::{
-        ClusterNetworkPolicy, ClusterState, NamespaceInfo, ObjectRef, PodInfo,
-    };
+    use policy_agent::cluster::{ClusterState, NamespaceInfo, ObjectRef, PodInfo};
     let mut s = ClusterState {
         node_name: "node-a".into(),
         node_ips: vec![IpAddr::V4(Ipv4Addr::new(192, 168, 0, 1))],
@@ -363,21 +361,12 @@ fn tier_cluster(cnps: usize) -> policy_agent::cluster::ClusterState {
             ..Default::default()
         },
     );
-    for k in 0..cnps {
-        let tier = if k % 2 == 0 { "Admin" } else { "Baseline" };
-        let yaml = format!(
-            "metadata: {{name: cnp{k}}}\nspec:\n  tier: {tier}\n  priority: {p}\n  subject: {{namespaces: {{matchLabels: {{team: t0}}}}}}\n  ingress:\n  - {{action: Deny, from: [{{namespaces: {{matchLabels: {{team: t{a}}}}}}}], protocols: [{{tcp: {{destinationPort: {{number: {port}}}}}}}]}}\n  - {{action: Pass, from: [{{pods: {{namespaceSelector: {{matchLabels: {{team: t{b}}}}}, podSelector: {{matchLabels: {{app: a{c}}}}}}}}}]}}\n  - {{action: Accept, from: [{{namespaces: {{matchLabels: {{team: t{d}}}}}}}], protocols: [{{udp: {{destinationPort: {{number: 53}}}}}}]}}\n  egress:\n  - {{action: Deny, to: [{{networks: [203.0.113.{net}/32]}}]}}\n  - {{action: Accept, to: [{{namespaces: {{matchLabels: {{team: t{b}}}}}}}], protocols: [{{tcp: {{destinationPort: {{range: {{start: 8000, end: 8999}}}}}}}}]}}\n",
-            p = k / 2,
-            a = 1 + k % 9,
-            port = 8000 + k,
-            b = k % 10,
-            c = k % 20,
-            d = (k + 3) % 10,
-            net = k % 250,
-        );
-        let cnp: ClusterNetworkPolicy = serde_yaml::from_str(&yaml).unwrap();
-        s.cluster_policies.insert(format!("cnp{k}"), cnp);
-    }
+    let cnps = policy_testbed::fixtures::tier_load::cluster_policies(
+        cnps,
+        |i| format!("t{i}"),
+        |i| format!("a{i}"),
+    );
+    s.cluster_policies.extend(cnps);
     s
 }
 

@@ -33,7 +33,8 @@ use crate::{
     },
 };
 
-type Layer = BTreeMap<PolicyKey, (TierSlot, TierSlot)>;
+/// Keys with their (Admin, Baseline) slots; sorted once complete.
+type Layer = Vec<(PolicyKey, (TierSlot, TierSlot))>;
 
 /// A rule's rank in its tier: priority, then the policy's place among
 /// those of the same priority (by name), then the rule's index. Spaced so
@@ -51,22 +52,28 @@ impl Compiler {
     /// get their flags recomputed.
     pub(super) fn sync_tiers(&mut self) {
         let want = self.tier_layer();
-        let gone: Vec<PolicyKey> = self
-            .out
-            .tiers()
-            .keys()
-            .filter(|k| !want.contains_key(k))
-            .copied()
-            .collect();
+        // Both sorted by key: one merge finds what went and what changed
+        // (hundreds of thousands of keys at scale: no lookup per key).
+        let mut gone = Vec::new();
+        let mut set = Vec::new();
+        let mut have = self.out.tiers().iter().peekable();
+        for (key, slots) in want {
+            while let Some((k, _)) = have.next_if(|(k, _)| **k < key) {
+                gone.push(*k);
+            }
+            match have.next_if(|(k, _)| **k == key) {
+                Some((_, had)) if *had == slots => {}
+                _ => set.push((key, slots)),
+            }
+        }
+        gone.extend(have.map(|(k, _)| *k));
         for key in gone {
             self.flags_dirty.insert(key.endpoint_identity);
             self.out.set_tiers(key, None);
         }
-        for (key, slots) in want {
-            if self.out.tiers().get(&key) != Some(&slots) {
-                self.flags_dirty.insert(key.endpoint_identity);
-                self.out.set_tiers(key, Some(slots));
-            }
+        for (key, slots) in set {
+            self.flags_dirty.insert(key.endpoint_identity);
+            self.out.set_tiers(key, Some(slots));
         }
     }
 
@@ -83,6 +90,7 @@ impl Compiler {
             .any(|(k, _)| k.direction == dir)
     }
 
+    /// Every key a rule matches with its best slot of each tier, sorted.
     fn tier_layer(&self) -> Layer {
         let mut out = Layer::new();
         // Same-priority policies by name: their place among those.
@@ -97,6 +105,15 @@ impl Compiler {
             }
             *at += 1;
         }
+        // Sorted, each key once with the best slot of each tier.
+        out.sort_unstable_by_key(|(k, _)| *k);
+        out.dedup_by(|later, kept| {
+            if later.0 != kept.0 {
+                return false;
+            }
+            kept.1 = (kept.1.0.best(later.1.0), kept.1.1.best(later.1.1));
+            true
+        });
         out
     }
 
@@ -109,6 +126,8 @@ impl Compiler {
         tier: Tier,
         slot: TierSlot,
     ) {
+        // The peers do not depend on the subject: found once per rule.
+        let peers = self.rule_peers(rule);
         for e in &self.index.endpoint_ids {
             let Some(ident) = self.index.idents.get(e) else {
                 continue;
@@ -121,23 +140,27 @@ impl Compiler {
             {
                 continue;
             }
-            for (peer, (protocol, len, port)) in self.rule_keys(rule, dir, &ident.key) {
+            for (peer, (protocol, len, port)) in self.rule_keys(&peers, dir, &ident.key) {
                 let key = PolicyKey::new(*e, dir, peer, protocol, len, port);
-                let v = out.entry(key).or_default();
-                match tier {
-                    Tier::Admin => v.0 = v.0.best(slot),
-                    Tier::Baseline => v.1 = v.1.best(slot),
-                }
+                out.push(match tier {
+                    Tier::Admin => (key, (slot, TierSlot::default())),
+                    Tier::Baseline => (key, (TierSlot::default(), slot)),
+                });
             }
         }
     }
 
-    /// The (peer identity, port key) pairs of `rule` for a subject with
-    /// `subject`'s labels.
-    fn rule_keys(&self, rule: &ClusterRule, dir: u8, subject: &LabelKey) -> Vec<(u32, PortKey)> {
+    /// The peer identities of `rule`: label identities and address
+    /// classes (an `Everything` rule: ANY; a `Nothing` rule: none).
+    fn rule_peers<'r>(&self, rule: &'r ClusterRule) -> RulePeers<'r> {
         let (peers, protocols) = match &rule.matches {
-            RuleMatch::Nothing => return Vec::new(),
-            RuleMatch::Everything => return vec![(ANY, ANY_PORT)],
+            RuleMatch::Nothing => return RulePeers::default(),
+            RuleMatch::Everything => {
+                return RulePeers {
+                    everything: true,
+                    ..RulePeers::default()
+                };
+            }
             RuleMatch::Peers { peers, protocols } => (peers, protocols),
         };
         let mut labels = BTreeSet::new();
@@ -182,24 +205,48 @@ impl Compiler {
                 ),
             }
         }
+        RulePeers {
+            everything: false,
+            labels,
+            classes,
+            protocols: protocols.as_deref(),
+        }
+    }
+
+    /// The (peer identity, port key) pairs of a rule's `peers` for a
+    /// subject with `subject`'s labels.
+    fn rule_keys(&self, peers: &RulePeers<'_>, dir: u8, subject: &LabelKey) -> Vec<(u32, PortKey)> {
+        if peers.everything {
+            return vec![(ANY, ANY_PORT)];
+        }
         let mut out = Vec::new();
-        for peer in labels.iter().chain(classes.iter()) {
+        for peer in peers.labels.iter().chain(peers.classes.iter()) {
             // "DestinationNamedPort selects a destination port on a pod":
             // the subject for ingress, the peer's identity for egress (an
             // address class has no pod to resolve it on).
             let destination = if dir == direction::INGRESS {
                 Some(subject)
-            } else if labels.contains(peer) {
+            } else if peers.labels.contains(peer) {
                 self.index.idents.get(peer).map(|x| &x.key)
             } else {
                 None
             };
-            for port in port_keys(protocols.as_deref(), destination) {
+            for port in port_keys(peers.protocols, destination) {
                 out.push((*peer, port));
             }
         }
         out
     }
+}
+
+/// What a rule matches, independent of its subject.
+#[derive(Default)]
+struct RulePeers<'r> {
+    /// `RuleMatch::Everything`: every peer, port and protocol.
+    everything: bool,
+    labels: BTreeSet<u32>,
+    classes: BTreeSet<u32>,
+    protocols: Option<&'r [ProtocolMatch]>,
 }
 
 /// The port keys of a rule's `protocols` ("If unspecified,
