@@ -117,6 +117,46 @@ impl TierSlot {
         self.0 & 3
     }
 
+    /// The rank of rule `index` of a policy of `priority`, `place`-th
+    /// among the policies of its tier and priority (by name): "Policies
+    /// with lower priority values have higher precedence"; inside one,
+    /// "a rule that appears at the top ... would take the highest
+    /// precedence". 10 bits of priority (0-1000), 15 of place, 5 of index
+    /// (at most 25 rules): a change to one policy moves the ranks of no
+    /// policy of another priority.
+    pub const fn rule_rank(priority: u32, place: u32, index: u32) -> u32 {
+        let priority = if priority > 1023 { 1023 } else { priority };
+        let place = if place > (1 << 15) - 1 {
+            (1 << 15) - 1
+        } else {
+            place
+        };
+        let index = if index > 31 { 31 } else { index };
+        1 + ((priority << 20) | (place << 5) | index)
+    }
+
+    /// The policy priority of the slot's rule (see [`Self::rule_rank`]).
+    pub const fn priority(self) -> u32 {
+        self.rank().saturating_sub(1) >> 20
+    }
+
+    /// The index of the slot's rule in its policy.
+    pub const fn rule_index(self) -> u32 {
+        self.rank().saturating_sub(1) & 31
+    }
+
+    /// The name of the slot's action ("" for none).
+    pub const fn action_name(self) -> &'static str {
+        if self.is_none() {
+            return "";
+        }
+        match self.action() {
+            action::ACCEPT => "Accept",
+            action::DENY => "Deny",
+            _ => "Pass",
+        }
+    }
+
     /// The slot of higher precedence: the greater, computed without a
     /// branch (the classifier folds many entries; every branch there
     /// multiplies the verifier's work).

@@ -18,7 +18,9 @@ use std::{
 };
 
 use policy_agent::datapath::bpf::{maps::BpfMaps, pins::PinLayout};
-use policy_common::endpoint::ENDPOINT_INGRESS_ISOLATED;
+use policy_common::endpoint::{
+    ENDPOINT_INGRESS_ISOLATED, ENDPOINT_INGRESS_TIERED, ENDPOINT_INGRESS_UPDATING,
+};
 use policy_testbed::{SimNode, SimPod, cleanup_prefix};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
@@ -252,6 +254,7 @@ fn main() {
     // once it carries that label. Policy add/remove: isolate p000.
     let mut add = Vec::new();
     let mut relabel = Vec::new();
+    let mut cluster_policy = Vec::new();
     let extra = dir.join("zz-extra.yaml");
     for round in 0..ROUNDS {
         let marker = format!("extra{round}");
@@ -288,6 +291,31 @@ fn main() {
             endpoint(p1).is_some_and(|e| e.identity != before)
         });
         relabel.push(t.elapsed());
+
+        // A ClusterNetworkPolicy over p000 (compiled in full, with every
+        // other): enforced once its endpoint is tiered and no longer held
+        // closed (the change's last endpoint write).
+        let before = endpoint(p0).unwrap();
+        let t = Instant::now();
+        write_atomically(
+            &extra,
+            &format!(
+                "apiVersion: policy.networking.k8s.io/v1alpha2\nkind: ClusterNetworkPolicy\nmetadata: {{name: guard{round}}}\nspec:\n  tier: Admin\n  priority: 10\n  subject: {{pods: {{namespaceSelector: {{matchLabels: {{kubernetes.io/metadata.name: ns000}}}}, podSelector: {{matchLabels: {{app: app0}}}}}}}}\n  ingress:\n  - {{action: Deny, from: [{{namespaces: {{}}}}], protocols: [{{tcp: {{destinationPort: {{number: {}}}}}}}]}}\n",
+                30000 + round
+            ),
+        );
+        wait_until("cluster policy add", || {
+            endpoint(p0).is_some_and(|e| {
+                e.flags & ENDPOINT_INGRESS_TIERED != 0
+                    && e.flags & ENDPOINT_INGRESS_UPDATING == 0
+                    && e != before
+            })
+        });
+        cluster_policy.push(t.elapsed());
+        std::fs::remove_file(&extra).unwrap();
+        wait_until("cluster policy removal", || {
+            endpoint(p0).is_some_and(|e| e.flags & ENDPOINT_INGRESS_TIERED == 0)
+        });
     }
     let rss = rss_peak_kib(pid);
     // The order checks that ran meanwhile (every 5 s, over the local
@@ -322,6 +350,7 @@ fn main() {
 
     add.sort();
     relabel.sort();
+    cluster_policy.sort();
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     println!(
         "control plane: {} pods, {} policies, {} namespaces, {LOCAL} local",
@@ -349,6 +378,12 @@ fn main() {
         max(&relabel)
     );
     println!(
+        "  ClusterNetworkPolicy added -> enforced ({ROUNDS} samples, each a full compile): p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+        ms(percentile(&cluster_policy, 0.5)),
+        ms(percentile(&cluster_policy, 0.99)),
+        max(&cluster_policy)
+    );
+    println!(
         "  order check between full passes ({checks} during the changes): mean {check_mean_ms:.2} ms, max {check_max_ms:.2} ms"
     );
     println!("  agent peak RSS: {:.1} MiB", rss as f64 / 1024.0);
@@ -360,6 +395,7 @@ fn main() {
         "samples": ROUNDS,
         "policy_add_p50_ms": ms(percentile(&add, 0.5)), "policy_add_p99_ms": ms(percentile(&add, 0.99)), "policy_add_max_ms": max(&add),
         "relabel_p50_ms": ms(percentile(&relabel, 0.5)), "relabel_p99_ms": ms(percentile(&relabel, 0.99)), "relabel_max_ms": max(&relabel),
+        "cluster_policy_p50_ms": ms(percentile(&cluster_policy, 0.5)), "cluster_policy_p99_ms": ms(percentile(&cluster_policy, 0.99)), "cluster_policy_max_ms": max(&cluster_policy),
         "peak_rss_mib": rss as f64 / 1024.0,
         "order_checks": checks as u64, "order_check_mean_ms": check_mean_ms, "order_check_max_ms": check_max_ms,
     });

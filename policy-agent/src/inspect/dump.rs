@@ -97,6 +97,31 @@ pub struct PolicyRow {
     /// "80", "8000/13" (a block of ports) or "any".
     pub ports: String,
     pub rule_ref: u32,
+    /// Whether a NetworkPolicy rule allows the key (else the entry holds
+    /// tier slots only).
+    pub network_policy: bool,
+    /// The ClusterNetworkPolicy rule of each tier that decides the key.
+    pub admin: Option<TierRow>,
+    pub baseline: Option<TierRow>,
+}
+
+/// A tier slot, decoded: the action, the policy's priority and the rule's
+/// index in it (the rank orders policies of one priority by name).
+#[derive(Debug, Serialize)]
+pub struct TierRow {
+    pub action: &'static str,
+    pub priority: u32,
+    pub rule: u32,
+    pub rank: u32,
+}
+
+fn tier_row(slot: policy_common::policy::TierSlot) -> Option<TierRow> {
+    (!slot.is_none()).then(|| TierRow {
+        action: slot.action_name(),
+        priority: slot.priority(),
+        rule: slot.rule_index(),
+        rank: slot.rank(),
+    })
 }
 
 #[derive(Debug, Serialize)]
@@ -201,6 +226,9 @@ pub fn dump(layout: &PinLayout) -> Result<Dump, Error> {
                 len => format!("{}-{} ({}/{len})", k.port, k.port | (0xffff >> len), k.port),
             },
             rule_ref: v.rule_ref,
+            network_policy: v.flags & policy_common::policy::ENTRY_TIERS_ONLY == 0,
+            admin: tier_row(v.admin),
+            baseline: tier_row(v.baseline),
         })
         .collect();
     let mut conntrack = Vec::new();
@@ -299,15 +327,28 @@ impl fmt::Display for Dump {
         }
         writeln!(f, "\nPOLICY ({})", self.policy.len())?;
         for p in &self.policy {
+            let np = if p.network_policy {
+                format!("rule {:08x}", p.rule_ref)
+            } else {
+                "tiers only   ".to_owned()
+            };
+            let mut tiers = String::new();
+            for (tier, row) in [("Admin", &p.admin), ("Baseline", &p.baseline)] {
+                if let Some(t) = row {
+                    tiers += &format!(
+                        " {tier} {} (priority {}, rule {})",
+                        t.action, t.priority, t.rule
+                    );
+                }
+            }
             writeln!(
                 f,
-                "  {:<8} {:<7} peer {:<10} {:<6} {:<22} rule {:08x}  [{}] <- [{}]",
+                "  {:<8} {:<7} peer {:<10} {:<6} {:<22} {np}{tiers}  [{}] <- [{}]",
                 p.endpoint_identity,
                 p.direction,
                 p.peer_identity,
                 p.protocol,
                 p.ports,
-                p.rule_ref,
                 p.endpoint,
                 p.peer
             )?;

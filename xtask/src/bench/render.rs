@@ -232,6 +232,15 @@ pub fn render(datapath: Option<&Value>, system: Option<&Value>, control: Option<
             f(c, "relabel_p99_ms"),
             f(c, "relabel_max_ms")
         );
+        if c.get("cluster_policy_p99_ms").is_some() {
+            let _ = writeln!(
+                out,
+                "| one ClusterNetworkPolicy added → enforced (a full compile each), p50 / p99 / max | {:.1} / {:.1} / {:.1} ms | reported |",
+                f(c, "cluster_policy_p50_ms"),
+                f(c, "cluster_policy_p99_ms"),
+                f(c, "cluster_policy_max_ms")
+            );
+        }
         let _ = writeln!(
             out,
             "| agent peak RSS | {:.1} MiB | < 150 MiB |",

@@ -36,15 +36,9 @@ use crate::{
 /// Keys with their (Admin, Baseline) slots; sorted once complete.
 type Layer = Vec<(PolicyKey, (TierSlot, TierSlot))>;
 
-/// A rule's rank in its tier: priority, then the policy's place among
-/// those of the same priority (by name), then the rule's index. Spaced so
-/// a change to one policy moves the ranks of no policy of another
-/// priority: its entries are the only ones rewritten.
+/// A rule's rank in its tier (see [`TierSlot::rule_rank`]).
 fn rank(priority: u32, place: u32, rule_index: usize) -> u32 {
-    // 10 bits of priority (0-1000), 15 of place, 5 of index (at most 25).
-    let place = place.min((1 << 15) - 1);
-    let index = u32::try_from(rule_index).unwrap_or(31).min(31);
-    1 + ((priority.min(1023) << 20) | (place << 5) | index)
+    TierSlot::rule_rank(priority, place, u32::try_from(rule_index).unwrap_or(31))
 }
 
 impl Compiler {

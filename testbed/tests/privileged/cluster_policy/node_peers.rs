@@ -186,6 +186,19 @@ fn admin_tier_egress_node_peers(prefix: &'static str, backend: Backend) {
     c.check("node peers: beta's egress denied", |f, t, _, _| {
         always(f, t) || ns_of(f) != "beta"
     });
+    if backend == Backend::Bpf {
+        // `dump` shows each tier slot decoded: the Accept of TCP 9000 is
+        // rule 0 of the policy of priority 75, held by no NetworkPolicy.
+        let dump = c.dump();
+        let accept = dump["policy"].as_array().unwrap().iter().any(|row| {
+            row["ports"] == "9000"
+                && row["network_policy"] == false
+                && row["admin"]["action"] == "Accept"
+                && row["admin"]["priority"] == 75
+                && row["admin"]["rule"] == 0
+        });
+        assert!(accept, "{:#}", dump["policy"]);
+    }
     // A Node that no longer carries the label is no peer: its ports stay
     // closed by the Deny of every network, the Accept no longer applies.
     c.write_policies(&format!(
