@@ -65,8 +65,9 @@ use super::{
 };
 use crate::{
     cluster::{
-        Change, ClusterState, EndpointSliceInfo, NamespaceInfo, NodeInfo, ObjectRef, PodInfo,
-        PodRef, PolicyRef, Problem, ServiceInfo, ServiceRef, normalized_ranges, unready_local_pods,
+        Change, ClusterState, EndpointSliceInfo, NamespaceInfo, NodeInfo, ObjectKind, ObjectRef,
+        PodInfo, PodRef, PolicyRef, Problem, ServiceInfo, ServiceRef, normalized_ranges,
+        unready_local_pods,
     },
     identity::{IdentityAllocator, IdentityError},
     mapstate::{MapOp, MapState, RuleOrigin, diff, identity_name},
@@ -98,6 +99,9 @@ pub struct Compiler {
     cluster_policies: BTreeMap<String, ParsedClusterPolicy>,
     /// Every Node of the cluster (`nodes` peers).
     nodes: BTreeMap<String, NodeInfo>,
+    /// ClusterNetworkPolicies past the per-policy budget (failing closed),
+    /// with the entries they would take.
+    tier_overflow: BTreeMap<String, u64>,
     services: BTreeMap<ServiceRef, ServiceInfo>,
     endpoint_slices: BTreeMap<ObjectRef, EndpointSliceInfo>,
     /// The cluster's Service ranges: frontends as a whole.
@@ -373,6 +377,14 @@ impl Compiler {
                 .values()
                 .flat_map(|p| p.errors.iter().map(|e| e.problem())),
         );
+        out.extend(self.tier_overflow.keys().filter_map(|name| {
+            let reason = self.tier_overflow_reason(name)?;
+            Some(Problem::object(
+                ObjectKind::ClusterNetworkPolicy,
+                ObjectRef::new("", name.clone()),
+                reason,
+            ))
+        }));
         out.extend(
             self.identity_errors
                 .iter()

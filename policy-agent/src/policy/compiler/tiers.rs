@@ -27,7 +27,7 @@ use crate::{
     identity::LabelKey,
     policy::{
         cluster_policy::{
-            ClusterPeer, ClusterRule, ParsedClusterPolicy, ProtocolMatch, RuleMatch, Tier,
+            Action, ClusterPeer, ClusterRule, ParsedClusterPolicy, ProtocolMatch, RuleMatch, Tier,
         },
         ports::{ANY_PORT, PortKey, range_blocks},
     },
@@ -45,7 +45,9 @@ impl Compiler {
     /// Brings the tier layer up to date; endpoints whose tier keys changed
     /// get their flags recomputed.
     pub(super) fn sync_tiers(&mut self) {
-        let want = self.tier_layer();
+        let mut overflow = BTreeMap::new();
+        let want = self.tier_layer(&mut overflow);
+        self.tier_overflow = overflow;
         // Both sorted by key: one merge finds what went and what changed
         // (hundreds of thousands of keys at scale: no lookup per key).
         let mut gone = Vec::new();
@@ -85,16 +87,38 @@ impl Compiler {
     }
 
     /// Every key a rule matches with its best slot of each tier, sorted.
-    fn tier_layer(&self) -> Layer {
+    /// Policies past the per-policy budget fail closed (see
+    /// [`Self::tier_overflow`]): `overflow` gets each one's entry count.
+    fn tier_layer(&self, overflow: &mut BTreeMap<String, u64>) -> Layer {
         let mut out = Layer::new();
         // Same-priority policies by name: their place among those.
         let mut place: BTreeMap<(Tier, u32), u32> = BTreeMap::new();
         for p in self.cluster_policies.values() {
             let at = place.entry((p.tier, p.priority)).or_default();
+            let start = out.len();
             for dir in [direction::INGRESS, direction::EGRESS] {
                 for rule in p.rules(dir) {
                     let slot = TierSlot::new(rank(p.priority, *at, rule.index), rule.action.code());
                     self.add_rule(&mut out, p, dir, rule, p.tier, slot);
+                }
+            }
+            // Past the budget: its Accepts match nothing, its Denies and
+            // Passes deny everything (one entry per subject and rule).
+            let entries = (out.len() - start) as u64;
+            if entries > self.options.budget.per_policy {
+                out.truncate(start);
+                overflow.insert(p.name.clone(), entries);
+                for dir in [direction::INGRESS, direction::EGRESS] {
+                    for rule in p.rules(dir).iter().filter(|r| r.action != Action::Accept) {
+                        let closed = ClusterRule {
+                            action: Action::Deny,
+                            matches: RuleMatch::Everything,
+                            ..rule.clone()
+                        };
+                        let slot =
+                            TierSlot::new(rank(p.priority, *at, rule.index), Action::Deny.code());
+                        self.add_rule(&mut out, p, dir, &closed, p.tier, slot);
+                    }
                 }
             }
             *at += 1;
@@ -308,16 +332,28 @@ impl Compiler {
         self.cluster_policies
             .iter()
             .map(|(name, p)| {
+                let mut problems: Vec<String> = p
+                    .errors
+                    .iter()
+                    .map(|e| format!("{}: {} ({})", e.field, e.kind, e.effect))
+                    .collect();
+                problems.extend(self.tier_overflow_reason(name));
                 let standing = crate::cluster::cluster_policy::Standing {
                     generation: p.generation,
-                    problems: p
-                        .errors
-                        .iter()
-                        .map(|e| format!("{}: {} ({})", e.field, e.kind, e.effect))
-                        .collect(),
+                    problems,
                 };
                 (name.clone(), standing)
             })
             .collect()
+    }
+
+    /// Why policy `name` fails closed for its size, if it does.
+    pub(super) fn tier_overflow_reason(&self, name: &str) -> Option<String> {
+        self.tier_overflow.get(name).map(|entries| {
+            format!(
+                "it compiles to {entries} policy entries on this node, over the budget of {} per policy: it fails closed (its Accept rules match nothing, its Deny and Pass rules deny everything to the pods it selects)",
+                self.options.budget.per_policy
+            )
+        })
     }
 }

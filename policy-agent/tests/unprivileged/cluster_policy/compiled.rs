@@ -227,3 +227,63 @@ fn explain_names_the_tier_rule() {
         "{ex}"
     );
 }
+
+/// A policy whose entries pass the per-policy budget fails closed: its
+/// Accept rules match nothing, its Deny and Pass rules deny everything to
+/// the pods it selects; it is reported, and its status says so.
+#[test]
+fn a_policy_past_the_budget_fails_closed_and_says_so() {
+    use policy_agent::policy::{Budget, CompileOptions, Compiler};
+    use policy_common::{identity::ANY, policy::action};
+    let mut w = world();
+    w.cluster_policy(INGRESS_TCP);
+    let options = CompileOptions {
+        all_pods_local: true,
+        budget: Budget {
+            per_policy: 3,
+            total: u64::MAX,
+        },
+    };
+    let c = Compiler::build(&w.state, &mut w.ids, options);
+    let maps = c.maps();
+    let subjects: Vec<u32> = maps
+        .endpoints
+        .iter()
+        .filter(|(p, _)| p.namespace.ends_with("gryffindor"))
+        .map(|(_, e)| e.identity)
+        .collect();
+    assert!(!subjects.is_empty());
+    for id in &subjects {
+        let any: Vec<_> = maps
+            .policy_of(*id)
+            .filter(|(k, _)| k.peer_identity == ANY && k.port_prefix_len == 0)
+            .collect();
+        assert!(
+            any.iter()
+                .any(|(_, e)| !e.admin.is_none() && e.admin.action() == action::DENY),
+            "identity {id}: {any:?}"
+        );
+    }
+    assert!(
+        maps.policy
+            .values()
+            .all(|e| e.admin.is_none() || e.admin.action() != action::ACCEPT),
+        "no Accept survives"
+    );
+    let problems = c.problems();
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.to_string().contains("over the budget of 3 per policy")),
+        "{problems:?}"
+    );
+    let standing = &c.cluster_policy_standings()["ingress-tcp"];
+    assert!(standing.problems.iter().any(|p| p.contains("fails closed")));
+    // Within the budget: as written.
+    let c = Compiler::build(&w.state, &mut w.ids, CompileOptions::default());
+    assert!(
+        c.cluster_policy_standings()["ingress-tcp"]
+            .problems
+            .is_empty()
+    );
+}
