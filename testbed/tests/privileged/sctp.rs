@@ -1,7 +1,8 @@
 //! Real SCTP associations through both datapaths (elsewhere SCTP is only
 //! crafted packets through BPF_PROG_TEST_RUN): a victim pod listens on two
-//! SCTP ports, a policy admits one port from one pod, and what the
-//! listeners accepted and read decides (judged at the receiver). Needs the
+//! SCTP ports, a policy (a NetworkPolicy, or an Admin ClusterNetworkPolicy)
+//! admits one port from one pod, and what the listeners accepted and read
+//! decides (judged at the receiver). Needs the
 //! kernel's `sctp` module: the 6.1 test guest loads it; a kernel without
 //! it skips with the reason printed. Needs root.
 
@@ -143,7 +144,23 @@ fn send(netns: &NetNs, to: SocketAddr, message: Vec<u8>, timeout: Duration) {
         .unwrap();
 }
 
-fn sctp_traffic(prefix: &'static str, backend: Backend) {
+/// The NetworkPolicy: the victim admits the trusted pod on the open port.
+fn network_policy() -> String {
+    format!(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: victim, namespace: s}}\nspec:\n  podSelector: {{matchLabels: {{app: victim}}}}\n  ingress:\n    - from: [{{podSelector: {{matchLabels: {{app: trusted}}}}}}]\n      ports: [{{protocol: SCTP, port: {OPEN_PORT}}}]\n"
+    )
+}
+
+/// The same verdicts from an Admin ClusterNetworkPolicy (upstream
+/// CNPAdminTierIngressSCTP's shape: an Accept of one pod on one SCTP port,
+/// then a Deny of every SCTP port from everyone).
+fn cluster_policy() -> String {
+    format!(
+        "apiVersion: policy.networking.k8s.io/v1alpha2\nkind: ClusterNetworkPolicy\nmetadata: {{name: sctp-guard}}\nspec:\n  tier: Admin\n  priority: 5\n  subject: {{pods: {{namespaceSelector: {{}}, podSelector: {{matchLabels: {{app: victim}}}}}}}}\n  ingress:\n  - name: allow-trusted-sctp\n    action: Accept\n    from: [{{pods: {{namespaceSelector: {{}}, podSelector: {{matchLabels: {{app: trusted}}}}}}}}]\n    protocols: [{{sctp: {{destinationPort: {{number: {OPEN_PORT}}}}}}}]\n  - name: deny-sctp\n    action: Deny\n    from: [{{namespaces: {{}}}}]\n    protocols: [{{sctp: {{}}}}]\n"
+    )
+}
+
+fn sctp_traffic(prefix: &'static str, backend: Backend, policy: &str) {
     if let Some(why) = sctp_unavailable() {
         eprintln!("SKIPPED {prefix}: {why}");
         return;
@@ -157,9 +174,7 @@ fn sctp_traffic(prefix: &'static str, backend: Backend) {
         }],
         vec![pod("victim", 21), pod("trusted", 22), pod("other", 23)],
     );
-    c.write_policies(&format!(
-        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: victim, namespace: s}}\nspec:\n  podSelector: {{matchLabels: {{app: victim}}}}\n  ingress:\n    - from: [{{podSelector: {{matchLabels: {{app: trusted}}}}}}]\n      ports: [{{protocol: SCTP, port: {OPEN_PORT}}}]\n"
-    ));
+    c.write_policies(policy);
     c.apply_ok();
     let netns = |id: &str| NetNs::borrow(&c.node().pod(id).unwrap().netns.name);
     let listener = Listener::start(&netns("s/victim"), &[OPEN_PORT, CLOSED_PORT]);
@@ -224,10 +239,20 @@ fn canonical(ip: IpAddr) -> IpAddr {
 
 #[test]
 fn sctp_associations_through_the_bpf_datapath() {
-    sctp_traffic("sctpb", Backend::Bpf);
+    sctp_traffic("sctpb", Backend::Bpf, &network_policy());
 }
 
 #[test]
 fn sctp_associations_through_the_iptables_datapath() {
-    sctp_traffic("sctpi", Backend::Iptables);
+    sctp_traffic("sctpi", Backend::Iptables, &network_policy());
+}
+
+#[test]
+fn sctp_under_a_cluster_network_policy_through_the_bpf_datapath() {
+    sctp_traffic("sctpcb", Backend::Bpf, &cluster_policy());
+}
+
+#[test]
+fn sctp_under_a_cluster_network_policy_through_the_iptables_datapath() {
+    sctp_traffic("sctpci", Backend::Iptables, &cluster_policy());
 }
