@@ -22,7 +22,10 @@ use kube::{
 };
 use tracing::{info, warn};
 
-use super::{service_cidrs::status_code, store::Store};
+use super::{
+    service_cidrs::{Availability, status_code},
+    store::Store,
+};
 use crate::cluster::{
     Change, ClusterNetworkPolicy, ObjectKind, ObjectRef, Problem, cluster_policy,
 };
@@ -58,17 +61,6 @@ pub(super) fn stream<U: Send + 'static>(
             Err(e) => failed(e),
         })
         .boxed()
-}
-
-/// Whether the cluster serves the API to this agent.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Availability {
-    Unknown,
-    Served,
-    /// 404: no CRD installed.
-    Absent,
-    /// 403: not allowed to read it.
-    Forbidden,
 }
 
 /// What the ClusterNetworkPolicy watch knows.

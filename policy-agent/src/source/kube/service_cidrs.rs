@@ -82,9 +82,9 @@ pub(super) fn not_served(error: &kube::runtime::watcher::Error) -> bool {
     status_code(error) == Some(404)
 }
 
-/// Whether the ServiceCIDR API can be read here.
+/// Whether an optional API (ServiceCIDRs, a CRD) can be read here.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Availability {
+pub(super) enum Availability {
     /// Not heard of yet.
     Unknown,
     Served,

@@ -58,6 +58,7 @@
 //! things that would share a name are not rendered (fail closed: the rules
 //! naming a colliding set or policy chain are left out, colliding pods'
 //! traffic is dropped) and each collision is reported.
+mod sets;
 mod tiers;
 
 use std::{
@@ -65,26 +66,24 @@ use std::{
     net::IpAddr,
 };
 
-use ipnet::IpNet;
 use policy_common::{
     direction, encapsulation,
     endpoint::{
         ENDPOINT_EGRESS_ISOLATED, ENDPOINT_EGRESS_TIERED, ENDPOINT_INGRESS_ISOLATED,
         ENDPOINT_INGRESS_TIERED,
     },
-    identity::{ANY, NODE, WORLD, is_cidr},
+    identity::{ANY, NODE},
     policy::{ENTRY_TIERS_ONLY, PolicyKey},
-    proto,
 };
 
+use self::sets::{PeerSets, peer_match, port_match, set_of};
 use self::tiers::{TierKeys, chain_label, tier_keys, tier_rules, to_node_chain, to_node_rules};
 use super::ruleset::{
-    Chain, ChainKind, FORWARD_CHAIN, Family, INPUT_CHAIN, IpSet, OUTPUT_CHAIN, Ruleset, SetKind,
-    SetName, TUNNEL_CHAIN,
+    Chain, ChainKind, FORWARD_CHAIN, Family, INPUT_CHAIN, OUTPUT_CHAIN, Ruleset, TUNNEL_CHAIN,
 };
 use crate::{
     cluster::{ObjectKind, PodRef, Problem},
-    mapstate::{AddressSet, MapState, RuleOrigin, fnv1a64, identity_addresses},
+    mapstate::{MapState, RuleOrigin, fnv1a64, identity_addresses},
 };
 
 /// The packet mark bit the chains use while judging (cleared at the start
@@ -112,73 +111,6 @@ impl RenderInput<'_> {
         } else {
             hash & ((1u64 << self.name_bits) - 1)
         }
-    }
-}
-
-/// What a set name stands for: the identity's kind letter and the hash of
-/// its whole canonical name (None: the identity has no name, so no stable
-/// set name either).
-fn set_of(input: &RenderInput<'_>, id: u32) -> Option<SetName> {
-    let kind = if id == WORLD {
-        SetKind::World
-    } else if is_cidr(id) {
-        SetKind::Class
-    } else {
-        SetKind::Identity
-    };
-    let name = input.maps.identities.get(&id)?;
-    Some(SetName {
-        kind,
-        hash: input.narrow(name.name_hash),
-    })
-}
-
-/// Splits a /0 (which hash:net cannot hold) into two halves.
-fn storable(net: &IpNet) -> Vec<IpNet> {
-    if net.prefix_len() != 0 {
-        return vec![*net];
-    }
-    net.subnets(1).map(|s| s.collect()).unwrap_or_default()
-}
-
-/// The set of an identity's addresses in `fam` (empty without addresses).
-fn build_set(name: String, kind: SetKind, fam: Family, addrs: Option<&AddressSet>) -> IpSet {
-    let mut entries = BTreeSet::new();
-    if let Some(addrs) = addrs {
-        for net in addrs.include.iter().filter(|n| Family::of(n) == fam) {
-            for part in storable(net) {
-                entries.insert((part, false));
-            }
-        }
-        if kind.is_net() {
-            for net in addrs.exclude.iter().filter(|n| Family::of(n) == fam) {
-                entries.insert((*net, true));
-            }
-        }
-    }
-    IpSet {
-        name,
-        kind,
-        family: fam,
-        entries,
-    }
-}
-
-fn port_match(key: &PolicyKey) -> String {
-    let p = match key.protocol {
-        proto::TCP => "tcp",
-        proto::UDP => "udp",
-        proto::SCTP => "sctp",
-        _ => return String::new(),
-    };
-    match key.port_prefix_len {
-        0 => format!("-p {p} "),
-        16 => format!("-p {p} --dport {} ", key.port),
-        len => format!(
-            "-p {p} --dport {}:{} ",
-            key.port,
-            key.port | (0xffff >> len)
-        ),
     }
 }
 
@@ -540,35 +472,22 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                     continue;
                 }
                 let mut used_sets = BTreeSet::new();
-                let side = if *dir == direction::INGRESS {
-                    "src"
-                } else {
-                    "dst"
-                };
                 let tier_chain_rules = tier_rules(
                     keys,
                     |key| {
-                        if key.peer_identity == ANY {
-                            return Some(port_match(key));
-                        }
-                        if unnamed_peers.contains(&key.peer_identity) {
-                            return None;
-                        }
-                        let set = set_of(input, key.peer_identity)?;
-                        let name = set.render(fam);
-                        out.sets.entry(name.clone()).or_insert_with(|| {
-                            build_set(
-                                name.clone(),
-                                set.kind,
+                        let peer = peer_match(
+                            &mut PeerSets {
+                                input,
+                                addresses: &addresses,
+                                unnamed: &unnamed_peers,
                                 fam,
-                                addresses.get(&key.peer_identity),
-                            )
-                        });
-                        used_sets.insert(name.clone());
-                        Some(format!(
-                            "-m set --match-set {name} {side} {}",
-                            port_match(key)
-                        ))
+                                sets: &mut out.sets,
+                                used: &mut used_sets,
+                            },
+                            key,
+                            *dir,
+                        )?;
+                        Some(format!("{peer}{}", port_match(key)))
                     },
                     port_match,
                     &mark,
@@ -625,27 +544,19 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                 let mut policy_rules = Vec::new();
                 let mut used_sets = BTreeSet::new();
                 for key in keys {
-                    let peer = if key.peer_identity == ANY {
-                        String::new()
-                    } else {
-                        if unnamed_peers.contains(&key.peer_identity) {
-                            continue;
-                        }
-                        let Some(set) = set_of(input, key.peer_identity) else {
-                            continue;
-                        };
-                        let name = set.render(fam);
-                        out.sets.entry(name.clone()).or_insert_with(|| {
-                            let addrs = addresses.get(&key.peer_identity);
-                            build_set(name.clone(), set.kind, fam, addrs)
-                        });
-                        used_sets.insert(name.clone());
-                        let side = if *dir == direction::INGRESS {
-                            "src"
-                        } else {
-                            "dst"
-                        };
-                        format!("-m set --match-set {name} {side} ")
+                    let Some(peer) = peer_match(
+                        &mut PeerSets {
+                            input,
+                            addresses: &addresses,
+                            unnamed: &unnamed_peers,
+                            fam,
+                            sets: &mut out.sets,
+                            used: &mut used_sets,
+                        },
+                        key,
+                        *dir,
+                    ) else {
+                        continue;
                     };
                     policy_rules.push(format!(
                         "{peer}{}-j MARK --set-xmark {mark}/{mark}",
