@@ -8,9 +8,20 @@
 //! alpha/api; hufflepuff: alpha/web; slytherin: namespace gamma), each
 //! test keeps its upstream name, and the whole matrix is checked, not only
 //! the pairs upstream pokes. Each runs on both datapaths. Needs root.
+//! Upstream's two pods per house, in the probes it makes: harry-potter-0
+//! and -1 are beta/web and beta/api, draco-malfoy-0 and -1 gamma/web and
+//! gamma/api; both luna-lovegood pods are alpha/api, both cedric-diggory
+//! pods alpha/web. alpha/db is in no house.
+//!
+//! The Admin and Baseline tier tests of the standard channel are in
+//! `admin_tier` and `baseline_tier`, their policies written as data in
+//! `model`, which also works out every cell's verdict from the API text.
 use policy_testbed::Transport;
 use policy_testbed::fixtures::conformance::{Backend, Conformance, is_node, ns_of};
 
+mod admin_tier;
+mod baseline_tier;
+mod model;
 mod node_peers;
 
 /// Self traffic and the node are always allowed.
