@@ -304,9 +304,12 @@ mod tests {
     fn the_compiler_block_comes_from_compile_json() {
         let c = serde_json::json!({
             "sizes": [{"pods": 10000, "all_local": false, "policies": 1000, "local_endpoints": 488, "policy_entries": 91643,
-                "ipcache_entries": 12651, "identities": 1218, "entries_mib": 2.8, "heap_mib": 39.7, "one_compile_ms": 170.0}],
+                "ipcache_entries": 12651, "identities": 1218, "entries_mib": 2.8, "heap_mib": 39.7, "one_compile_ms": 170.0},
+                {"pods": 10000, "all_local": false, "policies": 1000, "cluster_policies": 100, "local_endpoints": 488, "policy_entries": 771769,
+                "ipcache_entries": 12751, "identities": 1318, "entries_mib": 39.8, "heap_mib": 115.6, "one_compile_ms": 1003.0}],
             "relabel": {"ops": 387, "incremental_ms": 0.3, "full_compile_and_diff_ms": 250.0},
             "median_ms": {"full_compile/1k_pods": 7.4, "full_compile/10k_pods_500_local": 173.0, "full_compile/10k_pods_all_local": 248.0,
+                "full_compile/10k_pods_100_cnps": 824.0,
                 "relabel_one_pod_diff/10k_pods_local_pod": 0.33, "relabel_one_pod_diff/10k_pods_remote_pod": 0.29,
                 "relabel_one_pod_diff/10k_pods_all_local": 0.79, "policy_update_diff/10k_pods_one_policy_no_new_cidr": 0.012}
         });
@@ -328,7 +331,22 @@ mod tests {
             ),
             "{text}"
         );
-        assert!(text.contains("(met: 0.17 s, 0.25 s all-local)"), "{text}");
+        assert!(
+            text.contains(
+                "| 10,000 | 1,000 + 100 ClusterNetworkPolicies | 488 | 771,769 | 12,751 | 1,318 | 39.8 MiB | 115.6 MiB | 1003 ms |"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "(met: 0.17 s, 0.25 s all-local, 0.82 s with 100 ClusterNetworkPolicies)"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("| full compile, 10,000 pods / 1,000 policies and 100 ClusterNetworkPolicies (both tiers) | 824.0 ms |"),
+            "{text}"
+        );
         assert!(text.contains("(387 map ops each way"), "{text}");
         let doc = format!("intro\n{COMPILE_BEGIN}\nold\n{COMPILE_END}\nafter\n");
         let replaced = replace_block(&doc, COMPILE_BEGIN, COMPILE_END, &text).unwrap();

@@ -16,12 +16,15 @@
 //! The Admin and Baseline tier tests of the standard channel are in
 //! `admin_tier` and `baseline_tier`, their policies written as data in
 //! `model`, which also works out every cell's verdict from the API text.
+//! The experimental NamedPorts tests are in `named_ports`, on the same
+//! model; the EgressNodePeers tests in `node_peers`.
 use policy_testbed::Transport;
 use policy_testbed::fixtures::conformance::{Backend, Conformance, is_node, ns_of};
 
 mod admin_tier;
 mod baseline_tier;
 mod model;
+mod named_ports;
 mod node_peers;
 
 /// Self traffic and the node are always allowed.

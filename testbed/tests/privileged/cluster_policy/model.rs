@@ -1,10 +1,11 @@
 //! The upstream conformance policies as data, for the Admin and Baseline
-//! tier tests: each policy is rendered to YAML for the agent and judged by
-//! a small model of the API's semantics, so every cell of the matrix has a
-//! verdict worked out from the API text, not only the pairs upstream
-//! probes. Upstream's own probes are kept with each stage and the model
-//! must agree with them before any traffic is sent, so a model that
-//! misread the API fails there, not by agreeing with the agent.
+//! tier tests (standard and NamedPorts): each policy is rendered to YAML
+//! for the agent and judged by a small model of the API's semantics, so
+//! every cell of the matrix has a verdict worked out from the API text,
+//! not only the pairs upstream probes. Upstream's own probes are kept
+//! with each stage and the model must agree with them before any traffic
+//! is sent, so a model that misread the API fails there, not by agreeing
+//! with the agent.
 use std::net::IpAddr;
 
 use policy_testbed::Transport;
@@ -59,22 +60,64 @@ pub(super) enum Dir {
     Egress,
 }
 
-/// A `protocols` item: (protocol, destination port).
+/// A `protocols` item.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Proto(&'static str, u16);
+pub(super) enum Proto {
+    /// (protocol, destination port).
+    Port(&'static str, u16),
+    /// `destinationNamedPort`: "selects a destination port on a pod based
+    /// on the ContainerPort name", so it resolves on the destination pod
+    /// (the subject for ingress, the peer for egress), to that container
+    /// port's number and protocol; a pod without the name matches nothing.
+    Named(&'static str),
+}
 
 pub(super) fn tcp(port: u16) -> Proto {
-    Proto("tcp", port)
+    Proto::Port("tcp", port)
 }
 
 pub(super) fn udp(port: u16) -> Proto {
-    Proto("udp", port)
+    Proto::Port("udp", port)
 }
 
 /// Kept in the YAML as upstream writes it; never probed here (no SCTP
 /// module on this kernel), so it matches none of the matrix's cells.
 pub(super) fn sctp(port: u16) -> Proto {
-    Proto("sctp", port)
+    Proto::Port("sctp", port)
+}
+
+pub(super) fn named(name: &'static str) -> Proto {
+    Proto::Named(name)
+}
+
+impl Proto {
+    /// Whether it matches `port`/`tr` on the destination pod `dst`.
+    fn matches(&self, c: &Conformance, dst: &str, port: u16, tr: Transport) -> bool {
+        match *self {
+            Proto::Port(p, n) => p == tr.name() && n == port,
+            Proto::Named(name) => c.pods.iter().any(|pod| {
+                pod.id() == dst
+                    && pod.ports.iter().any(|(n, number, protocol)| {
+                        n == name && *number == port && protocol.eq_ignore_ascii_case(tr.name())
+                    })
+            }),
+        }
+    }
+
+    fn yaml(&self) -> String {
+        match self {
+            Proto::Port(p, n) => format!("{p}: {{destinationPort: {{number: {n}}}}}"),
+            Proto::Named(name) => format!("destinationNamedPort: {name}"),
+        }
+    }
+
+    /// As upstream's rule names spell it.
+    fn label(&self) -> String {
+        match self {
+            Proto::Port(_, n) => n.to_string(),
+            Proto::Named(name) => (*name).to_owned(),
+        }
+    }
 }
 
 /// A subject or a peer.
@@ -161,10 +204,19 @@ pub(super) struct Rule {
 }
 
 impl Rule {
-    fn matches(&self, c: &Conformance, peer: &str, port: u16, tr: Transport, v6: bool) -> bool {
-        let proto = |p: &Proto| p.0 == tr.name() && p.1 == port;
+    /// `dst` is the connection's destination pod, where named ports
+    /// resolve.
+    fn matches(
+        &self,
+        c: &Conformance,
+        (peer, dst): (&str, &str),
+        port: u16,
+        tr: Transport,
+        v6: bool,
+    ) -> bool {
         self.peer.selects(c, peer, v6)
-            && (self.protocols.is_empty() || self.protocols.iter().any(proto))
+            && (self.protocols.is_empty()
+                || self.protocols.iter().any(|p| p.matches(c, dst, port, tr)))
     }
 }
 
@@ -239,8 +291,8 @@ impl Policy {
                 );
                 if !r.protocols.is_empty() {
                     out += "    protocols:\n";
-                    for Proto(p, n) in &r.protocols {
-                        out += &format!("    - {p}: {{destinationPort: {{number: {n}}}}}\n");
+                    for p in &r.protocols {
+                        out += &format!("    - {}\n", p.yaml());
                     }
                 }
             }
@@ -262,7 +314,7 @@ pub(super) fn ladder(
 ) -> Vec<Rule> {
     let way = if dir == Dir::Egress { "to" } else { "from" };
     let ports = |ps: &[Proto]| {
-        let n: Vec<String> = ps.iter().map(|p| p.1.to_string()).collect();
+        let n: Vec<String> = ps.iter().map(Proto::label).collect();
         n.join("-")
     };
     let (house, peer, third_ports) = third;
@@ -337,10 +389,11 @@ fn side(
             .filter(|p| p.tier == tier && p.subject.selects(c, subject, v6))
             .collect();
         applying.sort_by_key(|p| p.priority);
+        let dst = if dir == Dir::Egress { peer } else { subject };
         let first = applying
             .iter()
             .flat_map(|p| p.rules(dir))
-            .find(|r| r.matches(c, peer, port, tr, v6));
+            .find(|r| r.matches(c, (peer, dst), port, tr, v6));
         match first.map(|r| r.action) {
             Some(Action::Accept) => return true,
             Some(Action::Deny) => return false,
@@ -375,7 +428,7 @@ pub(super) fn stage(c: &Conformance, what: &str, policies: &[Policy], pokes: &[P
             assert_eq!(
                 open(c, policies, (from, to), port, tr, v6),
                 want,
-                "{what}: the model disagrees with upstream's probe {from} -> {to} {port}/{} (IPv6: {v6})",
+                "{what}: the model disagrees with the probe {from} -> {to} {port}/{} (IPv6: {v6})",
                 tr.name()
             );
         }
