@@ -41,8 +41,19 @@ pub mod lookups {
     pub const ANY_PROTOCOL: u32 = 1 << 17;
     /// Some entry has the wildcard peer ([`crate::identity::ANY`]).
     pub const ANY_PEER: u32 = 1 << 18;
+    /// Some entry names an address class (or any other peer that is not
+    /// a label identity) as its peer: the class probe is needed.
+    pub const CLASS_PEER: u32 = 1 << 19;
     /// Mask of the port-prefix-length bits.
     pub const PORT_PREFIXES: u32 = (1 << 17) - 1;
+
+    /// The stored form of an endpoint's bits: [`CLASS_PEER`] inverted, so
+    /// that an entry written before the bit existed (zero there) still
+    /// probes the class rather than skipping a Deny it holds.
+    #[inline(always)]
+    pub const fn stored(bits: u32) -> u32 {
+        bits ^ CLASS_PEER
+    }
 
     /// The bit for a port prefix length (0..=16).
     pub const fn port_prefix(len: u8) -> u32 {
@@ -62,9 +73,10 @@ pub struct EndpointInfo {
     /// Bumped whenever this endpoint's verdicts may change; conntrack
     /// entries judged under an older revision are judged again.
     pub revision: u32,
-    /// [`lookups`] bits for traffic reaching the pod.
+    /// [`lookups`] bits for traffic reaching the pod, in their stored
+    /// form ([`lookups::stored`]; read them with [`EndpointInfo::lookups`]).
     pub ingress_lookups: u32,
-    /// [`lookups`] bits for traffic the pod sends.
+    /// [`lookups`] bits for traffic the pod sends, stored likewise.
     pub egress_lookups: u32,
     pub _reserved: u32,
     /// The pod's IPv6 address (with [`ENDPOINT_HAS_V6`]): what it may send
@@ -180,11 +192,11 @@ impl EndpointInfo {
     /// The lookup bits for `direction`.
     #[inline(always)]
     pub const fn lookups(&self, direction: u8) -> u32 {
-        if direction == crate::direction::INGRESS {
+        lookups::stored(if direction == crate::direction::INGRESS {
             self.ingress_lookups
         } else {
             self.egress_lookups
-        }
+        })
     }
 }
 

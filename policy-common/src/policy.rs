@@ -241,7 +241,8 @@ pub const fn port_mask(len: u8) -> u16 {
 impl PolicyKey {
     /// The [`crate::endpoint::lookups`] bits this key needs set on its
     /// endpoint for the classifier to probe it: its port prefix length (or
-    /// any-protocol), plus any-peer when its peer is the wildcard. The one
+    /// any-protocol), plus any-peer when its peer is the wildcard and the
+    /// class bit when its peer is not a label identity. The one
     /// statement of the rule: the agent sums it over an endpoint's keys,
     /// the classifier probes exactly the shapes whose bits are set.
     #[inline(always)]
@@ -256,10 +257,13 @@ impl PolicyKey {
             };
             crate::endpoint::lookups::port_prefix(len)
         };
-        if self.peer_identity == crate::identity::ANY {
+        let peer = self.peer_identity;
+        if peer == crate::identity::ANY {
             shape | crate::endpoint::lookups::ANY_PEER
-        } else {
+        } else if peer >= crate::identity::FIRST_LABEL && !crate::identity::is_cidr(peer) {
             shape
+        } else {
+            shape | crate::endpoint::lookups::CLASS_PEER
         }
     }
 

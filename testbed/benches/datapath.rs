@@ -3,8 +3,9 @@
 //! loaded. Needs root. `cargo bench -p policy-testbed --bench datapath`
 //!
 //! Three paths: an established flow (a conntrack hit); a new flow denied
-//! with the typical shape (every entry of the endpoint TCP one-port, so
-//! two probes: the peer's label identity and its class); and a new flow
+//! with the typical shape (every entry of the endpoint TCP one-port, one
+//! of them an ipBlock's, so two probes: the peer's label identity and its
+//! class; an endpoint whose entries name no class skips the second); and a new flow
 //! denied with the worst shape the classifier can take: every lookup bit
 //! set (all 17 port-prefix lengths, any-protocol, any-peer: port blocks of
 //! every length, as endPort ranges compile to), and a peer whose label
@@ -83,6 +84,12 @@ fn state(policies: usize) -> MapState<u32> {
         PolicyKey::new(ME, direction::INGRESS, FIRST_LABEL + 1, proto::TCP, 16, 80),
         PolicyEntry::default(),
     );
+    // And an ipBlock allow on another port, so the address class is
+    // probed too (an endpoint without one skips that probe).
+    s.policy.insert(
+        PolicyKey::new(ME, direction::INGRESS, FIRST_CIDR, proto::TCP, 16, 443),
+        PolicyEntry::default(),
+    );
     while s.policy.len() < policies {
         let ep = FIRST_LABEL + rng.random_range(0..500);
         let peer = FIRST_LABEL + 1 + rng.random_range(0..2000);
@@ -125,6 +132,11 @@ fn worst_state(policies: usize) -> MapState<u32> {
     );
     s.policy.insert(
         PolicyKey::new(ME, direction::INGRESS, ANY, proto::UDP, 16, 53),
+        PolicyEntry::default(),
+    );
+    // A class other than the worst peer's: the class probe runs and misses.
+    s.policy.insert(
+        PolicyKey::new(ME, direction::INGRESS, FIRST_CIDR + 6, proto::UDP, 16, 53),
         PolicyEntry::default(),
     );
     s.ipcache.insert(
@@ -197,10 +209,10 @@ fn main() {
     let mut floors = Unpinned::load_with(&[(policy_common::maps::CONNTRACK, 65536)]).unwrap();
     let (typical_probes, typical_verdict) = probes(&state(10), peer, 80);
     let (worst_probes, worst_verdict) = probes(&worst_state(10), worst_peer(), 80);
-    let worst_bits = worst_state(10).endpoints[&1].ingress_lookups;
+    let worst_bits = worst_state(10).endpoints[&1].lookups(direction::INGRESS);
     assert_eq!(
         worst_bits,
-        lookups::PORT_PREFIXES | lookups::ANY_PROTOCOL | lookups::ANY_PEER,
+        lookups::PORT_PREFIXES | lookups::ANY_PROTOCOL | lookups::ANY_PEER | lookups::CLASS_PEER,
         "every lookup bit"
     );
     assert_eq!((typical_probes, worst_probes), (2, 54));

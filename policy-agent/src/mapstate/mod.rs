@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use ipnet::IpNet;
 use policy_common::{
     direction,
-    endpoint::EndpointInfo,
+    endpoint::{EndpointInfo, lookups},
     identity::IdentityName,
     ipcache::IpcacheEntry,
     policy::{PolicyEntry, PolicyKey},
@@ -104,8 +104,8 @@ impl<K: Ord + Clone> MapState<K> {
                     lookup_bits(&self.policy, ep.identity, direction::EGRESS),
                 )
             });
-            ep.ingress_lookups = ingress;
-            ep.egress_lookups = egress;
+            ep.ingress_lookups = lookups::stored(ingress);
+            ep.egress_lookups = lookups::stored(egress);
         }
     }
 

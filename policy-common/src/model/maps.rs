@@ -157,13 +157,16 @@ impl Maps {
     }
 
     /// The peer identities probed, in order: the label identity (if the
-    /// address has one), the address class, then the wildcard peer.
+    /// address has one), the address class (if some entry names one), then
+    /// the wildcard peer.
     pub fn peers_to_probe(ep: &EndpointInfo, dir: u8, peer: IpcacheEntry) -> Vec<u32> {
         let mut out = Vec::with_capacity(3);
         if peer.identity != identity::ANY {
             out.push(peer.identity);
         }
-        out.push(peer.cidr_identity);
+        if ep.lookups(dir) & lookups::CLASS_PEER != 0 {
+            out.push(peer.cidr_identity);
+        }
         if ep.lookups(dir) & lookups::ANY_PEER != 0 {
             out.push(identity::ANY);
         }

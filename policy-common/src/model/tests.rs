@@ -90,6 +90,62 @@ fn port_range_prefix_matches_inside_only() {
     );
 }
 
+/// The class probe runs only when some entry of the endpoint names a
+/// peer that is not a label identity; an endpoint entry written before
+/// the bit existed (zero) still probes it, so a class entry is never
+/// skipped on an upgrade.
+#[test]
+fn class_probe_only_where_an_entry_names_a_class() {
+    let label = PolicyKey::new(
+        300,
+        direction::INGRESS,
+        identity::FIRST_LABEL,
+        proto::TCP,
+        16,
+        80,
+    );
+    let class = PolicyKey::new(
+        300,
+        direction::INGRESS,
+        identity::FIRST_CIDR,
+        proto::TCP,
+        16,
+        80,
+    );
+    let world = PolicyKey::new(300, direction::INGRESS, identity::WORLD, proto::TCP, 16, 80);
+    assert_eq!(label.lookup_bits() & lookups::CLASS_PEER, 0);
+    assert_ne!(class.lookup_bits() & lookups::CLASS_PEER, 0);
+    assert_ne!(world.lookup_bits() & lookups::CLASS_PEER, 0);
+    let peer = IpcacheEntry {
+        identity: identity::FIRST_LABEL,
+        cidr_identity: identity::FIRST_CIDR,
+    };
+    let stored = |bits: u32| ep(300, lookups::stored(bits));
+    assert_eq!(
+        Maps::peers_to_probe(&stored(label.lookup_bits()), direction::INGRESS, peer),
+        vec![identity::FIRST_LABEL]
+    );
+    assert_eq!(
+        Maps::peers_to_probe(&stored(class.lookup_bits()), direction::INGRESS, peer),
+        vec![identity::FIRST_LABEL, identity::FIRST_CIDR]
+    );
+    assert_eq!(
+        Maps::peers_to_probe(&ep(300, 0), direction::INGRESS, peer),
+        vec![identity::FIRST_LABEL, identity::FIRST_CIDR]
+    );
+    // Judged end to end: the class entry admits the flow only with its bit.
+    let mut m = Maps::default();
+    m.insert_prefix(IpAddr::V4(Ipv4Addr::new(10, 1, 0, 0)), 16, peer);
+    m.policy.insert(class, PolicyEntry::default());
+    let from = IpAddr::V4(Ipv4Addr::new(10, 1, 0, 9));
+    let bits = class.lookup_bits();
+    assert_eq!(
+        m.judge(&stored(bits), direction::INGRESS, from, proto::TCP, 80)
+            .reason,
+        Reason::AllowPolicy
+    );
+}
+
 #[test]
 fn reply_passes_and_is_rejudged_after_revision_change() {
     let mut m = Maps::default();

@@ -166,7 +166,7 @@ pub(super) fn judge(
     let packed = (u32::from(dir) << 24) | (u32::from(protocol) << 16) | u32::from(port);
     // The same three probe calls either way: a hit returns only for an
     // endpoint NetworkPolicy alone judges. The scratch fold is touched
-    // only under tiers.
+    // only under tiers. The class is probed only if some entry names one.
     let tiered = ep.tiered(dir);
     if tiered {
         let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
@@ -179,7 +179,9 @@ pub(super) fn judge(
     if peer.identity != identity::ANY && probe_peer(ep.identity, peer.identity, packed, bits) != 0 {
         return (Reason::AllowPolicy, peer);
     }
-    if probe_peer(ep.identity, peer.cidr_identity, packed, bits) != 0 {
+    if bits & lookups::CLASS_PEER != 0
+        && probe_peer(ep.identity, peer.cidr_identity, packed, bits) != 0
+    {
         return (Reason::AllowPolicy, peer);
     }
     if bits & lookups::ANY_PEER != 0 && probe_peer(ep.identity, identity::ANY, packed, bits) != 0 {

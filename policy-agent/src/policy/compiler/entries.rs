@@ -7,7 +7,7 @@ use policy_common::{
     direction,
     endpoint::{
         ENDPOINT_EGRESS_ISOLATED, ENDPOINT_EGRESS_TIERED, ENDPOINT_INGRESS_ISOLATED,
-        ENDPOINT_INGRESS_TIERED, EndpointInfo,
+        ENDPOINT_INGRESS_TIERED, EndpointInfo, lookups,
     },
     identity::{ANY, NODE},
     ipcache::IpcacheEntry,
@@ -94,8 +94,8 @@ impl Compiler {
             let info = EndpointInfo {
                 identity: *e,
                 flags: self.flags_of(*e),
-                ingress_lookups: self.out.lookup_bits(*e, direction::INGRESS),
-                egress_lookups: self.out.lookup_bits(*e, direction::EGRESS),
+                ingress_lookups: lookups::stored(self.out.lookup_bits(*e, direction::INGRESS)),
+                egress_lookups: lookups::stored(self.out.lookup_bits(*e, direction::EGRESS)),
                 ..EndpointInfo::default()
             };
             let Some(ident) = self.index.idents.get(e) else {

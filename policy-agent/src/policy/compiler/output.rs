@@ -25,9 +25,9 @@ use crate::{
 };
 
 /// Counter slots, one per bit of [`lookups`]: 0..=16 port prefix lengths,
-/// 17 any protocol, 18 any peer.
-const SLOTS: usize = 19;
-const _: () = assert!(lookups::ANY_PEER == 1 << (SLOTS - 1));
+/// 17 any protocol, 18 any peer, 19 an address-class peer.
+const SLOTS: usize = 20;
+const _: () = assert!(lookups::CLASS_PEER == 1 << (SLOTS - 1));
 
 fn note<K: Ord + Clone, V: Clone>(
     journal: &mut Option<BTreeMap<K, Option<V>>>,

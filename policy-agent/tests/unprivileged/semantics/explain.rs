@@ -107,14 +107,30 @@ fn dropped_flow_lists_the_probes() {
             .any(|k| k.peer_identity == ex.src.identity && k.port == 80)
     );
     assert!(
-        ing.probed.iter().any(|k| k.peer_identity == WORLD),
-        "the class of the address is probed too"
+        ing.probed.iter().all(|k| k.peer_identity != WORLD),
+        "no entry of web names an address class, so none is probed"
     );
     assert!(ing.policies.iter().all(|p| p.matched_rules.is_empty()));
     assert!(
         ex.to_string()
             .starts_with("flow TCP port 80: DROPPED at ingress of default/web"),
         "{ex}"
+    );
+    // Once an ipBlock names a class, the address's class is probed too.
+    w.policy("metadata: {name: block}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress:\n  - from: [{ipBlock: {cidr: 192.0.2.0/24}}]");
+    let run = w.compile();
+    let ex = policy::explain(
+        &run.state,
+        &run.compiled,
+        &q("default/client", "default/web", TCP, 80),
+    )
+    .unwrap();
+    let ing = ex.ingress.as_ref().unwrap();
+    assert_eq!(ing.map_reason, "drop_policy");
+    assert!(
+        ing.probed.iter().any(|k| k.peer_identity == WORLD),
+        "the class of the address is probed too: {:?}",
+        ing.probed
     );
 }
 

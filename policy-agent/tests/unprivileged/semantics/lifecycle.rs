@@ -384,8 +384,13 @@ fn expected_bits(
         } else {
             lookups::port_prefix(k.port_prefix_len)
         };
-        if k.peer_identity == policy_common::identity::ANY {
+        let peer = k.peer_identity;
+        if peer == policy_common::identity::ANY {
             bits |= lookups::ANY_PEER;
+        } else if !(policy_common::identity::FIRST_LABEL..policy_common::identity::FIRST_CIDR)
+            .contains(&peer)
+        {
+            bits |= lookups::CLASS_PEER;
         }
     }
     bits
@@ -395,7 +400,7 @@ fn assert_bits(maps: &policy_agent::mapstate::MapState<policy_agent::cluster::Po
     use policy_common::direction::EGRESS;
     for (pod, ep) in &maps.endpoints {
         assert_eq!(
-            (ep.ingress_lookups, ep.egress_lookups),
+            (ep.lookups(INGRESS), ep.lookups(EGRESS)),
             (
                 expected_bits(&maps.policy, ep.identity, INGRESS),
                 expected_bits(&maps.policy, ep.identity, EGRESS)
@@ -423,6 +428,7 @@ fn endpoint_lookup_bits_follow_the_shapes_in_use() {
         "  ingress:\n  - ports: [{port: 80}]",
         "  ingress:\n  - {}",
         "  policyTypes: [Ingress, Egress]\n  egress:\n  - ports: [{protocol: SCTP, port: 9}]",
+        "  ingress:\n  - from: [{ipBlock: {cidr: 192.0.2.0/24, except: [192.0.2.8/29]}}]\n    ports: [{port: 80}]",
         "  ingress:\n  - from: [{podSelector: {matchLabels: {role: friend}}}]\n    ports: [{port: 80}]",
     ];
     for (i, spec) in shapes.iter().enumerate() {
