@@ -134,14 +134,17 @@ impl EndpointInfo {
     }
 
     /// Whether a new flow the pod's `direction` admitted with `reason` is
-    /// tracked: every admitted one, and what the node opens to a pod whose
-    /// egress tiers judge (node traffic is otherwise untracked; the pod's
-    /// answers would meet the tiers as new flows to the node).
+    /// tracked: every admitted one, and what the node (or the pod itself,
+    /// through a Service) opens to a pod whose egress tiers judge (such
+    /// traffic is otherwise untracked; the pod's answers would meet the
+    /// tiers as new flows).
     #[inline(always)]
     pub const fn tracks_new(&self, reason: crate::verdict::Reason, direction: u8) -> bool {
         reason.admits_new_flow()
-            || (matches!(reason, crate::verdict::Reason::AllowNode)
-                && direction == crate::direction::INGRESS
+            || (matches!(
+                reason,
+                crate::verdict::Reason::AllowNode | crate::verdict::Reason::AllowSelf
+            ) && direction == crate::direction::INGRESS
                 && self.tiered(crate::direction::EGRESS))
     }
 

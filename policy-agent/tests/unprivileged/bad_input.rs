@@ -894,8 +894,8 @@ mod iptables_render {
     use policy_agent::{
         cluster::{ObjectKind, PodRef},
         datapath::iptables::{
-            DEFAULT_MARK, FORWARD_CHAIN, Family, NAME_BITS, RenderInput, Ruleset, is_own_chain,
-            is_own_set, render,
+            ChainKind, DEFAULT_MARK, FORWARD_CHAIN, Family, NAME_BITS, RenderInput, Ruleset,
+            is_own_chain, is_own_set, render,
         },
         source::manifests::{LoadedManifests, load_text},
     };
@@ -1387,8 +1387,16 @@ spec:
             "pa-agent:FORWARD",
             "pa-agent:I-0123456789abcdef",
             "pa-agent:P-0123456789abcdef",
+            "pa-agent:N-0123456789abcdef",
         ] {
             assert!(is_own_chain(own), "{own}");
+        }
+        // Every kind of chain the agent writes is one it removes: a kind
+        // left out here was once never removed, and the tier chain it
+        // jumps to could then not be deleted either (EBUSY).
+        for kind in ChainKind::ALL {
+            let name = kind.name(0x0123_4567_89ab_cdef);
+            assert!(is_own_chain(&name), "{name}");
         }
         for foreign in [
             "PA-FORWARD",
@@ -1396,6 +1404,7 @@ spec:
             "PAYROLL",
             "PA-LOCAL",
             "pa-agent:X-0123456789abcdef",
+            "pa-agent:IN-0123456789abcdef",
             "pa-agent:I-0123456789abcde",
             "pa-agent:I-0123456789ABCDEF",
             "pa-agent:FORWARDER",

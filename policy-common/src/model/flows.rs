@@ -252,8 +252,15 @@ impl Datapath {
             // The node itself sent it.
             PeerOf::Address
         } else if pkt.ingress_ifindex == pkt.ifindex {
-            // The pod's own packet, back through the node.
-            return verdict(Reason::AllowSelf);
+            // The pod's own packet, back through the node (a Service
+            // hairpin): allowed, but where tiers judge either way.
+            if (ep.tiered(direction::INGRESS) || ep.tiered(direction::EGRESS))
+                && pkt.ifindex < 0xffff
+            {
+                PeerOf::Pod(pkt.ifindex)
+            } else {
+                return verdict(Reason::AllowSelf);
+            }
         } else {
             match self.maps.endpoints.get(&pkt.ingress_ifindex) {
                 // A local pod's address enters the node only at its own

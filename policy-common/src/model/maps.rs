@@ -16,7 +16,7 @@ use crate::{
     verdict::Reason,
 };
 
-use super::{PeerOf, has_ports};
+use super::{PeerOf, flows::pod_holds, has_ports};
 
 /// The content of the datapath maps the verdict depends on.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -186,6 +186,40 @@ impl Maps {
         self.judge_as(ep, dir, peer_addr, protocol, port, PeerOf::Address)
     }
 
+    /// A client's egress judged after DNAT against the `backend` it
+    /// reached, which may be the client itself (a Service hairpin: see
+    /// [`Self::judge_as`]).
+    pub fn judge_backend(
+        &self,
+        ep: &EndpointInfo,
+        backend: IpAddr,
+        protocol: u8,
+        port: u16,
+    ) -> Judgement {
+        let itself = pod_holds(ep, backend);
+        self.judge_with(
+            ep,
+            direction::EGRESS,
+            backend,
+            protocol,
+            port,
+            PeerOf::Address,
+            itself,
+        )
+    }
+
+    /// The address of the family of `like` that the local pod at `ifindex`
+    /// holds, if it is still there.
+    fn pod_address(&self, ifindex: u32, like: IpAddr) -> Option<IpAddr> {
+        self.endpoints.get(&ifindex).and_then(|client| {
+            if like.is_ipv4() {
+                (client.flags & ENDPOINT_HAS_V4 != 0).then(|| IpAddr::from(client.ipv4))
+            } else {
+                (client.flags & ENDPOINT_HAS_V6 != 0).then(|| IpAddr::from(client.ipv6))
+            }
+        })
+    }
+
     /// The identities the far side of a flow is judged by.
     fn peer_entry(&self, peer_addr: IpAddr, peer_of: PeerOf) -> IpcacheEntry {
         match peer_of {
@@ -200,17 +234,8 @@ impl Maps {
             // The pod's own address of the same family, as if its packet
             // had arrived unchanged; a pod gone is nobody.
             PeerOf::Pod(ifindex) => self
-                .endpoints
-                .get(&ifindex)
-                .and_then(|client| {
-                    let addr = if peer_addr.is_ipv4() {
-                        (client.flags & ENDPOINT_HAS_V4 != 0).then(|| IpAddr::from(client.ipv4))
-                    } else {
-                        (client.flags & ENDPOINT_HAS_V6 != 0).then(|| IpAddr::from(client.ipv6))
-                    };
-                    addr.map(|a| self.ipcache_lookup(a))
-                })
-                .unwrap_or(IpcacheEntry::UNKNOWN),
+                .pod_address(ifindex, peer_addr)
+                .map_or(IpcacheEntry::UNKNOWN, |a| self.ipcache_lookup(a)),
         }
     }
 
@@ -230,7 +255,40 @@ impl Maps {
         port: u16,
         peer_of: PeerOf,
     ) -> Judgement {
+        self.judge_with(ep, dir, peer_addr, protocol, port, peer_of, false)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn judge_with(
+        &self,
+        ep: &EndpointInfo,
+        dir: u8,
+        peer_addr: IpAddr,
+        protocol: u8,
+        port: u16,
+        peer_of: PeerOf,
+        to_itself: bool,
+    ) -> Judgement {
         let mut peer = self.peer_entry(peer_addr, peer_of);
+        // A pod's traffic to itself through a Service: allowed, but where
+        // tiers judge it ("A Pod connecting to a Service IP that the
+        // service proxy load-balances back to the same Pod is subject to
+        // ClusterNetworkPolicy"), the NetworkPolicy tier allowing it. What
+        // reaches it from its own interface is such a hairpin.
+        let from_itself = match peer_of {
+            PeerOf::Pod(ifindex) => self
+                .pod_address(ifindex, peer_addr)
+                .is_some_and(|a| pod_holds(ep, a)),
+            PeerOf::Address | PeerOf::Forwarded => false,
+        };
+        let itself = to_itself || from_itself;
+        if itself && !ep.tiered(dir) {
+            return Judgement {
+                reason: Reason::AllowSelf,
+                matched: None,
+                peer,
+            };
+        }
         // What a pod sends the node, unencapsulated, under tiers: judged
         // by the tiers (`nodes` and `networks` peers), the NetworkPolicy
         // tier allowing it.
@@ -287,8 +345,12 @@ impl Maps {
             tiers.add(entry);
         }
         let mut reason = tiers.decide(ep.isolated(dir));
-        if to_node && reason == Reason::DropPolicy {
-            reason = Reason::AllowNode;
+        if reason == Reason::DropPolicy {
+            if to_node {
+                reason = Reason::AllowNode;
+            } else if itself {
+                reason = Reason::AllowSelf;
+            }
         }
         // The entry that decided: the winning tier slot's, or the first
         // NetworkPolicy allow.

@@ -34,7 +34,7 @@ use crate::{
     direction, endpoint::EndpointInfo, ipcache::IpcacheEntry, proto, service::mark, verdict::Reason,
 };
 
-use super::{Datapath, Flow, FlowState, Judgement, Outcome, Packet, flows::pod_holds};
+use super::{Datapath, Flow, FlowState, Judgement, Outcome, Packet};
 
 /// A client's flow to a frontend, by what survives DNAT: its interface,
 /// source address and port, and protocol (`SERVICE_FLOWS`' key).
@@ -116,19 +116,11 @@ impl Datapath {
             // Where it was judged (at the client, on a policy change).
             return verdict(Reason::AllowEstablished);
         }
-        // A pod to its own Service (hairpin): traffic a pod sends to
-        // itself is allowed.
-        let judged = if pod_holds(&ep, pkt.dst) {
-            verdict(Reason::AllowSelf)
-        } else {
-            self.maps.judge(
-                &ep,
-                direction::EGRESS,
-                pkt.dst,
-                pkt.protocol,
-                pkt.policy_port(),
-            )
-        };
+        // A pod to its own Service (hairpin): allowed, but where tiers
+        // judge it (see `Maps::judge_backend`).
+        let judged = self
+            .maps
+            .judge_backend(&ep, pkt.dst, pkt.protocol, pkt.policy_port());
         if let Some(state) = self.services.get_mut(&key) {
             let flow = Flow {
                 ifindex: client,
@@ -213,12 +205,7 @@ impl Datapath {
     fn rejudge_backend(&mut self, ep: &EndpointInfo, flow: Flow) -> Option<Judgement> {
         let (addr, port) = self.service_of(&flow)?.backend?;
         let port = proto::policy_port(flow.protocol, port);
-        let judged = if pod_holds(ep, addr) {
-            verdict(Reason::AllowSelf)
-        } else {
-            self.maps
-                .judge(ep, direction::EGRESS, addr, flow.protocol, port)
-        };
+        let judged = self.maps.judge_backend(ep, addr, flow.protocol, port);
         if judged.reason.is_drop() {
             self.flows.remove(&flow);
             self.services.remove(&ServiceKey::of(&flow));

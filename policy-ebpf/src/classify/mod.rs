@@ -114,14 +114,21 @@ enum Arrival {
 /// at any other interface is never node traffic, whatever its source
 /// says, nor a local pod's.
 #[inline(always)]
-fn arrival(ctx: &TcContext, ifindex: u32, pkt: &IpPacket) -> Arrival {
+fn arrival(ctx: &TcContext, ifindex: u32, ep: &EndpointInfo, pkt: &IpPacket) -> Arrival {
     // SAFETY: the context pointer is the kernel's __sk_buff for this run.
     let iif = unsafe { (*ctx.skb.skb).ingress_ifindex };
     if iif == 0 {
         return Arrival::Origin(ORIGIN_SOURCE);
     }
     if iif == ifindex {
-        // Its own packet, back through the node (a Service hairpin).
+        // Its own packet, back through the node (a Service hairpin):
+        // allowed, but where tiers judge either way (the egress ones for
+        // tracking its answers, see `EndpointInfo::tracks_new`).
+        if (ep.tiered(direction::INGRESS) || ep.tiered(direction::EGRESS))
+            && iif < u32::from(ORIGIN_FORWARDED)
+        {
+            return Arrival::Origin(iif as u16);
+        }
         return Arrival::Judged(Reason::AllowSelf);
     }
     let Some(client) = endpoint(iif) else {
@@ -181,7 +188,7 @@ fn decide(
         }
         ORIGIN_SOURCE
     } else {
-        match arrival(ctx, ifindex, pkt) {
+        match arrival(ctx, ifindex, ep, pkt) {
             Arrival::Judged(reason) => return (reason, unknown),
             Arrival::Origin(origin) => origin,
         }

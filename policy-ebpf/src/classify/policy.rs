@@ -108,19 +108,20 @@ pub extern "C" fn probe_peer(endpoint: u32, peer: u32, packed: u32, bits: u32) -
 /// identities; for a forwarded flow the same, except that a node address
 /// does not make it the node; for a pod's flow something rewrote, that
 /// pod's own (unknown, judged as an address nobody claims, once the pod is
-/// gone).
+/// gone). And whether that pod is `ep` itself (what reaches it from its
+/// own interface: a Service hairpin).
 #[inline(always)]
-fn peer_of(origin: u16, fam: u8, peer_addr: &[u8; 16]) -> IpcacheEntry {
+fn peer_of(ep: &EndpointInfo, origin: u16, fam: u8, peer_addr: &[u8; 16]) -> (IpcacheEntry, bool) {
     if origin == ORIGIN_SOURCE || origin == ORIGIN_FORWARDED {
         let mut peer = ipcache_lookup(fam, peer_addr);
         if origin == ORIGIN_FORWARDED && peer.identity == identity::NODE {
             peer.identity = identity::ANY;
         }
-        return peer;
+        return (peer, false);
     }
     match endpoint(u32::from(origin)).and_then(|client| client.address(fam)) {
-        Some(addr) => ipcache_lookup(fam, &addr),
-        None => IpcacheEntry::UNKNOWN,
+        Some(addr) => (ipcache_lookup(fam, &addr), ep.owns(fam, &addr)),
+        None => (IpcacheEntry::UNKNOWN, false),
     }
 }
 
@@ -134,6 +135,11 @@ fn peer_of(origin: u16, fam: u8, peer_addr: &[u8; 16]) -> IpcacheEntry {
 /// it is judged by the address's class as any other peer. What a pod
 /// ClusterNetworkPolicy tiers judge sends the node is judged by the tiers
 /// (`nodes` and `networks` peers), the NetworkPolicy tier allowing it.
+///
+/// A pod's traffic to itself through a Service is allowed, but where
+/// tiers judge it: "A Pod connecting to a Service IP that the service
+/// proxy load-balances back to the same Pod is subject to
+/// ClusterNetworkPolicy" (api-overview); the NetworkPolicy tier allows it.
 #[inline(always)]
 pub(super) fn judge(
     ep: &EndpointInfo,
@@ -144,7 +150,49 @@ pub(super) fn judge(
     port: u16,
     origin: u16,
 ) -> (Reason, IpcacheEntry) {
-    let mut peer = peer_of(origin, fam, peer_addr);
+    judge_with(ep, dir, fam, peer_addr, protocol, port, origin, false)
+}
+
+/// A client's egress judged after DNAT against the `backend` it reached,
+/// which may be the client itself (a Service hairpin; see [`judge`]).
+#[inline(always)]
+pub(super) fn judge_backend(
+    ep: &EndpointInfo,
+    fam: u8,
+    backend: &[u8; 16],
+    protocol: u8,
+    port: u16,
+) -> (Reason, IpcacheEntry) {
+    let itself = ep.owns(fam, backend);
+    judge_with(
+        ep,
+        direction::EGRESS,
+        fam,
+        backend,
+        protocol,
+        port,
+        ORIGIN_SOURCE,
+        itself,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn judge_with(
+    ep: &EndpointInfo,
+    dir: u8,
+    fam: u8,
+    peer_addr: &[u8; 16],
+    protocol: u8,
+    port: u16,
+    origin: u16,
+    to_itself: bool,
+) -> (Reason, IpcacheEntry) {
+    let (mut peer, from_itself) = peer_of(ep, origin, fam, peer_addr);
+    let itself = to_itself || from_itself;
+    if itself && !ep.tiered(dir) {
+        return (Reason::AllowSelf, peer);
+    }
     let mut to_node = false;
     if peer.identity == identity::NODE {
         let encapsulated = encapsulation::is(protocol, port);
@@ -196,8 +244,13 @@ pub(super) fn judge(
     // SAFETY: as above.
     let tiers = unsafe { (*scratch).tiers };
     let reason = tiers.decide(ep.isolated(dir));
-    if to_node && matches!(reason, Reason::DropPolicy) {
-        return (Reason::AllowNode, peer);
+    if matches!(reason, Reason::DropPolicy) {
+        if to_node {
+            return (Reason::AllowNode, peer);
+        }
+        if itself {
+            return (Reason::AllowSelf, peer);
+        }
     }
     (reason, peer)
 }

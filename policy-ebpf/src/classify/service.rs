@@ -23,7 +23,7 @@ use super::{
     DROP, PASS, TCP_ACK, TCP_FIN, TCP_RST, config_flags,
     conntrack::{fill_ct_key, live, share_allows, syn_only},
     count, emit_drop, endpoint,
-    policy::judge,
+    policy::judge_backend,
 };
 use crate::{
     maps::{CONNTRACK, SCRATCH, SERVICE_FLOWS, SERVICES, Scratch},
@@ -80,20 +80,9 @@ pub(super) fn rejudge_backend(
         return None;
     }
     let port = proto::policy_port(key.protocol, f.backend_port);
-    // Its own Service's backend is the pod itself: allowed (as after DNAT).
-    let (reason, peer) = if ep.owns(key.family, &f.backend) {
-        (Reason::AllowSelf, IpcacheEntry::UNKNOWN)
-    } else {
-        judge(
-            ep,
-            direction::EGRESS,
-            key.family,
-            &f.backend,
-            key.protocol,
-            port,
-            ORIGIN_SOURCE,
-        )
-    };
+    // Its own Service's backend may be the pod itself: judged as after
+    // DNAT (see `judge_backend`).
+    let (reason, peer) = judge_backend(ep, key.family, &f.backend, key.protocol, port);
     if reason.is_drop() {
         let _ = CONNTRACK.remove(key);
         let _ = SERVICE_FLOWS.remove(&*flow);
@@ -275,22 +264,15 @@ pub(super) fn judge_service(s: &mut Scratch, client: u32, flags: u32) -> u32 {
             return 1;
         }
     }
-    // A pod to its own Service (hairpin): the backend is the client, and
-    // traffic a pod sends to itself is allowed (as a direct packet to
-    // its own address is, and as the iptables datapath passes it).
-    let (reason, peer) = if ep.owns(pkt.family, &pkt.dst) {
-        (Reason::AllowSelf, IpcacheEntry::UNKNOWN)
-    } else {
-        judge(
-            ep,
-            direction::EGRESS,
-            pkt.family,
-            &pkt.dst,
-            pkt.protocol,
-            proto::policy_port(pkt.protocol, pkt.dport),
-            ORIGIN_SOURCE,
-        )
-    };
+    // A pod to its own Service (hairpin): the backend is the client,
+    // allowed but where tiers judge it (see `judge_backend`).
+    let (reason, peer) = judge_backend(
+        ep,
+        pkt.family,
+        &pkt.dst,
+        pkt.protocol,
+        proto::policy_port(pkt.protocol, pkt.dport),
+    );
     if let Some(f) = SERVICE_FLOWS.get_ptr_mut(&s.flow) {
         // SAFETY: a pointer to the map value, valid for this run.
         let f = unsafe { &mut *f };

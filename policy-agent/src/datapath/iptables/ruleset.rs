@@ -110,16 +110,29 @@ pub enum ChainKind {
 }
 
 impl ChainKind {
-    /// `pa-agent:P-<16 hex>`: 27 characters (iptables allows 28).
-    pub fn name(self, hash: u64) -> String {
-        let letter = match self {
+    pub const ALL: [ChainKind; 5] = [
+        ChainKind::Ingress,
+        ChainKind::Egress,
+        ChainKind::Policy,
+        ChainKind::Source,
+        ChainKind::ToNode,
+    ];
+
+    /// The letter after the prefix: one place, so that every kind the
+    /// agent writes is also one it recognises (and removes) as its own.
+    pub const fn letter(self) -> char {
+        match self {
             ChainKind::Ingress => 'I',
             ChainKind::Egress => 'E',
             ChainKind::Policy => 'P',
             ChainKind::Source => 'S',
             ChainKind::ToNode => 'N',
-        };
-        format!("{OWN_PREFIX}{letter}-{hash:016x}")
+        }
+    }
+
+    /// `pa-agent:P-<16 hex>`: 27 characters (iptables allows 28).
+    pub fn name(self, hash: u64) -> String {
+        format!("{OWN_PREFIX}{}-{hash:016x}", self.letter())
     }
 }
 
@@ -222,7 +235,13 @@ pub fn is_own_chain(name: &str) -> bool {
     }
     name.strip_prefix(OWN_PREFIX)
         .and_then(|rest| rest.split_once('-'))
-        .is_some_and(|(kind, hash)| matches!(kind, "I" | "E" | "P" | "S") && is_hex(hash, 16))
+        .is_some_and(|(kind, hash)| {
+            let mut letters = kind.chars();
+            let letter = letters.next();
+            letters.next().is_none()
+                && ChainKind::ALL.iter().any(|k| Some(k.letter()) == letter)
+                && is_hex(hash, 16)
+        })
 }
 
 /// Whether `name` is a set this agent makes (a temporary one included).

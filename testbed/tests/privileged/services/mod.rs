@@ -3,6 +3,7 @@
 mod addresses;
 mod basics;
 mod changes;
+mod hairpin;
 mod ipvs;
 mod masquerade;
 mod simulated;

@@ -433,14 +433,21 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                 .rules
                 .extend(outs.iter().map(|m| format!("{m} -j {pod_chain}")));
             let mut rules = vec![format!("-j MARK --set-xmark 0x0/{mark}")];
-            // A pod talking to itself through the node (a hairpin) enters
-            // and leaves by its own interface; the same addresses arriving
-            // from anywhere else are forged.
-            for ip in &ips {
-                rules.push(format!(
-                    "-i {if_} -o {if_} -s {ip} -d {ip} -j RETURN",
-                    if_ = p.ifname
-                ));
+            // A pod talking to itself through the node (a Service hairpin)
+            // enters and leaves by its own interface; the same addresses
+            // arriving from anywhere else are forged. Allowed, but where
+            // tiers judge it: then after the Admin tier (see `tiers`).
+            let hairpin: Vec<String> = ips
+                .iter()
+                .map(|ip| {
+                    format!(
+                        "-i {if_} -o {if_} -s {ip} -d {ip} -j RETURN",
+                        if_ = p.ifname
+                    )
+                })
+                .collect();
+            if tiers.is_none() {
+                rules.extend(hairpin.iter().cloned());
             }
             let isolated = p.flags
                 & if *dir == direction::INGRESS {
@@ -524,6 +531,10 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                 rules.push(format!("-m mark --mark {mark}/{mark} -j RETURN"));
             }
             let baseline_decides = tiers.is_some() && !isolated;
+            if tiers.is_some() && isolated {
+                // The NetworkPolicy tier allows a pod's traffic to itself.
+                rules.extend(hairpin);
+            }
             for (policy, (_, keys)) in by_policy {
                 if baseline_decides {
                     break;

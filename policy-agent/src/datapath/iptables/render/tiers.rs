@@ -7,9 +7,10 @@
 //! for, best rank first, and its first match is the classifier's best
 //! slot:
 //! ```text
-//! I-/E-<pod>:  clear mark; hairpin -> RETURN
+//! I-/E-<pod>:  clear mark
 //!              -> <Admin chain>; mark set -> RETURN     (Admin Accept)
 //!              isolated by a NetworkPolicy:
+//!                  hairpin -> RETURN                    (itself via a Service)
 //!                  -> P-<policy>...; mark set -> RETURN; DROP
 //!              not isolated:
 //!                  -> <Baseline chain>; RETURN          (the default allows)

@@ -577,6 +577,9 @@ struct Coverage {
     /// What the pod sends the node while tiers judge its egress (the
     /// tiers decide it, the NetworkPolicy tier allows it), by verdict.
     to_node_tiered: Seen,
+    /// What reaches the pod from its own interface (a Service hairpin)
+    /// while tiers judge it in either direction, by verdict.
+    hairpin_tiered: Seen,
     /// Flows the pod's conntrack share kept untracked.
     share_full: u64,
 }
@@ -772,6 +775,14 @@ fn run_seed(seed: u64, seen: &mut Seen, coverage: &mut Coverage) -> usize {
         {
             *coverage.to_node_tiered.entry(got).or_default() += 1;
         }
+        if hook == Hook::Egress
+            && iif == TEST_IFINDEX
+            && h.state.endpoints[&TEST_IFINDEX].flags
+                & (ENDPOINT_EGRESS_TIERED | ENDPOINT_INGRESS_TIERED)
+                != 0
+        {
+            *coverage.hairpin_tiered.entry(got).or_default() += 1;
+        }
         assert_eq!(
             Some(got),
             want.reason(),
@@ -861,6 +872,21 @@ fn kernel_verdicts_equal_the_model() {
                 "{reason:?} to the node under tiers: {coverage:?}"
             );
         }
+        // And so is the pod itself through a Service.
+        let tier_drops: usize = [DropAdminTier, DropBaselineTier]
+            .iter()
+            .filter_map(|r| coverage.hairpin_tiered.get(r))
+            .sum();
+        assert!(
+            coverage
+                .hairpin_tiered
+                .get(&AllowSelf)
+                .copied()
+                .unwrap_or(0)
+                >= 3
+                && tier_drops >= 3,
+            "hairpins under tiers: {coverage:?}"
+        );
     }
 }
 
