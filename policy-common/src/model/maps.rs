@@ -196,16 +196,12 @@ impl Maps {
         protocol: u8,
         port: u16,
     ) -> Judgement {
-        let itself = pod_holds(ep, backend);
-        self.judge_with(
-            ep,
-            direction::EGRESS,
-            backend,
-            protocol,
-            port,
-            PeerOf::Address,
-            itself,
-        )
+        let peer_of = if pod_holds(ep, backend) {
+            PeerOf::Itself
+        } else {
+            PeerOf::Address
+        };
+        self.judge_as(ep, direction::EGRESS, backend, protocol, port, peer_of)
     }
 
     /// The address of the family of `like` that the local pod at `ifindex`
@@ -223,7 +219,7 @@ impl Maps {
     /// The identities the far side of a flow is judged by.
     fn peer_entry(&self, peer_addr: IpAddr, peer_of: PeerOf) -> IpcacheEntry {
         match peer_of {
-            PeerOf::Address => self.ipcache_lookup(peer_addr),
+            PeerOf::Address | PeerOf::Itself => self.ipcache_lookup(peer_addr),
             PeerOf::Forwarded => {
                 let mut peer = self.ipcache_lookup(peer_addr);
                 if peer.identity == identity::NODE {
@@ -255,33 +251,19 @@ impl Maps {
         port: u16,
         peer_of: PeerOf,
     ) -> Judgement {
-        self.judge_with(ep, dir, peer_addr, protocol, port, peer_of, false)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn judge_with(
-        &self,
-        ep: &EndpointInfo,
-        dir: u8,
-        peer_addr: IpAddr,
-        protocol: u8,
-        port: u16,
-        peer_of: PeerOf,
-        to_itself: bool,
-    ) -> Judgement {
         let mut peer = self.peer_entry(peer_addr, peer_of);
         // A pod's traffic to itself through a Service: allowed, but where
         // tiers judge it ("A Pod connecting to a Service IP that the
         // service proxy load-balances back to the same Pod is subject to
         // ClusterNetworkPolicy"), the NetworkPolicy tier allowing it. What
         // reaches it from its own interface is such a hairpin.
-        let from_itself = match peer_of {
+        let itself = match peer_of {
+            PeerOf::Itself => true,
             PeerOf::Pod(ifindex) => self
                 .pod_address(ifindex, peer_addr)
                 .is_some_and(|a| pod_holds(ep, a)),
             PeerOf::Address | PeerOf::Forwarded => false,
         };
-        let itself = to_itself || from_itself;
         if itself && !ep.tiered(dir) {
             return Judgement {
                 reason: Reason::AllowSelf,

@@ -114,6 +114,10 @@ pub enum PeerOf {
     /// something on the way rewrote its source (a masquerade): it is that
     /// pod's.
     Pod(u32),
+    /// The pod's own address, which it reached through a Service (the
+    /// backend kube-proxy picked is the pod itself): the address says, and
+    /// the peer is the pod itself.
+    Itself,
 }
 
 /// What one hook did with a packet.

@@ -51,6 +51,7 @@ pub(super) fn on_ct_hit(
             pkt.protocol,
             proto::policy_port(pkt.protocol, orig_port),
             entry.origin,
+            false,
         );
         peer = p;
         if reason.is_drop() {
@@ -254,6 +255,7 @@ pub(super) fn related(
             s.ct.protocol,
             port,
             entry.origin,
+            false,
         );
         if reason.is_drop() {
             let _ = CONNTRACK.remove(&s.ct);

@@ -40,7 +40,7 @@ use policy_common::{
 
 use self::{
     conntrack::{fill_frag_key, related, share_allows, syn_only, tracked},
-    policy::judge,
+    policy::judge_packet,
     service::{defer, is_frontend},
 };
 use crate::{
@@ -204,15 +204,9 @@ fn decide(
             (Reason::DropFragmentUnknown, unknown)
         };
     }
-    let peer_addr = if dir == direction::EGRESS {
-        &pkt.dst
-    } else {
-        &pkt.src
-    };
-    let port = proto::policy_port(pkt.protocol, pkt.dport);
     if !ep.tracks() {
         // Isolated in no direction: nothing to track, nothing to deny.
-        return judge(ep, dir, pkt.family, peer_addr, pkt.protocol, port, origin);
+        return judge_packet(ep, dir, pkt, origin);
     }
     // SAFETY: a helper without preconditions.
     let now = unsafe { bpf_ktime_get_coarse_ns() };
@@ -254,13 +248,7 @@ fn decide(
         }
     }
     let pkt = &s.pkt;
-    let peer_addr = if dir == direction::EGRESS {
-        &pkt.dst
-    } else {
-        &pkt.src
-    };
-
-    let (reason, peer) = judge(ep, dir, pkt.family, peer_addr, pkt.protocol, port, origin);
+    let (reason, peer) = judge_packet(ep, dir, pkt, origin);
     // Only a packet the pod sent (its source checked above) or one it
     // receives at its own address opens an entry; never a TCP packet
     // without SYN: mid-stream, who opened the connection is unknown, and a

@@ -140,45 +140,11 @@ fn peer_of(ep: &EndpointInfo, origin: u16, fam: u8, peer_addr: &[u8; 16]) -> (Ip
 /// tiers judge it: "A Pod connecting to a Service IP that the service
 /// proxy load-balances back to the same Pod is subject to
 /// ClusterNetworkPolicy" (api-overview); the NetworkPolicy tier allows it.
-#[inline(always)]
-pub(super) fn judge(
-    ep: &EndpointInfo,
-    dir: u8,
-    fam: u8,
-    peer_addr: &[u8; 16],
-    protocol: u8,
-    port: u16,
-    origin: u16,
-) -> (Reason, IpcacheEntry) {
-    judge_with(ep, dir, fam, peer_addr, protocol, port, origin, false)
-}
-
-/// A client's egress judged after DNAT against the `backend` it reached,
-/// which may be the client itself (a Service hairpin; see [`judge`]).
-#[inline(always)]
-pub(super) fn judge_backend(
-    ep: &EndpointInfo,
-    fam: u8,
-    backend: &[u8; 16],
-    protocol: u8,
-    port: u16,
-) -> (Reason, IpcacheEntry) {
-    let itself = ep.owns(fam, backend);
-    judge_with(
-        ep,
-        direction::EGRESS,
-        fam,
-        backend,
-        protocol,
-        port,
-        ORIGIN_SOURCE,
-        itself,
-    )
-}
-
+/// `to_itself`: the client's egress after DNAT reached the client itself
+/// (see `judge_backend`).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn judge_with(
+pub(super) fn judge(
     ep: &EndpointInfo,
     dir: u8,
     fam: u8,
@@ -253,4 +219,54 @@ fn judge_with(
         }
     }
     (reason, peer)
+}
+
+/// A client's egress judged after DNAT against the `backend` it reached,
+/// which may be the client itself (a Service hairpin; see [`judge`]).
+#[inline(always)]
+pub(super) fn judge_backend(
+    ep: &EndpointInfo,
+    fam: u8,
+    backend: &[u8; 16],
+    protocol: u8,
+    port: u16,
+) -> (Reason, IpcacheEntry) {
+    let itself = ep.owns(fam, backend);
+    judge(
+        ep,
+        direction::EGRESS,
+        fam,
+        backend,
+        protocol,
+        port,
+        ORIGIN_SOURCE,
+        itself,
+    )
+}
+
+/// Judges the parsed packet `pkt` of `ep` in `dir` as a new flow: its peer
+/// is the destination of what the pod sends, the source of what reaches it.
+#[inline(always)]
+pub(super) fn judge_packet(
+    ep: &EndpointInfo,
+    dir: u8,
+    pkt: &crate::parse::IpPacket,
+    origin: u16,
+) -> (Reason, IpcacheEntry) {
+    let peer_addr = if dir == direction::EGRESS {
+        &pkt.dst
+    } else {
+        &pkt.src
+    };
+    let port = proto::policy_port(pkt.protocol, pkt.dport);
+    judge(
+        ep,
+        dir,
+        pkt.family,
+        peer_addr,
+        pkt.protocol,
+        port,
+        origin,
+        false,
+    )
 }
