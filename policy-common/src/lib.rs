@@ -20,6 +20,7 @@ pub mod ipcache;
 pub mod maps;
 pub mod pod_range_guard;
 pub mod policy;
+pub mod rule_name;
 pub mod service;
 pub mod verdict;
 

@@ -53,9 +53,13 @@ pub const CONFIG: &str = "CONFIG";
 pub const IDENTITY_NAMES: &str = "IDENTITY_NAMES";
 /// ifindex → [`crate::endpoint::EndpointMeta`]; userspace only.
 pub const ENDPOINT_META: &str = "ENDPOINT_META";
+/// [`crate::rule_name::RuleKey`] → [`crate::rule_name::RuleName`]: the
+/// rules `POLICY` entries reference; userspace only (dump). Pins of an
+/// older agent may lack it: the loader creates it, `dump` does without.
+pub const RULE_NAMES: &str = "RULE_NAMES";
 
 /// Every map the agent pins, in the order `dump` prints them.
-pub const ALL: [&str; 18] = [
+pub const ALL: [&str; 19] = [
     CONFIG,
     ENDPOINT_SLOTS,
     ENDPOINTS,
@@ -64,6 +68,7 @@ pub const ALL: [&str; 18] = [
     IPCACHE_V6,
     IDENTITY_NAMES,
     POLICY,
+    RULE_NAMES,
     SERVICES,
     CONNTRACK,
     CT_SHARE,
@@ -88,6 +93,8 @@ pub mod capacity {
     /// Two counters per interface that opened a flow since the last count.
     pub const CT_USAGE: u32 = 8192;
     pub const IDENTITIES: u32 = 65536;
+    /// One per rule some policy entry references.
+    pub const RULE_NAMES: u32 = 65536;
     pub const SERVICES: u32 = 65536;
     pub const SERVICE_FLOWS: u32 = 65536;
     /// `--pod-cidr` ranges (a node has one or two).

@@ -17,6 +17,7 @@ use policy_common::{
     maps::capacity,
     pod_range_guard::LocalAddr,
     policy::{PolicyEntry, PolicyKey, Tiers},
+    rule_name::{RuleKey, RuleName},
     service::{ServiceAddr, ServiceEntry, ServiceFlow, ServiceFlowKey},
     verdict::COUNTER_SLOTS,
 };
@@ -124,3 +125,7 @@ pub static ENDPOINT_META: HashMap<
     { capacity::ENDPOINTS as usize },
     NO_PREALLOC,
 > = HashMap::new();
+
+#[btf_map]
+pub static RULE_NAMES: HashMap<RuleKey, RuleName, { capacity::RULE_NAMES as usize }, NO_PREALLOC> =
+    HashMap::new();

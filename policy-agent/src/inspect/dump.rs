@@ -8,6 +8,8 @@ use policy_common::{
         ENDPOINT_INGRESS_ISOLATED,
     },
     identity,
+    policy::{ENTRY_TIERS_ONLY, PolicyKey, TierSlot},
+    rule_name::{RuleKey, kind},
     service::{SERVICE_NODE_ADDRESS, SERVICE_RANGE},
 };
 use serde::Serialize;
@@ -100,27 +102,63 @@ pub struct PolicyRow {
     /// Whether a NetworkPolicy rule allows the key (else the entry holds
     /// tier slots only).
     pub network_policy: bool,
+    /// The NetworkPolicy rule `rule_ref` names (None: tier slots only, or
+    /// no name pinned, as in pins of an older agent).
+    pub rule: Option<RuleRow>,
     /// The ClusterNetworkPolicy rule of each tier that decides the key.
     pub admin: Option<TierRow>,
     pub baseline: Option<TierRow>,
 }
 
+/// A NetworkPolicy rule, by name.
+#[derive(Debug, Serialize)]
+pub struct RuleRow {
+    /// `namespace/name` ("…" marks a cut text).
+    pub policy: String,
+    pub direction: &'static str,
+    /// The rule's index in the policy's `ingress` or `egress` list.
+    pub rule: u32,
+}
+
 /// A tier slot, decoded: the action, the policy's priority and the rule's
-/// index in it (the rank orders policies of one priority by name).
+/// index in it (the rank orders policies of one priority by name), and,
+/// where `RULE_NAMES` has it, the ClusterNetworkPolicy and rule names.
 #[derive(Debug, Serialize)]
 pub struct TierRow {
     pub action: &'static str,
     pub priority: u32,
     pub rule: u32,
     pub rank: u32,
+    /// The ClusterNetworkPolicy's name (None: not pinned).
+    pub policy: Option<String>,
+    /// The rule's `name` (None: it has none, or not pinned).
+    pub rule_name: Option<String>,
 }
 
-fn tier_row(slot: policy_common::policy::TierSlot) -> Option<TierRow> {
-    (!slot.is_none()).then(|| TierRow {
+fn tier_row(names: &NameTables, key: &PolicyKey, tier: u8, slot: TierSlot) -> Option<TierRow> {
+    if slot.is_none() {
+        return None;
+    }
+    let named = names.rule(&RuleKey::new(tier, key.direction, slot.rank()));
+    Some(TierRow {
         action: slot.action_name(),
         priority: slot.priority(),
         rule: slot.rule_index(),
         rank: slot.rank(),
+        policy: named.as_ref().map(|(t, _)| t.policy.clone()),
+        rule_name: named.and_then(|(t, _)| (!t.rule.is_empty()).then_some(t.rule)),
+    })
+}
+
+fn rule_row(names: &NameTables, key: &PolicyKey, rule_ref: u32, flags: u32) -> Option<RuleRow> {
+    if flags & ENTRY_TIERS_ONLY != 0 {
+        return None;
+    }
+    let (text, name) = names.rule(&RuleKey::new(kind::NETWORK_POLICY, key.direction, rule_ref))?;
+    Some(RuleRow {
+        policy: text.qualified(),
+        direction: policy_common::direction::name(name.direction),
+        rule: u32::from(name.rule_index),
     })
 }
 
@@ -166,6 +204,7 @@ pub fn dump(layout: &PinLayout) -> Result<Dump, Error> {
     let names = NameTables {
         identities: state.identities.clone(),
         endpoints: maps.read_meta()?,
+        rules: state.rule_names.clone(),
     };
     let config = maps.config()?;
     let endpoints = state
@@ -226,9 +265,10 @@ pub fn dump(layout: &PinLayout) -> Result<Dump, Error> {
                 len => format!("{}-{} ({}/{len})", k.port, k.port | (0xffff >> len), k.port),
             },
             rule_ref: v.rule_ref,
-            network_policy: v.flags & policy_common::policy::ENTRY_TIERS_ONLY == 0,
-            admin: tier_row(v.admin),
-            baseline: tier_row(v.baseline),
+            network_policy: v.flags & ENTRY_TIERS_ONLY == 0,
+            rule: rule_row(&names, k, v.rule_ref, v.flags),
+            admin: tier_row(&names, k, kind::ADMIN, v.admin),
+            baseline: tier_row(&names, k, kind::BASELINE, v.baseline),
         })
         .collect();
     let mut conntrack = Vec::new();
@@ -327,17 +367,23 @@ impl fmt::Display for Dump {
         }
         writeln!(f, "\nPOLICY ({})", self.policy.len())?;
         for p in &self.policy {
-            let np = if p.network_policy {
-                format!("rule {:08x}", p.rule_ref)
-            } else {
-                "tiers only   ".to_owned()
+            let np = match (&p.rule, p.network_policy) {
+                (Some(r), _) => format!("{} {} rule {}", r.policy, r.direction, r.rule),
+                (None, true) => format!("rule {:08x}", p.rule_ref),
+                (None, false) => "tiers only   ".to_owned(),
             };
             let mut tiers = String::new();
             for (tier, row) in [("Admin", &p.admin), ("Baseline", &p.baseline)] {
                 if let Some(t) = row {
+                    let policy = t.policy.as_deref().map(|n| format!(" {n}"));
+                    let rule = t.rule_name.as_deref().map(|n| format!(" {n:?}"));
                     tiers += &format!(
-                        " {tier} {} (priority {}, rule {})",
-                        t.action, t.priority, t.rule
+                        " {tier} {}{} (priority {}, rule {}{})",
+                        t.action,
+                        policy.unwrap_or_default(),
+                        t.priority,
+                        t.rule,
+                        rule.unwrap_or_default()
                     );
                 }
             }

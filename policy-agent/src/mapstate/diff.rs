@@ -1,7 +1,8 @@
 //! The ordered difference between two map states.
 //!
 //! Order (fixed, so no pod is opened or closed wrongly in between):
-//! 1. identity names added or changed; then every address whose
+//! 1. identity and rule names added or changed (a name exists before an
+//!    entry references it); then every address whose
 //!    resolution changes (its entry changes or goes, or a new entry claims
 //!    it) while what it resolves to now gains an allow in this change is
 //!    put in transit ([`identity::IN_TRANSIT`]: nothing allows it) until
@@ -42,7 +43,8 @@
 //!    at worst a flow is denied in between, never allowed. Removals whose
 //!    addresses fall to a covering class that loses allows wait likewise,
 //!    after the held-back entries;
-//! 7. identity names and Service frontends removed;
+//! 7. identity names, rule names (after the last entry referencing
+//!    them) and Service frontends removed;
 //!
 //! An endpoint judged by tiers whose identity's entries change is held
 //! closed around all of it (see [`updating`]): its old entry with the
@@ -66,6 +68,7 @@ use policy_common::{
     identity::{self, IdentityName},
     ipcache::IpcacheEntry,
     policy::{PolicyEntry, PolicyKey},
+    rule_name::{RuleKey, RuleName},
     service::ServiceEntry,
 };
 
@@ -84,6 +87,8 @@ pub enum MapOp<K> {
     DeleteIdentity(u32),
     UpsertService(IpNet, ServiceEntry),
     DeleteService(IpNet),
+    UpsertRuleName(RuleKey, Box<RuleName>),
+    DeleteRuleName(RuleKey),
 }
 
 fn upserts<'a, K: Ord + Clone, V: PartialEq + Clone>(
@@ -106,6 +111,8 @@ fn removals<'a, K: Ord + Clone, V>(
 pub struct Writes<K> {
     pub identity_upserts: Vec<(u32, IdentityName)>,
     pub identity_removals: Vec<u32>,
+    pub rule_name_upserts: Vec<(RuleKey, RuleName)>,
+    pub rule_name_removals: Vec<RuleKey>,
     pub policy_upserts: Vec<(PolicyKey, PolicyEntry)>,
     pub policy_removals: Vec<PolicyKey>,
     pub endpoint_upserts: Vec<(K, EndpointInfo)>,
@@ -173,6 +180,8 @@ impl<K: Ord + Clone> Writes<K> {
         let Self {
             identity_upserts,
             identity_removals,
+            rule_name_upserts,
+            rule_name_removals,
             policy_upserts,
             policy_removals,
             endpoint_upserts,
@@ -189,6 +198,8 @@ impl<K: Ord + Clone> Writes<K> {
         let mut ops = Vec::with_capacity(
             identity_upserts.len()
                 + identity_removals.len()
+                + rule_name_upserts.len()
+                + rule_name_removals.len()
                 + policy_upserts.len()
                 + policy_removals.len()
                 + endpoint_upserts.len()
@@ -210,6 +221,11 @@ impl<K: Ord + Clone> Writes<K> {
             identity_upserts
                 .into_iter()
                 .map(|(k, v)| MapOp::UpsertIdentity(k, Box::new(v))),
+        );
+        ops.extend(
+            rule_name_upserts
+                .into_iter()
+                .map(|(k, v)| MapOp::UpsertRuleName(k, Box::new(v))),
         );
         let losing: BTreeSet<u32> = policy_removals.iter().map(|k| k.peer_identity).collect();
         let gaining: BTreeSet<u32> = policy_upserts
@@ -295,6 +311,7 @@ impl<K: Ord + Clone> Writes<K> {
         late_removals.sort_by_key(IpNet::prefix_len);
         ops.extend(late_removals.into_iter().map(MapOp::DeleteIpcache));
         ops.extend(identity_removals.into_iter().map(MapOp::DeleteIdentity));
+        ops.extend(rule_name_removals.into_iter().map(MapOp::DeleteRuleName));
         ops.extend(service_removals.into_iter().map(MapOp::DeleteService));
         // Everything landed: the held endpoints open, as the new state
         // says (with their old revision: the bumps follow).
@@ -367,6 +384,8 @@ pub fn diff<K: Ord + Clone>(old: &MapState<K>, new: &MapState<K>) -> Vec<MapOp<K
     let writes = Writes {
         identity_upserts: upserts(&old.identities, &new.identities).collect(),
         identity_removals: removals(&old.identities, &new.identities).collect(),
+        rule_name_upserts: upserts(&old.rule_names, &new.rule_names).collect(),
+        rule_name_removals: removals(&old.rule_names, &new.rule_names).collect(),
         policy_upserts: upserts(&old.policy, &new.policy).collect(),
         policy_removals: removals(&old.policy, &new.policy).collect(),
         // Existing endpoints keep their old revision here; the new one is

@@ -10,6 +10,7 @@ mod addresses;
 mod diff;
 mod identity_name;
 mod origin;
+mod rule_name;
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -20,6 +21,7 @@ use policy_common::{
     identity::IdentityName,
     ipcache::IpcacheEntry,
     policy::{PolicyEntry, PolicyKey},
+    rule_name::{RuleKey, RuleName},
     service::ServiceEntry,
 };
 
@@ -29,6 +31,7 @@ pub use self::{
     diff::{MapOp, Updating, Writes, assign_revisions, covering, diff, updating},
     identity_name::{identity_name, identity_name_str},
     origin::RuleOrigin,
+    rule_name::{RuleText, entry_rules, rule_name, rule_name_text},
 };
 
 /// Desired (or read-back) content of the policy maps.
@@ -42,6 +45,9 @@ pub struct MapState<K: Ord> {
     pub policy: BTreeMap<PolicyKey, PolicyEntry>,
     /// What each identity in use stands for.
     pub identities: BTreeMap<u32, IdentityName>,
+    /// What each rule a policy entry references is called (exactly
+    /// [`MapState::referenced_rules`]; for `dump`, no datapath reads it).
+    pub rule_names: BTreeMap<RuleKey, RuleName>,
     /// Service frontend addresses and ranges: an isolated pod's egress to
     /// them is judged after DNAT (only the BPF datapath needs them; the
     /// iptables one judges in netfilter, after DNAT anyway).
@@ -55,6 +61,7 @@ impl<K: Ord> Default for MapState<K> {
             ipcache: BTreeMap::new(),
             policy: BTreeMap::new(),
             identities: BTreeMap::new(),
+            rule_names: BTreeMap::new(),
             services: BTreeMap::new(),
         }
     }
@@ -121,6 +128,7 @@ impl<K: Ord + Clone> MapState<K> {
             ipcache: self.ipcache.clone(),
             policy: self.policy.clone(),
             identities: self.identities.clone(),
+            rule_names: self.rule_names.clone(),
             services: self.services.clone(),
         }
     }
@@ -195,6 +203,12 @@ impl<K: Ord + Clone> MapState<K> {
             }
             MapOp::UpsertService(k, v) => {
                 self.services.insert(*k, *v);
+            }
+            MapOp::UpsertRuleName(k, v) => {
+                self.rule_names.insert(*k, **v);
+            }
+            MapOp::DeleteRuleName(k) => {
+                self.rule_names.remove(k);
             }
             MapOp::DeleteService(k) => {
                 self.services.remove(k);

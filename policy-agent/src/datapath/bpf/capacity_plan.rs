@@ -11,7 +11,7 @@
 //!    policy entries are allows (missing ones deny); ipcache entries of pod
 //!    addresses only carry the pod's label identity (the address keeps its
 //!    address class through the carved prefix that covers it); identity
-//!    names are for `dump` only. Carved prefixes are dropped last: if even
+//!    and rule names are for `dump` only. Carved prefixes are dropped last: if even
 //!    those do not fit, every allow keyed by an address class or the world
 //!    is withdrawn (an address could otherwise fall into a wider class).
 //!    A new endpoint that does not fit is left unattached and reported.
@@ -39,6 +39,7 @@ pub struct Capacities {
     pub ipcache_v4: usize,
     pub ipcache_v6: usize,
     pub identities: usize,
+    pub rule_names: usize,
     /// The overflow hash (ifindexes beyond the slot array).
     pub endpoints: usize,
     /// ifindexes below this live in the slot array (always room).
@@ -67,6 +68,7 @@ impl Shortfall {
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Map {
     Identities,
+    RuleNames,
     Policy,
     Endpoints,
     Ipcache4,
@@ -77,6 +79,7 @@ enum Map {
 fn map_of(op: &MapOp<u32>, slots: u32) -> Option<Map> {
     Some(match op {
         MapOp::UpsertIdentity(..) | MapOp::DeleteIdentity(_) => Map::Identities,
+        MapOp::UpsertRuleName(..) | MapOp::DeleteRuleName(_) => Map::RuleNames,
         MapOp::UpsertPolicy(..) | MapOp::DeletePolicy(_) => Map::Policy,
         MapOp::UpsertEndpoint(k, _) | MapOp::DeleteEndpoint(k) if *k >= slots => Map::Endpoints,
         MapOp::UpsertIpcache(n, _) | MapOp::DeleteIpcache(n) => match n {
@@ -92,6 +95,7 @@ fn is_upsert(op: &MapOp<u32>) -> bool {
     matches!(
         op,
         MapOp::UpsertIdentity(..)
+            | MapOp::UpsertRuleName(..)
             | MapOp::UpsertPolicy(..)
             | MapOp::UpsertEndpoint(..)
             | MapOp::UpsertIpcache(..)
@@ -103,6 +107,7 @@ fn is_upsert(op: &MapOp<u32>) -> bool {
 fn adds_key(op: &MapOp<u32>, before: &MapState<u32>) -> bool {
     match op {
         MapOp::UpsertIdentity(k, _) => !before.identities.contains_key(k),
+        MapOp::UpsertRuleName(k, _) => !before.rule_names.contains_key(k),
         MapOp::UpsertPolicy(k, _) => !before.policy.contains_key(k),
         MapOp::UpsertEndpoint(k, _) => !before.endpoints.contains_key(k),
         MapOp::UpsertIpcache(k, _) => !before.ipcache.contains_key(k),
@@ -114,6 +119,7 @@ fn adds_key(op: &MapOp<u32>, before: &MapState<u32>) -> bool {
 fn removes_key(op: &MapOp<u32>, before: &MapState<u32>) -> bool {
     match op {
         MapOp::DeleteIdentity(k) => before.identities.contains_key(k),
+        MapOp::DeleteRuleName(k) => before.rule_names.contains_key(k),
         MapOp::DeletePolicy(k) => before.policy.contains_key(k),
         MapOp::DeleteEndpoint(k) => before.endpoints.contains_key(k),
         MapOp::DeleteIpcache(k) => before.ipcache.contains_key(k),
@@ -125,6 +131,7 @@ fn removes_key(op: &MapOp<u32>, before: &MapState<u32>) -> bool {
 fn held(before: &MapState<u32>, map: Map, slots: u32) -> usize {
     match map {
         Map::Identities => before.identities.len(),
+        Map::RuleNames => before.rule_names.len(),
         Map::Policy => before.policy.len(),
         Map::Endpoints => before.endpoints.keys().filter(|k| **k >= slots).count(),
         Map::Ipcache4 => before.ipcache.keys().filter(|n| n.addr().is_ipv4()).count(),
@@ -136,6 +143,7 @@ fn held(before: &MapState<u32>, map: Map, slots: u32) -> usize {
 fn capacity(caps: &Capacities, map: Map) -> usize {
     match map {
         Map::Identities => caps.identities,
+        Map::RuleNames => caps.rule_names,
         Map::Policy => caps.policy,
         Map::Endpoints => caps.endpoints,
         Map::Ipcache4 => caps.ipcache_v4,
@@ -147,6 +155,7 @@ fn capacity(caps: &Capacities, map: Map) -> usize {
 fn map_name(map: Map) -> &'static str {
     match map {
         Map::Identities => names::IDENTITY_NAMES,
+        Map::RuleNames => names::RULE_NAMES,
         Map::Policy => names::POLICY,
         Map::Endpoints => names::ENDPOINTS,
         Map::Ipcache4 => names::IPCACHE_V4,
@@ -174,6 +183,7 @@ pub fn fit(before: &MapState<u32>, ops: &mut Vec<MapOp<u32>>, caps: &Capacities)
     // anything removed.
     let maps = [
         Map::Identities,
+        Map::RuleNames,
         Map::Policy,
         Map::Endpoints,
         Map::Ipcache4,
@@ -360,6 +370,7 @@ mod tests {
             ipcache_v4: ipcache,
             ipcache_v6: ipcache,
             identities: 100,
+            rule_names: 100,
             endpoints: 10,
             slots: 100,
             services: 100,

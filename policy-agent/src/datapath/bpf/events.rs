@@ -70,6 +70,7 @@ impl DropEventReader {
         self.names = NameTables {
             identities: maps.read_identities()?,
             endpoints: maps.read_meta()?,
+            ..NameTables::default()
         };
         Ok(())
     }

@@ -541,6 +541,7 @@ fn warn_resized(asked: &[(&'static str, u32)], have: &super::capacity_plan::Capa
             names::IPCACHE_V4 => have.ipcache_v4,
             names::IPCACHE_V6 => have.ipcache_v6,
             names::IDENTITY_NAMES => have.identities,
+            names::RULE_NAMES => have.rule_names,
             names::ENDPOINTS => have.endpoints,
             names::SERVICES => have.services,
             _ => continue,

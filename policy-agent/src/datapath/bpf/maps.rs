@@ -18,11 +18,16 @@ use policy_common::{
     ipcache::IpcacheEntry,
     maps as names,
     policy::{PolicyEntry, PolicyKey},
+    rule_name::{RuleKey, RuleName},
     service::{ServiceAddr, ServiceEntry, service_addr, service_prefix_len},
     verdict::{COUNTER_SLOTS, Reason, counter_index},
 };
 
-use super::{error::Error, pins::PinLayout};
+use super::{
+    error::Error,
+    map_layout::{ADDED_LATER, field},
+    pins::PinLayout,
+};
 use crate::{
     identity::IdentityAllocator,
     mapstate::{MapOp, MapState},
@@ -41,6 +46,9 @@ pub struct BpfMaps {
     pub ipcache_v6: LpmTrie<MapData, [u8; 16], IpcacheEntry>,
     pub policy: HashMap<MapData, PolicyKey, PolicyEntry>,
     pub identities: HashMap<MapData, u32, IdentityName>,
+    /// None only in pins of an older agent, opened by `dump` and the
+    /// like (a writer's load creates it: see [`ADDED_LATER`]).
+    pub rule_names: Option<HashMap<MapData, RuleKey, RuleName>>,
     pub services: LpmTrie<MapData, ServiceAddr, ServiceEntry>,
     pub conntrack: HashMap<MapData, CtKey, CtEntry>,
     pub fragments: HashMap<MapData, FragKey, FragEntry>,
@@ -51,97 +59,6 @@ pub struct BpfMaps {
     /// The pod-range guard's (see `super::pod_range_guard`).
     pub pod_ranges: LpmTrie<MapData, ServiceAddr, u32>,
     pub enforced: HashMap<MapData, ServiceAddr, u32>,
-}
-
-/// Key and value sizes each map must have in this layout.
-fn expected_sizes(name: &str) -> Option<(usize, usize)> {
-    use std::mem::size_of;
-    Some(match name {
-        names::CONFIG => (4, size_of::<Config>()),
-        names::ENDPOINT_SLOTS | names::ENDPOINTS => (4, size_of::<EndpointInfo>()),
-        names::ENDPOINT_META => (4, size_of::<EndpointMeta>()),
-        names::IPCACHE_V4 => (8, size_of::<IpcacheEntry>()),
-        names::IPCACHE_V6 => (20, size_of::<IpcacheEntry>()),
-        names::POLICY => (size_of::<PolicyKey>(), size_of::<PolicyEntry>()),
-        names::IDENTITY_NAMES => (4, size_of::<IdentityName>()),
-        names::SERVICES => (4 + size_of::<ServiceAddr>(), size_of::<ServiceEntry>()),
-        names::CONNTRACK => (size_of::<CtKey>(), size_of::<CtEntry>()),
-        names::FRAGMENTS => (size_of::<FragKey>(), size_of::<FragEntry>()),
-        names::CT_SHARE => (4, size_of::<CtShare>()),
-        names::CT_USAGE => (size_of::<CtUsageKey>(), 8),
-        names::COUNTERS => (4, 8),
-        names::POD_RANGES => (4 + size_of::<ServiceAddr>(), 4),
-        names::ENFORCED => (size_of::<ServiceAddr>(), 4),
-        _ => return None,
-    })
-}
-
-/// The map the kernel actually has (a reused pin) must match this layout:
-/// aya checks sizes against the ELF definition only.
-fn verify_pinned(name: &'static str, layout: &PinLayout, map: &Map) -> Result<(), Error> {
-    let data = match map {
-        Map::Array(d)
-        | Map::HashMap(d)
-        | Map::LruHashMap(d)
-        | Map::LpmTrie(d)
-        | Map::PerCpuArray(d) => d,
-        _ => return Ok(()),
-    };
-    let (Some((key, value)), Ok(info)) = (expected_sizes(name), data.info()) else {
-        return Ok(());
-    };
-    if info.key_size() as usize != key || info.value_size() as usize != value {
-        return Err(Error::LayoutMismatch {
-            path: layout.map(name),
-            expected: format!("key size {key}, value size {value}"),
-            found: format!(
-                "key size {}, value size {}",
-                info.key_size(),
-                info.value_size()
-            ),
-        });
-    }
-    Ok(())
-}
-
-/// Turns aya's size checks into a layout error naming the pin.
-fn typed<T>(name: &'static str, layout: Option<&PinLayout>, map: Map) -> Result<T, Error>
-where
-    T: TryFrom<Map, Error = MapError>,
-{
-    if let Some(l) = layout {
-        verify_pinned(name, l, &map)?;
-    }
-    T::try_from(map).map_err(|e| match (&e, layout) {
-        (MapError::InvalidKeySize { size, expected }, Some(l)) => Error::LayoutMismatch {
-            path: l.map(name),
-            expected: format!("key size {expected}"),
-            found: format!("key size {size}"),
-        },
-        (MapError::InvalidValueSize { size, expected }, Some(l)) => Error::LayoutMismatch {
-            path: l.map(name),
-            expected: format!("value size {expected}"),
-            found: format!("value size {size}"),
-        },
-        (MapError::InvalidMapType { map_type }, Some(l)) => Error::LayoutMismatch {
-            path: l.map(name),
-            expected: "the map type of this layout".to_owned(),
-            found: format!("map type {map_type}"),
-        },
-        _ => Error::map(name)(e),
-    })
-}
-
-/// The map `name` from `source`, typed and checked against `layout`.
-fn field<T>(
-    name: &'static str,
-    layout: Option<&PinLayout>,
-    source: &mut impl FnMut(&'static str) -> Result<Map, Error>,
-) -> Result<T, Error>
-where
-    T: TryFrom<Map, Error = MapError>,
-{
-    typed(name, layout, source(name)?)
 }
 
 impl BpfMaps {
@@ -157,6 +74,9 @@ impl BpfMaps {
     /// Opens the maps pinned under `layout` (for `dump`, `events`, `reset`).
     pub fn from_pins(layout: &PinLayout) -> Result<Self, Error> {
         Self::build(Some(layout), |name| {
+            if ADDED_LATER.contains(&name) && !layout.map(name).exists() {
+                return Err(Error::MissingMap(name));
+            }
             let data = MapData::from_pin(layout.map(name)).map_err(Error::map(name))?;
             Map::from_map_data(data).map_err(Error::map(name))
         })
@@ -176,6 +96,11 @@ impl BpfMaps {
             ipcache_v6: field(names::IPCACHE_V6, layout, &mut source)?,
             policy: field(names::POLICY, layout, &mut source)?,
             identities: field(names::IDENTITY_NAMES, layout, &mut source)?,
+            rule_names: match field(names::RULE_NAMES, layout, &mut source) {
+                Ok(m) => Some(m),
+                Err(Error::MissingMap(_)) => None,
+                Err(e) => return Err(e),
+            },
             services: field(names::SERVICES, layout, &mut source)?,
             conntrack: field(names::CONNTRACK, layout, &mut source)?,
             fragments: field(names::FRAGMENTS, layout, &mut source)?,
@@ -286,7 +211,17 @@ impl BpfMaps {
             }
         }
         state.identities = self.read_identities()?;
+        state.rule_names = self.read_rule_names()?;
         Ok(state)
+    }
+
+    /// The rule names (none in pins that lack the map).
+    pub fn read_rule_names(&self) -> Result<BTreeMap<RuleKey, RuleName>, Error> {
+        self.rule_names
+            .iter()
+            .flat_map(|m| m.iter())
+            .map(|r| r.map_err(Error::map(names::RULE_NAMES)))
+            .collect()
     }
 
     /// The identity names alone (cheaper than [`Self::read_state`]).
@@ -345,6 +280,7 @@ impl BpfMaps {
             ipcache_v4: cap(self.ipcache_v4.map()),
             ipcache_v6: cap(self.ipcache_v6.map()),
             identities: cap(self.identities.map()),
+            rule_names: self.rule_names.as_ref().map_or(0, |m| cap(m.map())),
             endpoints: cap(self.endpoints.map()),
             slots: self.slot_count(),
             services: cap(self.services.map()),
@@ -405,6 +341,15 @@ impl BpfMaps {
                 .map_err(Error::map(names::ENDPOINT_SLOTS)),
             MapOp::DeleteEndpoint(k) => remove(names::ENDPOINTS, self.endpoints.remove(k)),
             MapOp::DeleteIdentity(k) => remove(names::IDENTITY_NAMES, self.identities.remove(k)),
+            // Only a reader of older pins lacks the map, and it writes none.
+            MapOp::UpsertRuleName(k, v) => match &mut self.rule_names {
+                Some(m) => insert(names::RULE_NAMES, m.insert(k, v.as_ref(), 0), m.map()),
+                None => Err(Error::MissingMap(names::RULE_NAMES)),
+            },
+            MapOp::DeleteRuleName(k) => match &mut self.rule_names {
+                Some(m) => remove(names::RULE_NAMES, m.remove(k)),
+                None => Ok(()),
+            },
             MapOp::UpsertService(net, v) => insert(
                 names::SERVICES,
                 self.services.insert(&service_key(net), v, 0),
@@ -469,7 +414,7 @@ impl BpfMaps {
         let in_slots = (0..slots)
             .filter(|i| matches!(self.endpoint(*i), Ok(Some(_))))
             .count();
-        vec![
+        let mut out = vec![
             (names::ENDPOINT_SLOTS, in_slots, slots),
             (
                 names::ENDPOINTS,
@@ -506,7 +451,11 @@ impl BpfMaps {
                 self.services.keys().count(),
                 cap(self.services.map()),
             ),
-        ]
+        ];
+        if let Some(m) = &self.rule_names {
+            out.push((names::RULE_NAMES, m.keys().count(), cap(m.map())));
+        }
+        out
     }
 }
 

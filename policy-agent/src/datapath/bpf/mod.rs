@@ -13,6 +13,7 @@ mod foreign_programs;
 pub mod kernel_features;
 pub mod kernel_log;
 pub mod loader;
+mod map_layout;
 pub mod maps;
 pub mod name_tables;
 pub mod object;

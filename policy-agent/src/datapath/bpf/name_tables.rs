@@ -6,16 +6,19 @@ use policy_common::{
     family,
     identity::{self, IdentityName},
     proto,
+    rule_name::{RuleKey, RuleName},
 };
 
 use super::loader::endpoint_meta_name;
-use crate::mapstate::identity_name_str;
+use crate::mapstate::{RuleText, identity_name_str, rule_name_text};
 
 /// Lookup tables read from the pinned metadata maps.
 #[derive(Clone, Debug, Default)]
 pub struct NameTables {
     pub identities: BTreeMap<u32, IdentityName>,
     pub endpoints: BTreeMap<u32, EndpointMeta>,
+    /// Empty when the pins predate `RULE_NAMES`.
+    pub rules: BTreeMap<RuleKey, RuleName>,
 }
 
 impl NameTables {
@@ -30,6 +33,11 @@ impl NameTables {
                 None => format!("unknown identity {id}"),
             },
         }
+    }
+
+    /// The rule `key` names, with its direction, index and priority.
+    pub fn rule(&self, key: &RuleKey) -> Option<(RuleText, &RuleName)> {
+        self.rules.get(key).map(|n| (rule_name_text(n), n))
     }
 
     pub fn endpoint(&self, ifindex: u32) -> String {

@@ -9,6 +9,7 @@
 //! | `POLICY` (not preallocated) | max(16384, max_pods × 2048) | allow entries of the local pods' identities |
 //! | `IPCACHE_V4`, `IPCACHE_V6` | max(16384, cluster_pods + 4096) | every pod address, the node's, carved prefixes |
 //! | `IDENTITY_NAMES` (not preallocated) | max(16384, cluster_pods + 4096) | at most one identity per pod, plus classes |
+//! | `RULE_NAMES` (not preallocated) | 65536 (the object's) | one per rule some policy entry references |
 //! | `ENDPOINTS`, `ENDPOINT_META` | max(1024, max_pods × 4) | interfaces beyond the slot array; interfaces attached (pods and uplinks) |
 //! | `SERVICES` (LPM, not preallocated) | 65536 | Service frontend addresses (ClusterIPs, external and load-balancer IPs, the node's) and ranges |
 //! | `SERVICE_FLOWS` (LRU) | max(16384, max_pods × 256) | isolated pods' flows to frontends, until judged after DNAT |
@@ -39,7 +40,7 @@ impl Default for Sizing {
 }
 
 /// The maps whose size can be configured.
-pub const SIZED: [&str; 11] = [
+pub const SIZED: [&str; 12] = [
     names::CONNTRACK,
     names::CT_USAGE,
     names::FRAGMENTS,
@@ -47,6 +48,7 @@ pub const SIZED: [&str; 11] = [
     names::IPCACHE_V4,
     names::IPCACHE_V6,
     names::IDENTITY_NAMES,
+    names::RULE_NAMES,
     names::ENDPOINTS,
     names::ENDPOINT_META,
     names::SERVICES,

@@ -225,6 +225,8 @@ pub(super) fn sync_ops(
             }
             MapOp::UpsertIdentity(k, v) => writes.push(MapOp::UpsertIdentity(k, v)),
             MapOp::DeleteIdentity(k) => writes.push(MapOp::DeleteIdentity(k)),
+            MapOp::UpsertRuleName(k, v) => writes.push(MapOp::UpsertRuleName(k, v)),
+            MapOp::DeleteRuleName(k) => writes.push(MapOp::DeleteRuleName(k)),
             MapOp::UpsertService(k, v) => writes.push(MapOp::UpsertService(k, v)),
             MapOp::DeleteService(k) => writes.push(MapOp::DeleteService(k)),
         }

@@ -7,6 +7,7 @@ use ipnet::IpNet;
 use super::{
     Compiler,
     keys::{Keys, write_rule},
+    rule_names::policy_rule_keys,
     selection::PolicyState,
 };
 use crate::{
@@ -162,6 +163,13 @@ impl Compiler {
             };
             return;
         }
+        // Its rules' names may change on a `rule_ref` collision.
+        let renamed: Vec<_> = old
+            .into_iter()
+            .chain(new.as_ref())
+            .flat_map(policy_rule_keys)
+            .collect();
+        self.out.mark_rules_dirty(renamed);
         self.remove_policy_state(name);
         if let Some(parsed) = new {
             self.add_policy_state(parsed);

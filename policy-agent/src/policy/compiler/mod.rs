@@ -17,6 +17,7 @@
 //! - [`budget`] and [`admission`]: how much compiled state a policy, and
 //!   all of them, may hold, counted before it is built;
 //! - [`output`]: the compiled maps, their bookkeeping and the journal;
+//! - [`rule_names`]: the names of the rules the entries reference;
 //! - `inputs` (changes of the inputs), `pods` (the steps that follow a
 //!   pod change) and `entries` (endpoint and ipcache entries).
 //!
@@ -39,6 +40,7 @@ mod inputs;
 mod keys;
 mod output;
 mod pods;
+mod rule_names;
 mod selection;
 mod tiers;
 
@@ -48,7 +50,10 @@ use std::{
 };
 
 use ipnet::IpNet;
-use policy_common::identity::{NODE, WORLD, kind};
+use policy_common::{
+    identity::{NODE, WORLD, kind},
+    rule_name::{RuleKey, RuleName},
+};
 
 use self::{
     claims::AddressClaims,
@@ -102,6 +107,9 @@ pub struct Compiler {
     /// ClusterNetworkPolicies past the per-policy budget (failing closed),
     /// with the entries they would take.
     tier_overflow: BTreeMap<String, u64>,
+    /// Every ClusterNetworkPolicy rule's name, by the key its tier slots
+    /// are named by (see [`rule_names`]).
+    tier_rule_names: BTreeMap<RuleKey, RuleName>,
     services: BTreeMap<ServiceRef, ServiceInfo>,
     endpoint_slices: BTreeMap<ObjectRef, EndpointSliceInfo>,
     /// The cluster's Service ranges: frontends as a whole.
@@ -227,6 +235,7 @@ impl Compiler {
             kind::CIDR => classes.contains(&id),
             _ => false,
         });
+        self.sync_rule_names();
         self.out.maps.finalize();
     }
 
@@ -309,6 +318,7 @@ impl Compiler {
             self.rebuild_pending = false;
             diff(&before, &self.out.maps)
         } else {
+            self.sync_rule_names();
             self.out.take_ops()
         };
         ids.end_generation();

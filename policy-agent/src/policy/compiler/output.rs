@@ -5,6 +5,9 @@
 //!   rules give it: the entry is composed of both;
 //! - per endpoint identity and direction, how many keys of each lookup
 //!   shape exist (the endpoint lookup bits, without rescanning);
+//! - how many entries reference each rule (`RULE_NAMES` names exactly
+//!   the rules referenced: the compiler names those that start or stop
+//!   being referenced, see [`Output::take_dirty_rules`]);
 //! - a journal of the first old value of every entry touched, from which
 //!   the same ordered ops as [`crate::mapstate::diff`] are produced without
 //!   comparing the whole state.
@@ -16,12 +19,13 @@ use policy_common::{
     identity::IdentityName,
     ipcache::IpcacheEntry,
     policy::{ENTRY_TIERS_ONLY, PolicyEntry, PolicyKey, TierSlot},
+    rule_name::{RuleKey, RuleName},
     service::ServiceEntry,
 };
 
 use crate::{
     cluster::PodRef,
-    mapstate::{MapOp, MapState, Writes, covering, updating},
+    mapstate::{MapOp, MapState, Writes, covering, entry_rules, updating},
 };
 
 /// Counter slots, one per bit of [`lookups`]: 0..=16 port prefix lengths,
@@ -50,8 +54,14 @@ pub struct Output {
     counts: HashMap<(u32, u8), [u32; SLOTS]>,
     /// Endpoint identities whose lookup bits may have changed.
     pub dirty_lookups: BTreeSet<u32>,
+    /// Entries referencing each rule (absent: none).
+    rule_refs: HashMap<RuleKey, u32>,
+    /// Rules whose name may be due: referenced or not any more, or
+    /// named differently (see [`Self::mark_rules_dirty`]).
+    dirty_rules: BTreeSet<RuleKey>,
     /// First old value of each entry touched since the journal started.
     journal_identities: Option<BTreeMap<u32, Option<IdentityName>>>,
+    journal_rule_names: Option<BTreeMap<RuleKey, Option<RuleName>>>,
     journal_policy: Option<BTreeMap<PolicyKey, Option<PolicyEntry>>>,
     journal_endpoints: Option<BTreeMap<PodRef, Option<EndpointInfo>>>,
     journal_ipcache: Option<BTreeMap<IpNet, Option<IpcacheEntry>>>,
@@ -62,6 +72,7 @@ impl Output {
     /// Starts recording old values (see [`Self::take_ops`]).
     pub fn start_journal(&mut self) {
         self.journal_identities = Some(BTreeMap::new());
+        self.journal_rule_names = Some(BTreeMap::new());
         self.journal_policy = Some(BTreeMap::new());
         self.journal_endpoints = Some(BTreeMap::new());
         self.journal_ipcache = Some(BTreeMap::new());
@@ -70,6 +81,7 @@ impl Output {
 
     pub fn stop_journal(&mut self) {
         self.journal_identities = None;
+        self.journal_rule_names = None;
         self.journal_policy = None;
         self.journal_endpoints = None;
         self.journal_ipcache = None;
@@ -193,6 +205,9 @@ impl Output {
         }
         let was = old.is_some();
         note(&mut self.journal_policy, key, old);
+        let old = old.copied();
+        self.reference(key, old.as_ref(), -1);
+        self.reference(key, want.as_ref(), 1);
         match want {
             Some(e) => {
                 self.maps.policy.insert(*key, e);
@@ -215,6 +230,7 @@ impl Output {
             self.tiers.remove(&key);
             if let Some(old) = self.maps.policy.remove(&key) {
                 note(&mut self.journal_policy, &key, Some(&old));
+                self.reference(&key, Some(&old), -1);
             }
         }
         for dir in [0, 1] {
@@ -222,6 +238,56 @@ impl Output {
                 self.dirty_lookups.insert(e);
             }
         }
+    }
+
+    /// Counts `entry`'s references to its rules (`delta`: 1 or -1); a rule
+    /// whose first reference comes or whose last goes needs its name
+    /// written or removed.
+    fn reference(&mut self, key: &PolicyKey, entry: Option<&PolicyEntry>, delta: i32) {
+        for rule in entry.into_iter().flat_map(|e| entry_rules(key, e)) {
+            let n = self.rule_refs.entry(rule).or_default();
+            let before = *n;
+            *n = if delta > 0 {
+                n.saturating_add(1)
+            } else {
+                n.saturating_sub(1)
+            };
+            let after = *n;
+            if after == 0 {
+                self.rule_refs.remove(&rule);
+            }
+            if (before == 0) != (after == 0) {
+                self.dirty_rules.insert(rule);
+            }
+        }
+    }
+
+    /// Whether some entry references `rule`.
+    pub fn references(&self, rule: &RuleKey) -> bool {
+        self.rule_refs.contains_key(rule)
+    }
+
+    /// Rules whose name may have changed (their policies came, went or
+    /// moved): looked at again by the next [`Self::take_dirty_rules`].
+    pub fn mark_rules_dirty(&mut self, rules: impl IntoIterator<Item = RuleKey>) {
+        self.dirty_rules.extend(rules);
+    }
+
+    /// The rules to name (or unname) since the last call.
+    pub fn take_dirty_rules(&mut self) -> BTreeSet<RuleKey> {
+        std::mem::take(&mut self.dirty_rules)
+    }
+
+    pub fn set_rule_name(&mut self, rule: RuleKey, name: Option<RuleName>) {
+        let old = self.maps.rule_names.get(&rule);
+        if old == name.as_ref() {
+            return;
+        }
+        note(&mut self.journal_rule_names, &rule, old);
+        match name {
+            Some(n) => self.maps.rule_names.insert(rule, n),
+            None => self.maps.rule_names.remove(&rule),
+        };
     }
 
     pub fn set_endpoint(&mut self, pod: &PodRef, info: Option<EndpointInfo>) {
@@ -287,6 +353,7 @@ impl Output {
         }
         let mut m = self.maps.clone();
         revert(&mut m.identities, self.journal_identities.as_ref());
+        revert(&mut m.rule_names, self.journal_rule_names.as_ref());
         revert(&mut m.policy, self.journal_policy.as_ref());
         revert(&mut m.endpoints, self.journal_endpoints.as_ref());
         revert(&mut m.ipcache, self.journal_ipcache.as_ref());
@@ -313,6 +380,8 @@ impl Output {
         }
         let (identity_upserts, identity_removals) =
             split(&self.maps.identities, self.journal_identities.take());
+        let (rule_name_upserts, rule_name_removals) =
+            split(&self.maps.rule_names, self.journal_rule_names.take());
         let (policy_upserts, policy_removals) =
             split(&self.maps.policy, self.journal_policy.take());
         let journal_endpoints = self.journal_endpoints.take();
@@ -370,6 +439,8 @@ impl Output {
         Writes {
             identity_upserts,
             identity_removals,
+            rule_name_upserts,
+            rule_name_removals,
             policy_upserts,
             policy_removals,
             endpoint_upserts,
@@ -396,6 +467,8 @@ impl Output {
             + m.ipcache.len() * (size_of::<IpNet>() + size_of::<IpcacheEntry>())
             + m.endpoints.len() * (size_of::<PodRef>() + size_of::<EndpointInfo>())
             + m.identities.len() * (4 + size_of::<IdentityName>())
+            + m.rule_names.len() * (size_of::<RuleKey>() + size_of::<RuleName>())
+            + self.rule_refs.len() * (size_of::<RuleKey>() + 4)
             + self
                 .shared
                 .values()

@@ -20,11 +20,13 @@ use policy_common::{
     identity::ANY,
     policy::{PolicyKey, TierSlot},
     proto,
+    rule_name::{RuleKey, RuleName, kind as rule_kind},
 };
 
 use super::Compiler;
 use crate::{
     identity::LabelKey,
+    mapstate::rule_name,
     policy::{
         cluster_policy::{
             Action, ClusterPeer, ClusterRule, ParsedClusterPolicy, ProtocolMatch, RuleMatch, Tier,
@@ -36,6 +38,14 @@ use crate::{
 /// Keys with their (Admin, Baseline) slots; sorted once complete.
 type Layer = Vec<(PolicyKey, (TierSlot, TierSlot))>;
 
+/// The `RULE_NAMES` kind of a tier's slots.
+fn tier_kind(tier: Tier) -> u8 {
+    match tier {
+        Tier::Admin => rule_kind::ADMIN,
+        Tier::Baseline => rule_kind::BASELINE,
+    }
+}
+
 /// A rule's rank in its tier (see [`TierSlot::rule_rank`]).
 fn rank(priority: u32, place: u32, rule_index: usize) -> u32 {
     TierSlot::rule_rank(priority, place, u32::try_from(rule_index).unwrap_or(31))
@@ -46,8 +56,10 @@ impl Compiler {
     /// get their flags recomputed.
     pub(super) fn sync_tiers(&mut self) {
         let mut overflow = BTreeMap::new();
-        let want = self.tier_layer(&mut overflow);
+        let mut names = BTreeMap::new();
+        let want = self.tier_layer(&mut overflow, &mut names);
         self.tier_overflow = overflow;
+        self.set_tier_rule_names(names);
         // Both sorted by key: one merge finds what went and what changed
         // (hundreds of thousands of keys at scale: no lookup per key).
         let mut gone = Vec::new();
@@ -89,7 +101,13 @@ impl Compiler {
     /// Every key a rule matches with its best slot of each tier, sorted.
     /// Policies past the per-policy budget fail closed (see
     /// [`Self::tier_overflow`]): `overflow` gets each one's entry count.
-    fn tier_layer(&self, overflow: &mut BTreeMap<String, u64>) -> Layer {
+    /// `names` gets the name of every rule by the key its slots are
+    /// named by (tier, direction, rank).
+    fn tier_layer(
+        &self,
+        overflow: &mut BTreeMap<String, u64>,
+        names: &mut BTreeMap<RuleKey, RuleName>,
+    ) -> Layer {
         let mut out = Layer::new();
         // Same-priority policies by name: their place among those.
         let mut place: BTreeMap<(Tier, u32), u32> = BTreeMap::new();
@@ -98,7 +116,15 @@ impl Compiler {
             let start = out.len();
             for dir in [direction::INGRESS, direction::EGRESS] {
                 for rule in p.rules(dir) {
-                    let slot = TierSlot::new(rank(p.priority, *at, rule.index), rule.action.code());
+                    let rank = rank(p.priority, *at, rule.index);
+                    let name = rule_name(dir, rule.index, p.priority, "", &p.name, &rule.name);
+                    // Ranks clamped alike (see `TierSlot::rule_rank`): the
+                    // smallest name, as the incremental path keeps it.
+                    names
+                        .entry(RuleKey::new(tier_kind(p.tier), dir, rank))
+                        .and_modify(|n| *n = (*n).min(name))
+                        .or_insert(name);
+                    let slot = TierSlot::new(rank, rule.action.code());
                     self.add_rule(&mut out, p, dir, rule, p.tier, slot);
                 }
             }

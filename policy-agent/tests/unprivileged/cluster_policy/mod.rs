@@ -2,6 +2,7 @@
 //! and the reference evaluator on the upstream conformance scenarios.
 mod compiled;
 mod fail_closed;
+mod rule_names;
 mod upstream;
 
 use std::{collections::BTreeMap, net::IpAddr};

@@ -397,6 +397,8 @@ impl<'a> Live<'a> {
             // the flows judged here go to pod addresses.
             MapOp::UpsertIdentity(..)
             | MapOp::DeleteIdentity(_)
+            | MapOp::UpsertRuleName(..)
+            | MapOp::DeleteRuleName(_)
             | MapOp::UpsertService(..)
             | MapOp::DeleteService(_) => Touched::Nothing,
             MapOp::UpsertPolicy(k, v) => {
@@ -600,7 +602,10 @@ fn transients_are_safe(
         .position(|op| {
             !matches!(
                 op,
-                MapOp::UpsertIdentity(..) | MapOp::UpsertIpcache(..) | MapOp::UpsertService(..)
+                MapOp::UpsertIdentity(..)
+                    | MapOp::UpsertRuleName(..)
+                    | MapOp::UpsertIpcache(..)
+                    | MapOp::UpsertService(..)
             ) && !closes_only(op)
         })
         .unwrap_or(ops.len());
@@ -756,11 +761,12 @@ fn transients_are_safe(
     Ok(())
 }
 
-/// The writes, one a line (identity names left out).
+/// The writes, one a line (identity and rule names left out).
 fn show(ops: &[MapOp<PodRef>]) -> String {
     ops.iter()
         .map(|op| match op {
             MapOp::UpsertIdentity(id, _) => format!("  UpsertIdentity({id})"),
+            MapOp::UpsertRuleName(k, _) => format!("  UpsertRuleName({k:?})"),
             MapOp::UpsertPolicy(k, _) => format!("  UpsertPolicy({k:?})"),
             other => format!("  {other:?}"),
         })

@@ -124,6 +124,9 @@ fn cnp_admin_tier_integration(name: &'static str, backend: Backend) {
     c.check("admin deny", |f, t, _, _| {
         always(f, t) || (ns_of(f) != "beta" && ns_of(t) != "beta")
     });
+    if backend == Backend::Bpf {
+        dump_names_the_rules(&c);
+    }
     // "pass-ingress/egress ... respect the match for network policy".
     c.write_policies(&docs("Pass", true));
     c.apply_ok();
@@ -136,6 +139,59 @@ fn cnp_admin_tier_integration(name: &'static str, backend: Backend) {
     c.check("admin pass to the baseline", |f, t, _, _| {
         always(f, t) || !beta_gamma(f, t)
     });
+}
+
+/// `dump --json` names each entry's rules from the pins alone: the
+/// NetworkPolicy rule of its `rule_ref`, the ClusterNetworkPolicy and rule
+/// of each tier slot. Without `RULE_NAMES` (pins of an older agent) it
+/// still prints, without names; the next `apply` creates the map again.
+fn dump_names_the_rules(c: &Conformance) {
+    let named = |c: &Conformance| {
+        let dump = c.dump();
+        let rows = dump["policy"].as_array().unwrap().clone();
+        let np = rows.iter().any(|r| {
+            r["direction"] == "ingress"
+                && r["rule"]["policy"] == "beta/allow-gress-from-to-slytherin-to-gryffindor"
+                && r["rule"]["direction"] == "ingress"
+                && r["rule"]["rule"] == 0
+        });
+        let admin = |dir: &str, rule: &str| {
+            rows.iter().any(|r| {
+                r["direction"] == dir
+                    && r["admin"]["policy"] == "pass-example"
+                    && r["admin"]["rule_name"] == rule
+                    && r["admin"]["priority"] == 10
+            })
+        };
+        let admin = admin("ingress", "deny-all-ingress-from-slytherin")
+            && admin("egress", "deny-all-egress-to-slytherin");
+        let baseline = rows.iter().any(|r| {
+            r["baseline"]["policy"] == "default"
+                && r["baseline"]["rule_name"] == "deny-all-ingress-from-slytherin"
+        });
+        (np, admin, baseline, rows)
+    };
+    let (np, admin, baseline, rows) = named(c);
+    assert!(
+        np && admin && baseline,
+        "{np} {admin} {baseline}: {rows:#?}"
+    );
+
+    let pin = c.layout.map(policy_common::maps::RULE_NAMES);
+    std::fs::remove_file(&pin).unwrap();
+    let (np, admin, baseline, rows) = named(c);
+    assert!(
+        !np && !admin && !baseline,
+        "names without the map: {rows:#?}"
+    );
+    assert!(!rows.is_empty() && rows.iter().all(|r| r["rule"].is_null()));
+    c.apply_ok();
+    assert!(pin.exists(), "apply creates the map an older agent lacked");
+    let (np, admin, baseline, rows) = named(c);
+    assert!(
+        np && admin && baseline,
+        "{np} {admin} {baseline}: {rows:#?}"
+    );
 }
 
 #[test]
