@@ -23,6 +23,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use ipnet::IpNet;
 use policy_common::{
+    direction,
+    endpoint::{ENDPOINT_EGRESS_UPDATING, ENDPOINT_INGRESS_UPDATING, EndpointInfo},
     identity::{WORLD, is_cidr, kind},
     maps as names,
     policy::{PolicyEntry, action},
@@ -57,6 +59,9 @@ pub struct Shortfall {
     pub endpoints: BTreeSet<u32>,
     /// Carved prefixes did not fit: allows by address class withdrawn.
     pub classes_withdrawn: bool,
+    /// Endpoint identities held closed for new flows: a tier Deny or Pass
+    /// by address class of theirs had to be withdrawn.
+    pub held_closed: BTreeSet<u32>,
 }
 
 impl Shortfall {
@@ -165,10 +170,18 @@ fn map_name(map: Map) -> &'static str {
 }
 
 /// The prefixes ipBlocks carve (address classes), from the identity names.
-fn carved(state: &MapState<u32>) -> BTreeSet<IpNet> {
+/// Those named in this change as well: a prefix carved for the first time
+/// is one too (else it would be dropped as a pod address, and a Deny keyed
+/// by its class would silently stop applying).
+fn carved(state: &MapState<u32>, ops: &[MapOp<u32>]) -> BTreeSet<IpNet> {
+    let named = ops.iter().filter_map(|o| match o {
+        MapOp::UpsertIdentity(id, n) => Some((id, &**n)),
+        _ => None,
+    });
     state
         .identities
         .iter()
+        .chain(named)
         .filter(|(id, n)| is_cidr(**id) && n.kind == kind::CIDR)
         .filter_map(|(_, n)| identity_name_str(n).parse::<IpNet>().ok())
         .collect()
@@ -250,7 +263,7 @@ pub fn fit(before: &MapState<u32>, ops: &mut Vec<MapOp<u32>>, caps: &Capacities)
             .cloned(),
     );
     // 2. Drop what still does not fit.
-    let carved = carved(before);
+    let carved = carved(before, ops);
     for m in tight {
         let cap = capacity(caps, m);
         let mut left = (held(before, m, slots) + added(ops, m)).saturating_sub(removed(ops, m));
@@ -320,20 +333,79 @@ fn stops_flows(e: &PolicyEntry) -> bool {
 }
 
 /// Carved prefixes do not fit: no allow keyed by an address class (or the
-/// world) may stay, written or existing.
+/// world) may stay, written or existing. A tier Deny or Pass keyed by one
+/// cannot stay either (an address may now resolve to a wider class, where
+/// it does not apply), and without it the flows it stops would meet what
+/// comes after it: the endpoints it belongs to are held closed for new
+/// flows in that direction (`UPDATING`) until the maps have room.
 fn withdraw_class_allows(before: &MapState<u32>, ops: &mut Vec<MapOp<u32>>, s: &mut Shortfall) {
     let by_class = |peer: u32| is_cidr(peer) || peer == WORLD;
+    let mut closed: BTreeSet<(u32, u8)> = BTreeSet::new();
     ops.retain(|op| match op {
-        MapOp::UpsertPolicy(k, _) if by_class(k.peer_identity) => {
+        MapOp::UpsertPolicy(k, e) if by_class(k.peer_identity) => {
             s.identities.insert(k.endpoint_identity);
+            if stops_flows(e) {
+                closed.insert((k.endpoint_identity, k.direction));
+            }
             false
         }
         _ => true,
     });
+    closed.extend(
+        before
+            .policy
+            .iter()
+            .filter(|(k, e)| by_class(k.peer_identity) && stops_flows(e))
+            .map(|(k, _)| (k.endpoint_identity, k.direction)),
+    );
     let first_ipcache = ops
         .iter()
         .position(|o| matches!(o, MapOp::UpsertIpcache(..) | MapOp::DeleteIpcache(_)))
         .unwrap_or(ops.len());
+    // Closed first, before any Deny goes; every later write of those
+    // endpoints keeps them closed.
+    let hold = |ep: &mut EndpointInfo| {
+        for (identity, dir) in &closed {
+            if ep.identity == *identity {
+                ep.flags |= if *dir == direction::INGRESS {
+                    ENDPOINT_INGRESS_UPDATING
+                } else {
+                    ENDPOINT_EGRESS_UPDATING
+                };
+            }
+        }
+    };
+    let mut closing: BTreeMap<u32, EndpointInfo> = before.endpoints.clone();
+    for op in &ops[..first_ipcache] {
+        match op {
+            MapOp::UpsertEndpoint(k, e) => {
+                closing.insert(*k, *e);
+            }
+            MapOp::DeleteEndpoint(k) => {
+                closing.remove(k);
+            }
+            _ => {}
+        }
+    }
+    let closing: Vec<MapOp<u32>> = closing
+        .into_iter()
+        .filter(|(_, e)| closed.iter().any(|(id, _)| *id == e.identity))
+        .map(|(k, mut e)| {
+            hold(&mut e);
+            s.held_closed.insert(e.identity);
+            MapOp::UpsertEndpoint(k, e)
+        })
+        .collect();
+    for op in &mut ops[first_ipcache..] {
+        if let MapOp::UpsertEndpoint(_, e) = op {
+            hold(e);
+        }
+    }
+    let first_ipcache = {
+        let n = closing.len();
+        ops.splice(first_ipcache..first_ipcache, closing);
+        first_ipcache + n
+    };
     let withdraw: Vec<MapOp<u32>> = before
         .policy
         .keys()
@@ -356,6 +428,7 @@ mod tests {
     use policy_common::{
         direction,
         endpoint::EndpointInfo,
+        identity::FIRST_CIDR,
         ipcache::IpcacheEntry,
         policy::{PolicyEntry, PolicyKey},
         proto,
@@ -473,5 +546,64 @@ mod tests {
         assert!(short.classes_withdrawn);
         let landed = replay(&before, &ops, &caps(10, 0));
         assert!(!landed.policy.contains_key(&key(class, 80)));
+        assert!(short.held_closed.is_empty(), "no tier Deny was withdrawn");
+    }
+
+    /// A tier Deny keyed by an address class that has to go (a carved
+    /// prefix does not fit) would open what it stops: its endpoint is held
+    /// closed for new flows in that direction before it goes, and every
+    /// later write of the endpoint keeps it closed.
+    #[test]
+    fn a_withdrawn_tier_deny_by_address_class_holds_its_endpoint_closed() {
+        use policy_common::policy::{ENTRY_TIERS_ONLY, TierSlot, action};
+        let (a, b) = (FIRST_CIDR, FIRST_CIDR + 1);
+        let net = |s: &str| s.parse::<IpNet>().unwrap();
+        let carve = |class: u32| IpcacheEntry {
+            identity: 0,
+            cidr_identity: class,
+        };
+        // Held: an Admin Deny of class a, its prefix carved.
+        let mut before = state(&[]);
+        before
+            .identities
+            .insert(a, identity_name(kind::CIDR, "10.0.0.0/8"));
+        let deny = PolicyEntry {
+            admin: TierSlot::new(5, action::DENY),
+            flags: ENTRY_TIERS_ONLY,
+            ..PolicyEntry::default()
+        };
+        before.policy.insert(key(a, 80), deny);
+        before.ipcache.insert(net("10.0.0.0/8"), carve(a));
+        // Wanted: a second carved prefix, which does not fit.
+        let mut after = before.clone();
+        after
+            .identities
+            .insert(b, identity_name(kind::CIDR, "192.168.0.0/16"));
+        after.policy.insert(key(b, 443), PolicyEntry::default());
+        after.ipcache.insert(net("192.168.0.0/16"), carve(b));
+        let mut ops = diff(&before, &after);
+        // A revision bump after everything else, as a sync writes one.
+        let mut bumped = after.endpoints[&7];
+        bumped.revision = 9;
+        ops.push(MapOp::UpsertEndpoint(7, bumped));
+        let short = fit(&before, &mut ops, &caps(10, 1));
+        assert!(short.classes_withdrawn);
+        assert!(short.held_closed.contains(&300), "{short:?}");
+        let closed_at = ops.iter().position(
+            |o| matches!(o, MapOp::UpsertEndpoint(7, e) if e.updating(direction::INGRESS)),
+        );
+        let deny_gone_at = ops
+            .iter()
+            .position(|o| *o == MapOp::DeletePolicy(key(a, 80)));
+        assert!(
+            matches!((closed_at, deny_gone_at), (Some(c), Some(d)) if c < d),
+            "closed at {closed_at:?}, the Deny removed at {deny_gone_at:?}: {ops:#?}"
+        );
+        let landed = replay(&before, &ops, &caps(10, 1));
+        assert!(!landed.policy.contains_key(&key(a, 80)));
+        let ep = landed.endpoints[&7];
+        assert!(ep.updating(direction::INGRESS), "{ep:?}");
+        assert!(!ep.updating(direction::EGRESS), "{ep:?}");
+        assert_eq!(ep.revision, 9);
     }
 }

@@ -353,6 +353,12 @@ pub(super) fn report_shortfall(
             "ipBlock prefixes do not fit the ipcache: every allow by address block is withdrawn",
         ));
     }
+    if !s.held_closed.is_empty() {
+        report.problems.push(Problem::node(format!(
+            "endpoint identities {:?} refuse every new flow in a direction where a ClusterNetworkPolicy Deny or Pass by address block could not be kept (fail closed until the ipcache has room)",
+            s.held_closed
+        )));
+    }
 }
 
 /// Makes sure a known interface still has both programs attached, and
