@@ -43,6 +43,25 @@ fn note<K: Ord + Clone, V: Clone>(
     }
 }
 
+/// Sets (Some) or removes (None) `key` in `map`, journalling its first old
+/// value; an unchanged entry is left alone and not journalled.
+fn set_journaled<K: Ord + Clone, V: Clone + PartialEq>(
+    map: &mut BTreeMap<K, V>,
+    journal: &mut Option<BTreeMap<K, Option<V>>>,
+    key: &K,
+    value: Option<V>,
+) {
+    let old = map.get(key);
+    if old == value.as_ref() {
+        return;
+    }
+    note(journal, key, old);
+    match value {
+        Some(v) => map.insert(key.clone(), v),
+        None => map.remove(key),
+    };
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct Output {
     pub maps: MapState<PodRef>,
@@ -279,63 +298,48 @@ impl Output {
     }
 
     pub fn set_rule_name(&mut self, rule: RuleKey, name: Option<RuleName>) {
-        let old = self.maps.rule_names.get(&rule);
-        if old == name.as_ref() {
-            return;
-        }
-        note(&mut self.journal_rule_names, &rule, old);
-        match name {
-            Some(n) => self.maps.rule_names.insert(rule, n),
-            None => self.maps.rule_names.remove(&rule),
-        };
+        set_journaled(
+            &mut self.maps.rule_names,
+            &mut self.journal_rule_names,
+            &rule,
+            name,
+        );
     }
 
     pub fn set_endpoint(&mut self, pod: &PodRef, info: Option<EndpointInfo>) {
-        let old = self.maps.endpoints.get(pod);
-        if old == info.as_ref() {
-            return;
-        }
-        note(&mut self.journal_endpoints, pod, old);
-        match info {
-            Some(i) => self.maps.endpoints.insert(pod.clone(), i),
-            None => self.maps.endpoints.remove(pod),
-        };
+        set_journaled(
+            &mut self.maps.endpoints,
+            &mut self.journal_endpoints,
+            pod,
+            info,
+        );
     }
 
     pub fn set_ipcache(&mut self, net: IpNet, entry: Option<IpcacheEntry>) {
-        let old = self.maps.ipcache.get(&net);
-        if old == entry.as_ref() {
-            return;
-        }
-        note(&mut self.journal_ipcache, &net, old);
-        match entry {
-            Some(e) => self.maps.ipcache.insert(net, e),
-            None => self.maps.ipcache.remove(&net),
-        };
+        set_journaled(
+            &mut self.maps.ipcache,
+            &mut self.journal_ipcache,
+            &net,
+            entry,
+        );
     }
 
     pub fn set_service(&mut self, net: IpNet, entry: Option<ServiceEntry>) {
-        let old = self.maps.services.get(&net);
-        if old == entry.as_ref() {
-            return;
-        }
-        note(&mut self.journal_services, &net, old);
-        match entry {
-            Some(e) => self.maps.services.insert(net, e),
-            None => self.maps.services.remove(&net),
-        };
+        set_journaled(
+            &mut self.maps.services,
+            &mut self.journal_services,
+            &net,
+            entry,
+        );
     }
 
     pub fn set_identity(&mut self, id: u32, name: Option<IdentityName>) {
-        let old = self.maps.identities.get(&id);
-        if old == name.as_ref() {
-            return;
-        }
-        note(&mut self.journal_identities, &id, old);
-        match name {
-            Some(n) => self.maps.identities.insert(id, n),
-            None => self.maps.identities.remove(&id),
-        };
+        set_journaled(
+            &mut self.maps.identities,
+            &mut self.journal_identities,
+            &id,
+            name,
+        );
     }
 
     /// The map content as it was when the journal started.
