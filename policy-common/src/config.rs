@@ -4,7 +4,8 @@ use crate::assert_size;
 /// Kernel-side debug logging through aya-log (off by default: the fast
 /// path then pays one array load and a branch).
 pub const CONFIG_DEBUG_LOG: u32 = 1 << 0;
-/// Stop emitting drop events to the ring buffer (counters still count).
+/// Stop emitting flow records (drops and new flows) to the ring buffer
+/// (counters still count).
 pub const CONFIG_NO_DROP_EVENTS: u32 = 1 << 1;
 /// `POD_RANGES` holds at least one range (`--pod-cidr`): the classifier
 /// drops traffic to and from local addresses that are not enforced yet

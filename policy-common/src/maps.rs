@@ -44,8 +44,12 @@ pub const POD_RANGES: &str = "POD_RANGES";
 pub const ENFORCED: &str = "ENFORCED";
 /// Verdict counters, per CPU, indexed by [`crate::verdict::counter_index`].
 pub const COUNTERS: &str = "COUNTERS";
-/// Ring buffer of [`crate::event::DropEvent`].
+/// Ring buffer of [`crate::event::FlowRecord`]: new flows judged by
+/// policy and dropped packets (the name is older than the records).
 pub const DROP_EVENTS: &str = "DROP_EVENTS";
+/// Per-CPU single-slot array of [`crate::event::FlowBudget`]: the flow
+/// record rate limit. Pins of an older agent may lack it.
+pub const FLOW_BUDGET: &str = "FLOW_BUDGET";
 /// Single-slot array holding [`crate::config::Config`].
 pub const CONFIG: &str = "CONFIG";
 /// identity → [`crate::identity::IdentityName`]; written and read by
@@ -59,7 +63,7 @@ pub const ENDPOINT_META: &str = "ENDPOINT_META";
 pub const RULE_NAMES: &str = "RULE_NAMES";
 
 /// Every map the agent pins, in the order `dump` prints them.
-pub const ALL: [&str; 19] = [
+pub const ALL: [&str; 20] = [
     CONFIG,
     ENDPOINT_SLOTS,
     ENDPOINTS,
@@ -79,6 +83,7 @@ pub const ALL: [&str; 19] = [
     FRAGMENTS,
     COUNTERS,
     DROP_EVENTS,
+    FLOW_BUDGET,
 ];
 
 /// Default capacities. The agent can override them at load time.
@@ -101,7 +106,8 @@ pub mod capacity {
     pub const POD_RANGES: u32 = 64;
     /// Local addresses: two per endpoint slot, and node addresses.
     pub const ENFORCED: u32 = 32768;
-    /// Bytes of the drop-event ring buffer (a power of two, page multiple).
+    /// Bytes of the flow-record ring buffer (a power of two, page
+    /// multiple): about 2,500 records of 104 bytes.
     pub const DROP_EVENTS_BYTES: u32 = 1 << 18;
 }
 

@@ -178,6 +178,9 @@ pub struct Tiers {
     pub admin: TierSlot,
     pub baseline: TierSlot,
     pub network_policy: u32,
+    /// The `rule_ref` of the first entry (in probe order) a NetworkPolicy
+    /// rule allows: what a flow record names for an allow.
+    pub network_policy_rule: u32,
 }
 
 impl Tiers {
@@ -186,8 +189,11 @@ impl Tiers {
     pub fn add(&mut self, entry: &PolicyEntry) {
         self.admin = self.admin.best(entry.admin);
         self.baseline = self.baseline.best(entry.baseline);
-        // Branch-free, as `best`.
-        self.network_policy |= !entry.flags & ENTRY_TIERS_ONLY;
+        // Branch-free, as `best`: the first allowing entry's rule is kept.
+        let allows = !entry.flags & ENTRY_TIERS_ONLY;
+        let first = allows & (self.network_policy ^ 1);
+        self.network_policy_rule |= entry.rule_ref & first.wrapping_neg();
+        self.network_policy |= allows;
     }
 
     /// The decision, tier by tier, for an endpoint a NetworkPolicy
@@ -292,3 +298,79 @@ impl PolicyKey {
 
 #[cfg(feature = "user")]
 crate::user_pod!(PolicyKey, PolicyEntry);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(rule_ref: u32, flags: u32, admin: TierSlot, baseline: TierSlot) -> PolicyEntry {
+        PolicyEntry {
+            rule_ref,
+            flags,
+            admin,
+            baseline,
+        }
+    }
+
+    #[test]
+    fn the_fold_keeps_the_first_allowing_entrys_rule() {
+        let none = TierSlot::NONE;
+        let mut t = Tiers::default();
+        // Tiers-only entries allow nothing: their rule_ref is not kept.
+        t.add(&entry(
+            7,
+            ENTRY_TIERS_ONLY,
+            TierSlot::new(5, action::PASS),
+            none,
+        ));
+        assert_eq!((t.network_policy, t.network_policy_rule), (0, 0));
+        t.add(&entry(11, 0, none, none));
+        t.add(&entry(12, 0, TierSlot::new(2, action::DENY), none));
+        t.add(&entry(13, ENTRY_TIERS_ONLY, none, none));
+        assert_eq!((t.network_policy, t.network_policy_rule), (1, 11));
+        // The slots fold apart: the best of every entry, allowing or not.
+        assert_eq!(t.admin, TierSlot::new(2, action::DENY));
+        assert_eq!(t.baseline, none);
+    }
+
+    #[test]
+    fn the_fold_keeps_a_first_rule_of_zero() {
+        // An allowing entry without a name (0) is still the first: a later
+        // one does not take its place.
+        let mut t = Tiers::default();
+        t.add(&entry(0, 0, TierSlot::NONE, TierSlot::NONE));
+        t.add(&entry(9, 0, TierSlot::NONE, TierSlot::NONE));
+        assert_eq!((t.network_policy, t.network_policy_rule), (1, 0));
+    }
+
+    #[test]
+    fn any_order_of_entries_keeps_the_first_allowing_one() {
+        let slots = [
+            TierSlot::NONE,
+            TierSlot::new(1, action::ACCEPT),
+            TierSlot::new(4, action::PASS),
+        ];
+        // Every sequence of four entries, each allowing or tiers-only.
+        for bits in 0u32..16 {
+            let entries: [PolicyEntry; 4] = core::array::from_fn(|i| {
+                let flags = if bits & (1 << i) != 0 {
+                    0
+                } else {
+                    ENTRY_TIERS_ONLY
+                };
+                entry(100 + i as u32, flags, slots[i % 3], slots[(i + 1) % 3])
+            });
+            let mut t = Tiers::default();
+            for e in &entries {
+                t.add(e);
+            }
+            let first = entries.iter().find(|e| e.flags & ENTRY_TIERS_ONLY == 0);
+            assert_eq!(t.network_policy, u32::from(first.is_some()), "{bits:04b}");
+            assert_eq!(
+                t.network_policy_rule,
+                first.map_or(0, |e| e.rule_ref),
+                "{bits:04b}"
+            );
+        }
+    }
+}

@@ -15,7 +15,21 @@ pub mod kind {
     pub const ADMIN: u8 = 1;
     /// A Baseline-tier ClusterNetworkPolicy rule: the id is its rank.
     pub const BASELINE: u8 = 2;
+    /// A NetworkPolicy that isolates the pods of one label identity in
+    /// the key's direction: the id is that identity, [`super::RuleKey::index`]
+    /// counts the policies from 0 (by namespace and name), and the value
+    /// names the policy with [`super::RuleName::rule_index`]
+    /// [`super::NO_RULE`]. What a flow record names for a policy drop.
+    pub const ISOLATING: u8 = 3;
 }
+
+/// [`RuleName::rule_index`] of a name that stands for a whole policy.
+pub const NO_RULE: u16 = u16::MAX;
+
+/// At most this many isolating policies are named per identity and
+/// direction; past it the last one kept says how many more there are
+/// (its rule name reads "and N more").
+pub const MAX_ISOLATING: u16 = 64;
 
 /// Key of `RULE_NAMES`.
 ///
@@ -30,8 +44,9 @@ pub struct RuleKey {
     pub kind: u8,
     /// [`crate::direction`].
     pub direction: u8,
-    pub _pad: u16,
-    /// The `rule_ref` or the rank (see [`kind`]).
+    /// 0, but for [`kind::ISOLATING`].
+    pub index: u16,
+    /// The `rule_ref`, the rank or the identity (see [`kind`]).
     pub id: u32,
 }
 assert_size!(RuleKey, 8);
@@ -41,8 +56,18 @@ impl RuleKey {
         Self {
             kind,
             direction,
-            _pad: 0,
+            index: 0,
             id,
+        }
+    }
+
+    /// The key of the `index`-th policy isolating `identity` in `direction`.
+    pub const fn isolating(direction: u8, identity: u32, index: u16) -> Self {
+        Self {
+            kind: kind::ISOLATING,
+            direction,
+            index,
+            id: identity,
         }
     }
 }

@@ -65,6 +65,9 @@ pub enum Reason {
     /// Not a verdict: a flow was not tracked because its interface holds
     /// its whole share of `CONNTRACK` (see `crate::conntrack_share`).
     CtShareFull = 51,
+    /// Not a verdict: a flow record held back by the per-CPU record budget
+    /// (see `crate::event::FlowBudget`).
+    RecordLimited = 52,
 }
 
 /// Reasons at or above this value drop the packet.
@@ -83,7 +86,7 @@ pub const fn counter_index(reason: Reason, direction: u8) -> u32 {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 27] = [
+    pub const ALL: [Reason; 28] = [
         Reason::AllowPolicy,
         Reason::AllowEstablished,
         Reason::AllowReply,
@@ -111,6 +114,7 @@ impl Reason {
         Reason::CtCreateFailed,
         Reason::CtMidstreamMiss,
         Reason::CtShareFull,
+        Reason::RecordLimited,
     ];
 
     /// Whether packets with this reason are dropped.
@@ -169,6 +173,7 @@ impl Reason {
             49 => Reason::CtCreateFailed,
             50 => Reason::CtMidstreamMiss,
             51 => Reason::CtShareFull,
+            52 => Reason::RecordLimited,
             _ => return None,
         })
     }
@@ -203,6 +208,7 @@ impl Reason {
             Reason::CtCreateFailed => "ct_create_failed",
             Reason::CtMidstreamMiss => "ct_midstream_miss",
             Reason::CtShareFull => "ct_share_full",
+            Reason::RecordLimited => "record_limited",
         }
     }
 }

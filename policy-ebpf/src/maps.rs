@@ -11,7 +11,7 @@ use policy_common::{
     conntrack::{CtEntry, CtKey, FragEntry, FragKey},
     conntrack_share::{CtShare, CtUsageKey},
     endpoint::{EndpointInfo, EndpointMeta},
-    event::DropEvent,
+    event::{FlowBudget, FlowRecord},
     identity::IdentityName,
     ipcache::{IpcacheEntry, Ipv4Bytes, Ipv6Bytes},
     maps::capacity,
@@ -105,8 +105,12 @@ pub static FRAGMENTS: LruHashMap<FragKey, FragEntry, { capacity::FRAGMENTS as us
 pub static COUNTERS: PerCpuArray<u64, { COUNTER_SLOTS as usize }> = PerCpuArray::new();
 
 #[btf_map]
-pub static DROP_EVENTS: RingBuf<DropEvent, { capacity::DROP_EVENTS_BYTES as usize }> =
+pub static DROP_EVENTS: RingBuf<FlowRecord, { capacity::DROP_EVENTS_BYTES as usize }> =
     RingBuf::new();
+
+/// The flow-record rate limit, a token bucket per CPU (see `FlowBudget`).
+#[btf_map]
+pub static FLOW_BUDGET: PerCpuArray<FlowBudget, 1> = PerCpuArray::new();
 
 // Userspace-only metadata, pinned with the rest so `dump` can name things
 // and a restarted agent can adopt identity numbers.

@@ -204,6 +204,7 @@ impl Datapath {
             reason,
             matched: None,
             peer: IpcacheEntry::UNKNOWN,
+            rule: crate::event::RuleRef::default(),
         };
         let Some(ep) = self.maps.endpoints.get(&pkt.ifindex).copied() else {
             return verdict(Reason::PassNoEndpoint);
@@ -294,9 +295,9 @@ impl Datapath {
                 .judge_as(&ep, pkt.direction, pkt.peer(), pkt.protocol, port, peer_of);
         }
         if let Some(q) = pkt.quoted
-            && let Some(reason) = self.related(&ep, pkt, &q)
+            && let Some(judged) = self.related(&ep, pkt, &q)
         {
-            return verdict(reason);
+            return judged;
         }
         let trackable = match pkt.protocol {
             proto::ICMP | proto::ICMPV6 => echo_role(pkt).is_some(),
@@ -371,8 +372,16 @@ impl Datapath {
 
     /// An ICMP error is related when it goes back to the quoted packet's
     /// sender and the quoted packet belongs to a flow tracked at this
-    /// interface that is still allowed. None: judge it as plain ICMP.
-    fn related(&mut self, ep: &EndpointInfo, pkt: &Packet, q: &Quoted) -> Option<Reason> {
+    /// interface that is still allowed. None: judge it as plain ICMP. A
+    /// flow denied now keeps what its new judgement found (its record's
+    /// rule).
+    fn related(&mut self, ep: &EndpointInfo, pkt: &Packet, q: &Quoted) -> Option<Judgement> {
+        let related = Judgement {
+            reason: Reason::AllowRelated,
+            matched: None,
+            peer: IpcacheEntry::UNKNOWN,
+            rule: crate::event::RuleRef::default(),
+        };
         if pkt.dst != q.src {
             return None;
         }
@@ -397,7 +406,11 @@ impl Datapath {
             let judged = self.judge_again(ep, &flow, flow.dport, st.peer_of);
             if judged.reason.is_drop() {
                 self.flows.remove(&flow);
-                return Some(Reason::DropPolicyChanged);
+                return Some(Judgement {
+                    reason: Reason::DropPolicyChanged,
+                    rule: judged.rule,
+                    ..related
+                });
             }
             self.flows.insert(
                 flow,
@@ -407,7 +420,7 @@ impl Datapath {
                 },
             );
         }
-        Some(Reason::AllowRelated)
+        Some(related)
     }
 
     /// A tracked flow judged as if new, as its opener was: its direction,
@@ -434,11 +447,13 @@ impl Datapath {
             reason: hit,
             matched: None,
             peer: IpcacheEntry::UNKNOWN,
+            rule: crate::event::RuleRef::default(),
         };
         if st.revision != ep.revision {
             let judged = self.judge_again(ep, &flow, port, st.peer_of);
             out.peer = judged.peer;
             out.matched = judged.matched;
+            out.rule = judged.rule;
             if judged.reason.is_drop() {
                 self.flows.remove(&flow);
                 out.reason = Reason::DropPolicyChanged;

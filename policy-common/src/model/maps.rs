@@ -8,6 +8,7 @@ use std::{
 use crate::{
     direction,
     endpoint::{ENDPOINT_HAS_V4, ENDPOINT_HAS_V6, EndpointInfo, lookups},
+    event::RuleRef,
     identity,
     ipcache::IpcacheEntry,
     policy::{ENTRY_TIERS_ONLY, PolicyEntry, PolicyKey, Tiers},
@@ -46,6 +47,10 @@ pub struct Judgement {
     pub matched: Option<PolicyKey>,
     /// What the peer address resolved to.
     pub peer: IpcacheEntry,
+    /// What the policy lookup found, as the classifier's flow record
+    /// carries it before [`RuleRef::kept_for`] (default when no lookup
+    /// ran).
+    pub rule: RuleRef,
 }
 
 pub(super) fn masked<const N: usize>(addr: [u8; N], prefix_len: u32) -> [u8; N] {
@@ -269,6 +274,7 @@ impl Maps {
                 reason: Reason::AllowSelf,
                 matched: None,
                 peer,
+                rule: RuleRef::default(),
             };
         }
         // What a pod sends the node, unencapsulated, under tiers: judged
@@ -283,23 +289,25 @@ impl Maps {
                     reason: Reason::AllowNode,
                     matched: None,
                     peer,
+                    rule: RuleRef::default(),
                 };
             }
             to_node = !encapsulated;
             peer.identity = identity::ANY;
         }
-        let verdict = |reason, matched| Judgement {
+        let verdict = |reason, matched, rule| Judgement {
             reason,
             matched,
             peer,
+            rule,
         };
         if !ep.judged(dir) {
-            return verdict(Reason::AllowNotIsolated, None);
+            return verdict(Reason::AllowNotIsolated, None, RuleRef::default());
         }
         // An address in transit matches no rule; under tiers no match is
         // not a denial (the default allows), so it is refused outright.
         if ep.updating(dir) || (ep.tiered(dir) && peer.cidr_identity == identity::IN_TRANSIT) {
-            return verdict(Reason::DropUpdating, None);
+            return verdict(Reason::DropUpdating, None, RuleRef::default());
         }
         let probes = Self::peers_to_probe(ep, dir, peer)
             .into_iter()
@@ -308,15 +316,17 @@ impl Maps {
             // NetworkPolicy alone: any NetworkPolicy entry allows (one of
             // tier slots alone may land before its endpoint's tier flag).
             for key in probes {
-                if self
-                    .policy
-                    .get(&key)
-                    .is_some_and(|e| e.flags & ENTRY_TIERS_ONLY == 0)
+                if let Some(e) = self.policy.get(&key)
+                    && e.flags & ENTRY_TIERS_ONLY == 0
                 {
-                    return verdict(Reason::AllowPolicy, Some(key));
+                    let rule = RuleRef {
+                        network_policy: e.rule_ref,
+                        ..RuleRef::default()
+                    };
+                    return verdict(Reason::AllowPolicy, Some(key), rule);
                 }
             }
-            return verdict(Reason::DropPolicy, None);
+            return verdict(Reason::DropPolicy, None, RuleRef::default());
         }
         // Every shape is probed; each tier keeps its best slot.
         let hits: Vec<(PolicyKey, PolicyEntry)> = probes
@@ -347,6 +357,11 @@ impl Maps {
             };
             decided.then_some(*key)
         });
-        verdict(reason, matched)
+        let rule = RuleRef {
+            network_policy: tiers.network_policy_rule,
+            admin: tiers.admin,
+            baseline: tiers.baseline,
+        };
+        verdict(reason, matched, rule)
     }
 }

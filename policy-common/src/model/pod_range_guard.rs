@@ -53,6 +53,7 @@ fn dropped() -> Judgement {
         reason: Reason::DropUnenforced,
         matched: None,
         peer: IpcacheEntry::UNKNOWN,
+        rule: crate::event::RuleRef::default(),
     }
 }
 

@@ -72,6 +72,7 @@ fn verdict(reason: Reason) -> Judgement {
         reason,
         matched: None,
         peer: IpcacheEntry::UNKNOWN,
+        rule: crate::event::RuleRef::default(),
     }
 }
 
@@ -267,20 +268,25 @@ impl Datapath {
     }
 
     /// An ICMP error about a Service flow: related while pending or still
-    /// allowed (judged again against the backend on a revision change).
+    /// allowed (judged again against the backend on a revision change;
+    /// denied, with what that judgement found).
     pub(super) fn service_related(
         &mut self,
         ep: &EndpointInfo,
         flow: Flow,
         st: FlowState,
-    ) -> Reason {
+    ) -> Judgement {
         if !st.pending
             && st.revision != ep.revision
             && let Some(j) = self.rejudge_backend(ep, flow)
             && j.reason.is_drop()
         {
-            return j.reason;
+            return Judgement {
+                peer: IpcacheEntry::UNKNOWN,
+                matched: None,
+                ..j
+            };
         }
-        Reason::AllowRelated
+        verdict(Reason::AllowRelated)
     }
 }

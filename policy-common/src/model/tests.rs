@@ -414,3 +414,212 @@ fn tier_slots_order_by_rank_without_branches() {
     assert_eq!(last.rank(), TierSlot::MAX_RANK);
     assert_eq!(last.best(TierSlot::NONE), last);
 }
+
+/// The rule a flow record names: the first allowing entry in probe order
+/// (longest port prefix first, any-protocol last; the peer's identity
+/// before its class), never a tiers-only one; under tiers also the best
+/// slot of each tier.
+#[test]
+fn a_judgement_names_what_the_lookup_found() {
+    use crate::endpoint::ENDPOINT_INGRESS_TIERED;
+    use crate::event::RuleRef;
+    use crate::policy::{ENTRY_TIERS_ONLY, TierSlot, action};
+    let peer = IpAddr::V4(Ipv4Addr::new(10, 1, 0, 9));
+    let entry = |rule_ref, flags, admin, baseline| PolicyEntry {
+        rule_ref,
+        flags,
+        admin,
+        baseline,
+    };
+    let key = |peer, protocol, len, port| {
+        PolicyKey::new(300, direction::INGRESS, peer, protocol, len, port)
+    };
+    let none = TierSlot::NONE;
+    let mut m = Maps::default();
+    m.insert_prefix(
+        peer,
+        32,
+        IpcacheEntry {
+            identity: identity::FIRST_LABEL,
+            cidr_identity: identity::FIRST_CIDR,
+        },
+    );
+    let label_any = key(identity::FIRST_LABEL, proto::ANY, 0, 0);
+    let label_8 = key(identity::FIRST_LABEL, proto::TCP, 8, 80);
+    let label_16 = key(identity::FIRST_LABEL, proto::TCP, 16, 80);
+    let class_16 = key(identity::FIRST_CIDR, proto::TCP, 16, 80);
+    m.policy.insert(label_any, entry(1, 0, none, none));
+    m.policy.insert(label_8, entry(2, 0, none, none));
+    m.policy.insert(class_16, entry(3, 0, none, none));
+    let bits = [label_any, label_8, label_16, class_16]
+        .iter()
+        .fold(0, |b, k| b | k.lookup_bits());
+    let e = ep(300, lookups::stored(bits));
+    let judged = m.judge(&e, direction::INGRESS, peer, proto::TCP, 80);
+    assert_eq!(
+        (judged.reason, judged.matched, judged.rule),
+        (
+            Reason::AllowPolicy,
+            Some(label_8),
+            RuleRef {
+                network_policy: 2,
+                ..RuleRef::default()
+            }
+        )
+    );
+    // A tiers-only entry in front allows nothing and names nothing.
+    let admin = TierSlot::new(4, action::PASS);
+    m.policy
+        .insert(label_16, entry(9, ENTRY_TIERS_ONLY, admin, none));
+    let judged = m.judge(&e, direction::INGRESS, peer, proto::TCP, 80);
+    assert_eq!(
+        (judged.reason, judged.rule.network_policy),
+        (Reason::AllowPolicy, 2)
+    );
+    // UDP: only the any-protocol entry allows.
+    let judged = m.judge(&e, direction::INGRESS, peer, proto::UDP, 53);
+    assert_eq!(
+        (judged.reason, judged.rule.network_policy),
+        (Reason::AllowPolicy, 1)
+    );
+    // No allowing entry: nothing named.
+    m.policy.remove(&label_any);
+    let judged = m.judge(&e, direction::INGRESS, peer, proto::UDP, 53);
+    assert_eq!(
+        (judged.reason, judged.rule),
+        (Reason::DropPolicy, RuleRef::default())
+    );
+
+    // Under tiers every entry is folded: the best slot of each tier, and
+    // still the first allowing entry's rule.
+    let tiered = EndpointInfo {
+        flags: e.flags | ENDPOINT_INGRESS_TIERED,
+        ..e
+    };
+    let baseline = TierSlot::new(2, action::DENY);
+    m.policy.insert(class_16, entry(3, 0, none, baseline));
+    let judged = m.judge(&tiered, direction::INGRESS, peer, proto::TCP, 80);
+    assert_eq!(
+        (judged.reason, judged.rule),
+        (
+            Reason::AllowPolicy,
+            RuleRef {
+                network_policy: 2,
+                admin,
+                baseline,
+            }
+        )
+    );
+    // Not isolated: the Baseline tier decides; the record keeps its slot.
+    let unisolated = EndpointInfo {
+        flags: tiered.flags & !ENDPOINT_INGRESS_ISOLATED,
+        ..tiered
+    };
+    let judged = m.judge(&unisolated, direction::INGRESS, peer, proto::TCP, 80);
+    assert_eq!(judged.reason, Reason::DropBaselineTier);
+    assert_eq!(
+        judged.rule.kept_for(judged.reason),
+        RuleRef {
+            baseline,
+            ..RuleRef::default()
+        }
+    );
+}
+
+/// A tracked flow cut by a policy change keeps what its new judgement
+/// found, whether a packet of it or an ICMP error about it meets the
+/// change.
+#[test]
+fn a_flow_cut_by_a_change_names_what_cut_it() {
+    use crate::endpoint::ENDPOINT_INGRESS_TIERED;
+    use crate::event::RuleRef;
+    use crate::policy::{TierSlot, action};
+    let mut e = ep(
+        300,
+        lookups::stored(lookups::ANY_PROTOCOL | lookups::ANY_PEER),
+    );
+    e.flags |= ENDPOINT_INGRESS_TIERED;
+    let any = PolicyKey::new(300, direction::INGRESS, identity::ANY, proto::ANY, 0, 0);
+    let mut m = Maps::default();
+    m.policy.insert(
+        any,
+        PolicyEntry {
+            rule_ref: 5,
+            ..PolicyEntry::default()
+        },
+    );
+    m.endpoints.insert(7, e);
+    let mut dp = Datapath::new(m);
+    let peer = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1));
+    let pod = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 5));
+    let query = udp_packet(direction::INGRESS, peer, pod);
+    let opened = dp.classify(&query).judgement.map(|j| (j.reason, j.rule));
+    assert_eq!(
+        opened,
+        Some((
+            Reason::AllowPolicy,
+            RuleRef {
+                network_policy: 5,
+                ..RuleRef::default()
+            }
+        ))
+    );
+    // An Admin deny lands with a new revision.
+    let deny = TierSlot::new(1, action::DENY);
+    dp.maps.policy.insert(
+        any,
+        PolicyEntry {
+            rule_ref: 5,
+            admin: deny,
+            ..PolicyEntry::default()
+        },
+    );
+    e.revision = 2;
+    dp.maps.endpoints.insert(7, e);
+    let cut = RuleRef {
+        network_policy: 5,
+        admin: deny,
+        baseline: TierSlot::NONE,
+    };
+    // An ICMP error from the pod about the query.
+    let error = Packet {
+        direction: direction::EGRESS,
+        src: pod,
+        dst: peer,
+        protocol: proto::ICMP,
+        sport: 0,
+        dport: 0,
+        icmp_type: 3,
+        quoted: Some(Quoted {
+            src: peer,
+            dst: pod,
+            protocol: proto::UDP,
+            sport: 5000,
+            dport: 53,
+        }),
+        ..query
+    };
+    let j = dp.classify(&error).judgement.map(|j| (j.reason, j.rule));
+    assert_eq!(j, Some((Reason::DropPolicyChanged, cut)));
+    // The flow is gone; opened again and cut by its next packet.
+    dp.maps.policy.insert(
+        any,
+        PolicyEntry {
+            rule_ref: 5,
+            ..PolicyEntry::default()
+        },
+    );
+    assert_eq!(dp.classify(&query).reason(), Some(Reason::AllowPolicy));
+    dp.maps.policy.insert(
+        any,
+        PolicyEntry {
+            rule_ref: 5,
+            admin: deny,
+            ..PolicyEntry::default()
+        },
+    );
+    e.revision = 3;
+    dp.maps.endpoints.insert(7, e);
+    let j = dp.classify(&query).judgement.map(|j| (j.reason, j.rule));
+    assert_eq!(j, Some((Reason::DropPolicyChanged, cut)));
+}

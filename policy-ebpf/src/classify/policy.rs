@@ -90,7 +90,15 @@ pub extern "C" fn probe_peer(endpoint: u32, peer: u32, packed: u32, bits: u32) -
         // An entry of tier slots alone allows nothing here (it may land
         // before its endpoint's tier flag does).
         return u32::from(visit_peer(endpoint, peer, packed, bits, |entry| {
-            entry.flags & ENTRY_TIERS_ONLY == 0
+            if entry.flags & ENTRY_TIERS_ONLY != 0 {
+                return false;
+            }
+            // The rule a flow record names (fetched on a hit only).
+            if let Some(scratch) = SCRATCH.get_ptr_mut(0) {
+                // SAFETY: the per-CPU scratch value, ours for this run.
+                unsafe { (*scratch).tiers.network_policy_rule = entry.rule_ref };
+            }
+            true
         }));
     }
     let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
@@ -154,6 +162,11 @@ pub(super) fn judge(
     origin: u16,
     to_itself: bool,
 ) -> (Reason, IpcacheEntry) {
+    // What the lookup finds is kept for the flow record: nothing yet.
+    if let Some(scratch) = SCRATCH.get_ptr_mut(0) {
+        // SAFETY: the per-CPU scratch value, ours for this program run.
+        unsafe { (*scratch).tiers = Tiers::default() };
+    }
     let (mut peer, from_itself) = peer_of(ep, origin, fam, peer_addr);
     let itself = to_itself || from_itself;
     if itself && !ep.tiered(dir) {
@@ -182,13 +195,6 @@ pub(super) fn judge(
     // endpoint NetworkPolicy alone judges. The scratch fold is touched
     // only under tiers. The class is probed only if some entry names one.
     let tiered = ep.tiered(dir);
-    if tiered {
-        let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
-            return (Reason::DropPolicy, peer);
-        };
-        // SAFETY: the per-CPU scratch value, ours for this program run.
-        unsafe { (*scratch).tiers = Tiers::default() };
-    }
     let bits = if tiered { bits | FOLD_ALL } else { bits };
     if peer.identity != identity::ANY && probe_peer(ep.identity, peer.identity, packed, bits) != 0 {
         return (Reason::AllowPolicy, peer);

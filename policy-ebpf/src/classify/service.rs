@@ -3,7 +3,6 @@
 use aya_ebpf::{bindings::BPF_ANY, programs::TcContext};
 use policy_common::{
     addr_eq,
-    config::CONFIG_NO_DROP_EVENTS,
     conntrack::{
         CT_FLAG_CLOSING, CT_FLAG_PENDING, CT_FLAG_SERVICE, CT_FLAG_SYN_ONLY, CT_REFRESH_NS,
         CtEntry, CtKey, ORIGIN_SOURCE,
@@ -20,10 +19,11 @@ use policy_common::{
 };
 
 use super::{
-    DROP, PASS, TCP_ACK, TCP_FIN, TCP_RST, config_flags,
+    DROP, PASS, TCP_ACK, TCP_FIN, TCP_RST,
     conntrack::{fill_ct_key, live, share_allows, syn_only},
-    count, emit_drop, endpoint,
+    count, emit_record, endpoint,
     policy::judge_backend,
+    record_meta,
 };
 use crate::{
     maps::{CONNTRACK, SCRATCH, SERVICE_FLOWS, SERVICES, Scratch},
@@ -244,7 +244,7 @@ pub(super) fn defer(s: &mut Scratch, ifindex: u32, ep: &EndpointInfo, now: u64) 
 /// the client's waiting flow learns the verdict and the backend. Out of
 /// line: small frame, and the programs share it.
 #[inline(never)]
-pub(super) fn judge_service(s: &mut Scratch, client: u32, flags: u32) -> u32 {
+pub(super) fn judge_service(s: &mut Scratch, client: u32) -> u32 {
     let Some(ep) = endpoint(client) else {
         // The client is gone: nothing to judge its egress by.
         count(Reason::DropPolicy, direction::EGRESS);
@@ -301,18 +301,14 @@ pub(super) fn judge_service(s: &mut Scratch, client: u32, flags: u32) -> u32 {
         }
     }
     count(reason, direction::EGRESS);
-    if reason.is_drop() {
-        if flags & CONFIG_NO_DROP_EVENTS == 0 {
-            emit_drop(
-                ep,
-                (u64::from(client) << 16) | ((reason as u64) << 8) | u64::from(direction::EGRESS),
-                Some(&s.pkt),
-                &peer,
-            );
-        }
-        return 0;
-    }
-    1
+    // The flow's one record: judged here, after DNAT, by its backend.
+    emit_record(
+        ep,
+        record_meta(client, reason, direction::EGRESS, true),
+        Some(&s.pkt),
+        &peer,
+    );
+    u32::from(!reason.is_drop())
 }
 
 /// A packet marked at a client's veth, at the first hook after DNAT:
@@ -321,7 +317,7 @@ pub(super) fn judge_service(s: &mut Scratch, client: u32, flags: u32) -> u32 {
 /// client's hook marks IP packets only, and drops malformed ones): there
 /// is nothing to judge. Out of line: only marked packets take it.
 #[inline(never)]
-pub(super) fn after_dnat<const L3: bool>(ctx: &TcContext, s: &mut Scratch, flags: u32) -> bool {
+pub(super) fn after_dnat<const L3: bool>(ctx: &TcContext, s: &mut Scratch) -> bool {
     // SAFETY: the context pointer is the kernel's __sk_buff for this run.
     let m = unsafe { (*ctx.skb.skb).mark };
     let Some(client) = mark::client(m) else {
@@ -331,7 +327,7 @@ pub(super) fn after_dnat<const L3: bool>(ctx: &TcContext, s: &mut Scratch, flags
     if parse_at::<L3>(ctx, &mut s.pkt) != IP {
         return true;
     }
-    judge_service(s, client, flags) != 0
+    judge_service(s, client) != 0
 }
 
 /// The judgement after DNAT at a hook where it can happen (see
@@ -349,7 +345,7 @@ pub fn dnat_hook(ctx: &TcContext) -> bool {
     };
     // SAFETY: this CPU's slot; programs do not nest on one CPU.
     let s = unsafe { &mut *scratch };
-    after_dnat::<false>(ctx, s, config_flags())
+    after_dnat::<false>(ctx, s)
 }
 
 /// The uplink's egress: a pod's packet to a Service whose backend is on
@@ -363,9 +359,7 @@ pub fn uplink<const L3: bool>(ctx: &TcContext) -> i32 {
     };
     // SAFETY: this CPU's slot; programs do not nest on one CPU.
     let s = unsafe { &mut *scratch };
-    if !after_dnat::<L3>(ctx, s, config_flags())
-        || crate::pod_range_guard::uplink_out_unenforced::<L3>(ctx, s)
-    {
+    if !after_dnat::<L3>(ctx, s) || crate::pod_range_guard::uplink_out_unenforced::<L3>(ctx, s) {
         DROP
     } else {
         PASS

@@ -3,6 +3,7 @@
 //! counters and events.
 mod conntrack_share;
 mod differential;
+mod flow_records;
 mod hardening;
 mod node_traffic;
 mod pod_range_guard;

@@ -7,7 +7,7 @@ use aya::maps::RingBuf;
 use policy_agent::datapath::bpf::pins::Hook;
 use policy_common::{
     direction::EGRESS,
-    event::DropEvent,
+    event::FlowRecord,
     identity::{NODE, WORLD},
     verdict::Reason::{self, *},
 };
@@ -174,7 +174,7 @@ fn a_drop_of_an_unenforced_peer_is_reported() {
         Verdict::Drop
     );
     let item = ring.next().expect("one drop event");
-    let ev: DropEvent = *bytemuck::from_bytes(&item[..std::mem::size_of::<DropEvent>()]);
+    let ev: FlowRecord = *bytemuck::from_bytes(&item[..std::mem::size_of::<FlowRecord>()]);
     assert_eq!(ev.ifindex, TEST_IFINDEX);
     assert_eq!(ev.endpoint_identity, POD);
     assert_eq!(ev.direction, EGRESS);

@@ -13,7 +13,7 @@ use policy_common::{
     conntrack::{CT_FLAG_PENDING, CT_FLAG_SERVICE, CT_FLAG_SYN_ONLY, CtEntry, CtKey},
     direction::{EGRESS, INGRESS},
     endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED},
-    event::DropEvent,
+    event::FlowRecord,
     family,
     identity::WORLD,
     policy::PolicyKey,
@@ -326,7 +326,7 @@ fn a_denied_backend_drops_and_the_client_entry_is_gone() {
     assert!(n.ct(40000).is_none());
     assert!(n.flow(40000).is_none());
     let item = ring.next().expect("a drop event");
-    let ev: DropEvent = *bytemuck::from_bytes(&item[..std::mem::size_of::<DropEvent>()]);
+    let ev: FlowRecord = *bytemuck::from_bytes(&item[..std::mem::size_of::<FlowRecord>()]);
     assert_eq!((ev.ifindex, ev.endpoint_identity), (CLIENT_IF, CLIENT));
     assert_eq!((ev.peer_identity, ev.direction), (BAD, EGRESS));
     assert_eq!(ev.reason, Reason::DropPolicy as u8);

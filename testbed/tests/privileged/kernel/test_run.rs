@@ -6,7 +6,7 @@ use policy_agent::datapath::bpf::pins::Hook;
 use policy_common::{
     direction::{EGRESS, INGRESS},
     endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED},
-    event::DropEvent,
+    event::FlowRecord,
     identity::{ANY, FIRST_CIDR, WORLD},
     policy::PolicyKey,
     proto::{ANY as ANY_PROTO, SCTP, TCP, UDP},
@@ -525,7 +525,7 @@ fn drops_are_reported_on_the_ring_buffer() {
         Verdict::Drop
     );
     let item = ring.next().expect("one drop event");
-    let ev: DropEvent = *bytemuck::from_bytes(&item[..std::mem::size_of::<DropEvent>()]);
+    let ev: FlowRecord = *bytemuck::from_bytes(&item[..std::mem::size_of::<FlowRecord>()]);
     assert_eq!(ev.ifindex, TEST_IFINDEX);
     assert_eq!(ev.endpoint_identity, POD);
     assert_eq!(ev.peer_identity, OTHER);

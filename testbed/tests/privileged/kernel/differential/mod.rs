@@ -1,7 +1,10 @@
 //! Differential test: thousands of random packets against random map
 //! content; the kernel's verdict and reason must equal the pure-Rust
-//! model's (`policy_common::model`) on every packet, conntrack included.
-//! Needs root. Set DIFF_SEED to replay one seed (refused under CI).
+//! model's (`policy_common::model`) on every packet, conntrack included,
+//! and so must the flow records it writes: one for each drop and each
+//! new flow it opens, with the reason and the rule reference the model's
+//! lookup found (see [`RecordCheck`]). Needs root. Set DIFF_SEED to
+//! replay one seed (refused under CI).
 
 mod services;
 
@@ -9,19 +12,25 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use policy_agent::datapath::bpf::{conntrack_share, pins::Hook};
 use policy_common::{
+    conntrack::ct_lookups,
     conntrack_share::{CT_USAGE_OPENED, CtUsageKey},
     direction,
+    endpoint::EndpointInfo,
     endpoint::{
         ENDPOINT_EGRESS_ISOLATED, ENDPOINT_EGRESS_TIERED, ENDPOINT_EGRESS_UPDATING,
         ENDPOINT_INGRESS_ISOLATED, ENDPOINT_INGRESS_TIERED, ENDPOINT_INGRESS_UPDATING,
     },
+    event::{FlowBudget, FlowRecord, RECORD_NEW_FLOW, RuleRef},
     identity::{self, ANY, FIRST_CIDR, NODE, WORLD},
     model::{self, Datapath},
     policy::{ENTRY_TIERS_ONLY, PolicyEntry, PolicyKey, TierSlot, action},
     proto,
-    verdict::Reason::CtShareFull,
+    service::mark,
+    verdict::Reason::{self, CtShareFull},
 };
 use policy_testbed::fixtures::harness::{Harness, TEST_IFINDEX, Verdict, hook_direction};
+
+use super::flow_records::{Records, set_budget};
 use policy_testbed::packet::{L4, Packet, TCP_ACK, TCP_FIN, TCP_SYN};
 use rand::{Rng, SeedableRng, rngs::StdRng, seq::IndexedRandom};
 
@@ -209,6 +218,7 @@ fn random_state(h: &mut Harness, rng: &mut StdRng) {
             h.policy_entry(key, random_tier_entry(rng));
         }
     }
+    number_rules(h);
     h.sync();
 }
 
@@ -584,6 +594,174 @@ struct Coverage {
     share_full: u64,
 }
 
+/// A flow record as the kernel writes it, or as the model says it must.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Want {
+    ifindex: u32,
+    direction: u8,
+    reason: Option<Reason>,
+    rule: RuleRef,
+    /// Flagged a new flow (`RECORD_NEW_FLOW`), not another dropped packet.
+    new_flow: bool,
+}
+
+impl Want {
+    /// The record of judgement `j` of the pod at `ifindex`: the rule
+    /// reference the lookup found, kept as the reason says.
+    fn of(ifindex: u32, direction: u8, j: &model::Judgement, new_flow: bool) -> Self {
+        Self {
+            ifindex,
+            direction,
+            reason: Some(j.reason),
+            rule: j.rule.kept_for(j.reason),
+            new_flow,
+        }
+    }
+
+    fn got(r: &FlowRecord) -> Self {
+        Self {
+            ifindex: r.ifindex,
+            direction: r.direction,
+            reason: Reason::from_u8(r.reason),
+            rule: r.rule,
+            new_flow: r.flags & RECORD_NEW_FLOW != 0,
+        }
+    }
+}
+
+/// Whether `pkt`, which the model's pod hook judged `reason` as a new
+/// flow, opens one the kernel records: where the pod tracks flows, one it
+/// tracks (its conntrack share full or not: the flow was judged all the
+/// same); where it tracks none, a TCP SYN it admits.
+fn opens_flow(ep: &EndpointInfo, pkt: &model::Packet, reason: Reason) -> bool {
+    let tcp = pkt.protocol == proto::TCP;
+    let syn_only = tcp && pkt.tcp_flags & (model::TCP_SYN | model::TCP_ACK) == model::TCP_SYN;
+    if !ep.tracks() {
+        return reason.admits_new_flow() && syn_only;
+    }
+    let midstream = tcp && pkt.tcp_flags & model::TCP_SYN == 0;
+    let (dst, fam) = match pkt.dst {
+        IpAddr::V4(a) => {
+            let mut b = [0u8; 16];
+            b[..4].copy_from_slice(&a.octets());
+            (b, policy_common::family::IPV4)
+        }
+        IpAddr::V6(a) => (a.octets(), policy_common::family::IPV6),
+    };
+    let opens = pkt.direction == direction::EGRESS || ep.owns(fam, &dst);
+    ep.tracks_new(reason, pkt.direction)
+        && ct_lookups(pkt.protocol, pkt.icmp_type) != 0
+        && opens
+        && !midstream
+}
+
+/// The records the kernel must write for `pkt` by the model's outcome
+/// `out`: the verdict after DNAT of a client still there (but where it
+/// was judged already), then at a pod's hook (`pod_hook`) its drop or
+/// the new flow it opens. Nothing else: no later packet of a flow, no
+/// drop at an uplink (no pod to name).
+pub(super) fn wanted(
+    model: &Datapath,
+    pkt: &model::Packet,
+    out: &model::Outcome,
+    pod_hook: bool,
+) -> Vec<Want> {
+    let mut want = Vec::new();
+    if let Some(j) = out.after_dnat
+        && let Some(client) = mark::client(pkt.mark)
+        && model.maps.endpoints.contains_key(&client)
+        && j.reason != Reason::AllowEstablished
+    {
+        want.push(Want::of(client, direction::EGRESS, &j, true));
+    }
+    if let Some(j) = out.judgement
+        && pod_hook
+        && let Some(ep) = model.maps.endpoints.get(&pkt.ifindex)
+        && (j.reason.is_drop() || opens_flow(ep, pkt, j.reason))
+    {
+        // A drop is a new flow's where a new flow's verdict gave it.
+        let new_flow = !j.reason.is_drop()
+            || matches!(
+                j.reason,
+                Reason::DropPolicy
+                    | Reason::DropAdminTier
+                    | Reason::DropBaselineTier
+                    | Reason::DropUpdating
+            );
+        want.push(Want::of(pkt.ifindex, pkt.direction, &j, new_flow));
+    }
+    want
+}
+
+/// The flow records compared, over all seeds.
+#[derive(Debug, Default)]
+pub(super) struct RecordCheck {
+    /// By reason.
+    pub(super) compared: Seen,
+    /// Naming a NetworkPolicy rule (a non-zero `rule_ref`).
+    pub(super) network_policy: usize,
+    /// Naming an Admin-tier rule.
+    pub(super) admin: usize,
+    /// Naming a Baseline-tier rule.
+    pub(super) baseline: usize,
+}
+
+impl RecordCheck {
+    /// Drains the ring: it must hold exactly `want`, in order.
+    #[track_caller]
+    pub(super) fn check(
+        &mut self,
+        records: &mut Records,
+        want: &[Want],
+        context: impl Fn() -> String,
+    ) {
+        let got: Vec<Want> = records.drain().iter().map(Want::got).collect();
+        assert_eq!(got, want, "flow records (got, want) differ: {}", context());
+        for w in want {
+            if let Some(r) = w.reason {
+                *self.compared.entry(r).or_default() += 1;
+            }
+            self.network_policy += usize::from(w.rule.network_policy != 0);
+            self.admin += usize::from(!w.rule.admin.is_none());
+            self.baseline += usize::from(!w.rule.baseline.is_none());
+        }
+    }
+}
+
+/// The ring of `h`, empty, under no record budget: every record the
+/// model asks for must come out.
+pub(super) fn records_unlimited(h: &Harness) -> Records {
+    let mut records = Records::open(h);
+    records.drain();
+    let written = set_budget(h, FlowBudget::new(0, 0));
+    assert!(written.iter().all(|b| b.cost_ns == 0), "{written:?}");
+    records
+}
+
+/// Nothing was held back or lost: the records compared are all there were.
+pub(super) fn assert_no_record_lost(h: &Harness, seed: u64) {
+    let counters = h.dp.maps.counters().unwrap();
+    for reason in [Reason::RecordLimited, Reason::EventLost] {
+        for d in [direction::INGRESS, direction::EGRESS] {
+            assert_eq!(
+                counters.get(&(reason, d)).copied().unwrap_or(0),
+                0,
+                "seed {seed}: {reason:?} in direction {d}"
+            );
+        }
+    }
+}
+
+/// A distinct rule reference for every policy entry (tiers-only ones
+/// too, which a record must never name), so a record's names which entry
+/// the lookup took. Drawn from no random number: the seeds stay as they
+/// were.
+pub(super) fn number_rules(h: &mut Harness) {
+    for (i, e) in h.state.policy.values_mut().enumerate() {
+        e.rule_ref = 1000 + i as u32;
+    }
+}
+
 /// The model has no clock: its flows never expire. The kernel's do (a
 /// closing TCP flow after 10 s idle), and a seed on a loaded machine (CI
 /// runs guests beside the host suite) can stall longer than that between
@@ -625,7 +803,12 @@ impl HeldClock {
     }
 }
 
-fn run_seed(seed: u64, seen: &mut Seen, coverage: &mut Coverage) -> usize {
+fn run_seed(
+    seed: u64,
+    seen: &mut Seen,
+    coverage: &mut Coverage,
+    record_check: &mut RecordCheck,
+) -> usize {
     let mut rng = StdRng::seed_from_u64(seed);
     // Odd seeds keep the endpoint in the overflow hash, even ones in its
     // array slot: both lookups must give the model's verdicts.
@@ -639,6 +822,7 @@ fn run_seed(seed: u64, seen: &mut Seen, coverage: &mut Coverage) -> usize {
     guard.write(&mut h);
     let mut model = Datapath::new(h.state.to_model(|k| *k));
     guard.model(&mut model.maps);
+    let mut records = records_unlimited(&h);
     // One seed in three bounds the pod's conntrack share to a few flows.
     if seed.is_multiple_of(3) {
         let share = rng.random_range(2..8);
@@ -673,6 +857,7 @@ fn run_seed(seed: u64, seen: &mut Seen, coverage: &mut Coverage) -> usize {
             }
             ep.revision += 1;
             h.state.endpoints.insert(TEST_IFINDEX, ep);
+            number_rules(&mut h);
             h.sync();
             guard.flip(&mut rng);
             guard.write(&mut h);
@@ -699,6 +884,9 @@ fn run_seed(seed: u64, seen: &mut Seen, coverage: &mut Coverage) -> usize {
                 want.reason(),
                 "seed {seed}, packet {i}: {pkt:?} at {hook:?}\nmodel: {want:?}"
             );
+            let context = || format!("seed {seed}, packet {i}: {pkt:?} at {hook:?}");
+            let wanted_here = wanted(&model, &m, &want, false);
+            record_check.check(&mut records, &wanted_here, context);
             // The same packet on a device without a link-layer header.
             let l3 = if hook == Hook::Uplink {
                 Hook::UplinkL3
@@ -711,6 +899,7 @@ fn run_seed(seed: u64, seen: &mut Seen, coverage: &mut Coverage) -> usize {
                 want.reason(),
                 "seed {seed}, packet {i}: {pkt:?} at {l3:?} (no link-layer header)\nmodel: {want:?}"
             );
+            record_check.check(&mut records, &wanted_here, context);
             if let Some(r) = got {
                 *seen.entry(r).or_default() += 1;
             }
@@ -764,10 +953,11 @@ fn run_seed(seed: u64, seen: &mut Seen, coverage: &mut Coverage) -> usize {
         {
             coverage.nd_from_pod += 1;
         }
-        let want = model.classify(&model::Packet {
+        let mp = model::Packet {
             ingress_ifindex: iif,
             ..to_model(&pkt, hook)
-        });
+        };
+        let want = model.classify(&mp);
         let (_, got) = h.run_reason_from(hook, &pkt.frame(), iif);
         if hook == Hook::Ingress
             && pkt.dst == node_v4()
@@ -789,6 +979,12 @@ fn run_seed(seed: u64, seen: &mut Seen, coverage: &mut Coverage) -> usize {
             "seed {seed}, packet {i}: {pkt:?} at {hook:?}\nmodel: {want:?}\nmaps: {:#?}",
             h.state
         );
+        record_check.check(&mut records, &wanted(&model, &mp, &want, true), || {
+            format!(
+                "seed {seed}, packet {i}: {pkt:?} at {hook:?} from {iif}\nmodel: {want:?}\nmaps: {:#?}",
+                h.state
+            )
+        });
         *seen.entry(got).or_default() += 1;
         sent.push((pkt, hook, iif));
         checked += 1;
@@ -803,6 +999,7 @@ fn run_seed(seed: u64, seen: &mut Seen, coverage: &mut Coverage) -> usize {
         model.share.opened.get(&TEST_IFINDEX).copied(),
         "seed {seed}: flows opened"
     );
+    assert_no_record_lost(&h, seed);
     let counters = h.dp.maps.counters().unwrap();
     coverage.share_full += [direction::INGRESS, direction::EGRESS]
         .iter()
@@ -820,18 +1017,20 @@ fn kernel_verdicts_equal_the_model() {
     };
     let mut seen = Seen::new();
     let mut coverage = Coverage::default();
+    let mut records = RecordCheck::default();
     let total: usize = seeds
         .iter()
-        .map(|s| run_seed(*s, &mut seen, &mut coverage))
+        .map(|s| run_seed(*s, &mut seen, &mut coverage, &mut records))
         .sum();
     assert!(
         total >= 3000 || seeds.len() == 1,
         "only {total} packets checked"
     );
-    eprintln!("{total} packets, verdicts: {seen:?}");
+    eprintln!("{total} packets, verdicts: {seen:?}\nflow records: {records:?}");
     // The generator must keep reaching every branch the model states.
     if seeds.len() > 1 {
         use policy_common::verdict::Reason::*;
+        assert_record_coverage(&records, true);
         for reason in [
             AllowPolicy,
             AllowEstablished,
@@ -890,6 +1089,34 @@ fn kernel_verdicts_equal_the_model() {
     }
 }
 
+/// The records compared must keep meeting every rule reference a lookup
+/// gives (`tiers`: Admin and Baseline slots too), and every reason one
+/// gives.
+fn assert_record_coverage(records: &RecordCheck, tiers: bool) {
+    use policy_common::verdict::Reason::*;
+    let mut counts = vec![("NetworkPolicy rule", records.network_policy)];
+    let mut reasons = vec![AllowPolicy, DropPolicy, DropPolicyChanged];
+    if tiers {
+        counts.extend([
+            ("Admin slot", records.admin),
+            ("Baseline slot", records.baseline),
+        ]);
+        reasons.extend([
+            AllowAdminTier,
+            DropAdminTier,
+            AllowBaselineTier,
+            DropBaselineTier,
+        ]);
+    }
+    for (what, n) in counts {
+        assert!(n >= 3, "records naming a {what}: {n}: {records:?}");
+    }
+    for reason in reasons {
+        let n = records.compared.get(&reason).copied().unwrap_or(0);
+        assert!(n >= 3, "records of {reason:?}: {n}: {records:?}");
+    }
+}
+
 /// Services: flows to frontends deferred, judged after DNAT at the
 /// backend's veth or the uplink, continued, re-judged (see [`services`]).
 #[test]
@@ -900,14 +1127,16 @@ fn kernel_service_verdicts_equal_the_model() {
         None => (1..=ROUNDS).collect(),
     };
     let mut seen = Seen::new();
+    let mut records = RecordCheck::default();
     let total: usize = seeds
         .iter()
-        .map(|s| services::run_seed(*s, SERVICE_PACKETS, &mut seen))
+        .map(|s| services::run_seed(*s, SERVICE_PACKETS, &mut seen, &mut records))
         .sum();
-    eprintln!("{total} packets, verdicts: {seen:?}");
+    eprintln!("{total} packets, verdicts: {seen:?}\nflow records: {records:?}");
     // The generator must keep reaching every service branch.
     if seeds.len() > 1 {
         use policy_common::verdict::Reason::*;
+        assert_record_coverage(&records, false);
         for reason in [
             PassService,
             AllowPolicy,

@@ -23,7 +23,7 @@ use policy_common::{
 use policy_testbed::packet::{L4, Packet, TCP_ACK, TCP_SYN};
 use rand::{Rng, SeedableRng, rngs::StdRng, seq::IndexedRandom};
 
-use super::{Seen, pod_v4, pod_v6, to_model_at};
+use super::{RecordCheck, Seen, number_rules, pod_v4, pod_v6, records_unlimited, to_model_at};
 use policy_testbed::fixtures::{
     harness::{Harness, Verdict, hook_direction},
     testns::TestNs,
@@ -149,6 +149,7 @@ fn random_state(h: &mut Harness, rng: &mut StdRng) {
             *port,
         ));
     }
+    number_rules(h);
     h.sync();
 }
 
@@ -311,7 +312,12 @@ fn evict(h: &mut Harness, model: &mut Datapath, rng: &mut StdRng) {
         .expect("the model's service flow is in SERVICE_FLOWS");
 }
 
-pub fn run_seed(seed: u64, packets: usize, seen: &mut Seen) -> usize {
+pub fn run_seed(
+    seed: u64,
+    packets: usize,
+    seen: &mut Seen,
+    record_check: &mut RecordCheck,
+) -> usize {
     let _ns = {
         let ns = TestNs::enter(&format!("svc{seed}"));
         for (name, ifindex) in [
@@ -328,6 +334,7 @@ pub fn run_seed(seed: u64, packets: usize, seen: &mut Seen) -> usize {
     let mut h = Harness::new();
     random_state(&mut h, &mut rng);
     let mut model = Datapath::new(h.state.to_model(|k| *k));
+    let mut records = records_unlimited(&h);
     let mut sent: Vec<Sent> = Vec::new();
     let mut clock = super::HeldClock::new();
     for i in 0..packets {
@@ -343,6 +350,7 @@ pub fn run_seed(seed: u64, packets: usize, seen: &mut Seen) -> usize {
             for ifindex in [CLIENT_IF, BACKEND_IF] {
                 h.state.endpoints.get_mut(&ifindex).unwrap().revision += 1;
             }
+            number_rules(&mut h);
             h.sync();
             model.maps = h.state.to_model(|k| *k);
         }
@@ -378,6 +386,17 @@ pub fn run_seed(seed: u64, packets: usize, seen: &mut Seen) -> usize {
             model.services,
             h.state
         );
+        let pod_hook = hook != Hook::Uplink;
+        record_check.check(
+            &mut records,
+            &super::wanted(&model, &mp, &want, pod_hook),
+            || {
+                format!(
+                    "seed {seed}, packet {i}: {pkt:?} at {hook:?} of {ifindex}, mark {m:#x}\nmodel: {want:?}\nflows: {:#?}",
+                    model.flows
+                )
+            },
+        );
         for (reason, _) in &counted {
             *seen.entry(*reason).or_default() += 1;
         }
@@ -388,5 +407,6 @@ pub fn run_seed(seed: u64, packets: usize, seen: &mut Seen) -> usize {
             });
         }
     }
+    super::assert_no_record_lost(&h, seed);
     packets
 }
