@@ -46,7 +46,9 @@ pub struct MapState<K: Ord> {
     /// What each identity in use stands for.
     pub identities: BTreeMap<u32, IdentityName>,
     /// What each rule a policy entry references is called (exactly
-    /// [`MapState::referenced_rules`]; for `dump`, no datapath reads it).
+    /// [`MapState::referenced_rules`]), and which policies isolate each
+    /// endpoint identity (`kind::ISOLATING`): for `dump` and flow records;
+    /// no datapath reads it.
     pub rule_names: BTreeMap<RuleKey, RuleName>,
     /// Service frontend addresses and ranges: an isolated pod's egress to
     /// them is judged after DNAT (only the BPF datapath needs them; the

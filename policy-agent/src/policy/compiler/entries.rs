@@ -1,5 +1,6 @@
-//! The entries that follow from the indexes: an address's ipcache entry
-//! and an endpoint's isolation flags and lookup bits.
+//! The entries that follow from the indexes: an address's ipcache entry,
+//! an endpoint's isolation flags and lookup bits, and the names of the
+//! policies isolating it (what a flow record names for a policy drop).
 use std::{collections::BTreeSet, net::IpAddr};
 
 use ipnet::IpNet;
@@ -11,9 +12,11 @@ use policy_common::{
     },
     identity::{ANY, NODE},
     ipcache::IpcacheEntry,
+    rule_name::{MAX_ISOLATING, NO_RULE, RuleName},
 };
 
 use super::{Compiler, host_net, selection::policies_selecting};
+use crate::mapstate::rule_name;
 
 impl Compiler {
     /// The ipcache entry of one address (its host prefix): the node, the
@@ -83,8 +86,53 @@ impl Compiler {
         flags
     }
 
+    /// The NetworkPolicies isolating endpoint identity `e`, per direction
+    /// (by namespace and name), as `RULE_NAMES` holds them: at most
+    /// [`MAX_ISOLATING`], the last saying how many more there are.
+    fn isolating_names(&self, e: u32) -> [Vec<RuleName>; 2] {
+        let mut out: [Vec<RuleName>; 2] = Default::default();
+        let Some(x) = self.index.idents.get(&e) else {
+            return out;
+        };
+        for ps in policies_selecting(&self.policies, &x.key.namespace, e) {
+            let p = &ps.parsed;
+            for (dir, isolates) in [
+                (direction::INGRESS, p.ingress),
+                (direction::EGRESS, p.egress),
+            ] {
+                if isolates {
+                    out[usize::from(dir)].push(rule_name(
+                        dir,
+                        usize::from(NO_RULE),
+                        0,
+                        &p.name.namespace,
+                        &p.name.name,
+                        "",
+                    ));
+                }
+            }
+        }
+        let max = usize::from(MAX_ISOLATING);
+        for (dir, names) in out.iter_mut().enumerate() {
+            if names.len() > max {
+                let more = names.len() - (max - 1);
+                names.truncate(max - 1);
+                names.push(rule_name(
+                    dir as u8,
+                    usize::from(NO_RULE),
+                    0,
+                    "",
+                    "",
+                    &format!("and {more} more"),
+                ));
+            }
+        }
+        out
+    }
+
     /// Rewrites the endpoint entries of identities `es` and of those whose
-    /// lookup bits may have moved (flags and lookups).
+    /// lookup bits may have moved (flags and lookups), and the names of
+    /// the policies isolating them.
     pub(super) fn refresh_endpoints(&mut self, es: BTreeSet<u32>) {
         let dirty = std::mem::take(&mut self.out.dirty_lookups);
         for e in es.union(&dirty) {
@@ -98,6 +146,10 @@ impl Compiler {
                 egress_lookups: lookups::stored(self.out.lookup_bits(*e, direction::EGRESS)),
                 ..EndpointInfo::default()
             };
+            let names = self.isolating_names(*e);
+            for (dir, names) in names.into_iter().enumerate() {
+                self.out.set_isolating(*e, dir as u8, names);
+            }
             let Some(ident) = self.index.idents.get(e) else {
                 continue;
             };

@@ -256,6 +256,7 @@ impl Output {
             if self.counts.remove(&(e, dir)).is_some() {
                 self.dirty_lookups.insert(e);
             }
+            self.set_isolating(e, dir, Vec::new());
         }
     }
 
@@ -295,6 +296,24 @@ impl Output {
     /// The rules to name (or unname) since the last call.
     pub fn take_dirty_rules(&mut self) -> BTreeSet<RuleKey> {
         std::mem::take(&mut self.dirty_rules)
+    }
+
+    /// The names of the policies isolating endpoint identity `e` in `dir`:
+    /// keys from index 0, the ones past `names` removed.
+    pub fn set_isolating(&mut self, e: u32, dir: u8, names: Vec<RuleName>) {
+        let mut index: u16 = 0;
+        for name in names {
+            self.set_rule_name(RuleKey::isolating(dir, e, index), Some(name));
+            index = index.saturating_add(1);
+        }
+        while self
+            .maps
+            .rule_names
+            .contains_key(&RuleKey::isolating(dir, e, index))
+        {
+            self.set_rule_name(RuleKey::isolating(dir, e, index), None);
+            index = index.saturating_add(1);
+        }
     }
 
     pub fn set_rule_name(&mut self, rule: RuleKey, name: Option<RuleName>) {

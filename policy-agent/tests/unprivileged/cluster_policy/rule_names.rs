@@ -1,7 +1,8 @@
 //! `RULE_NAMES` in the compiled maps: a name for exactly the rules the
 //! policy entries reference (a NetworkPolicy's, and the ClusterNetworkPolicy
-//! rules of both tiers), kept so by incremental changes, and written around
-//! the entries in the order `dump` can rely on.
+//! rules of both tiers) and for the policies isolating each endpoint
+//! identity, kept so by incremental changes, and written around the
+//! entries in the order `dump` can rely on.
 use std::collections::BTreeSet;
 
 use policy_agent::{
@@ -11,7 +12,7 @@ use policy_agent::{
 };
 use policy_common::{
     direction,
-    rule_name::{RuleKey, RuleName, kind},
+    rule_name::{NO_RULE, RuleKey, RuleName, kind},
 };
 
 use super::upstream::{BASELINE_DEFAULT, PASS_EXAMPLE};
@@ -80,13 +81,97 @@ fn names(maps: &MapState<policy_agent::cluster::PodRef>) -> Vec<(RuleKey, RuleTe
         .collect()
 }
 
+/// The table's keys of rules (not of isolating policies).
+fn rule_keys(maps: &MapState<policy_agent::cluster::PodRef>) -> BTreeSet<RuleKey> {
+    maps.rule_names
+        .keys()
+        .filter(|k| k.kind != kind::ISOLATING)
+        .copied()
+        .collect()
+}
+
+/// The isolating policies named for `identity` in `dir`, in index order.
+fn isolating(
+    maps: &MapState<policy_agent::cluster::PodRef>,
+    identity: u32,
+    dir: u8,
+) -> Vec<String> {
+    (0..)
+        .map_while(|i| maps.rule_names.get(&RuleKey::isolating(dir, identity, i)))
+        .map(|n| {
+            assert_eq!(n.rule_index, NO_RULE);
+            rule_name_text(n).qualified()
+        })
+        .collect()
+}
+
+#[test]
+fn the_policies_isolating_an_identity_are_named_per_direction() {
+    let mut w = world();
+    let c = Compiler::build(&w.state, &mut w.ids, OPTIONS);
+    let maps = c.maps();
+    let id = |pod: &str| maps.endpoints[&crate::support::world::obj(pod)].identity;
+    let (g, s) = (id("gryffindor/gryffindor-0"), id("slytherin/slytherin-0"));
+    assert_eq!(
+        isolating(maps, g, direction::INGRESS),
+        ["gryffindor/allow-from-slytherin"]
+    );
+    assert!(isolating(maps, g, direction::EGRESS).is_empty());
+    assert!(isolating(maps, s, direction::INGRESS).is_empty());
+
+    // A second policy isolating both ways: both named, by name; and
+    // incrementally as a full compile would.
+    let before_state = w.state.clone();
+    let mut inc = c.clone();
+    w.policy(
+        r#"
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata:
+  name: a-deny-all
+  namespace: gryffindor
+spec:
+  podSelector: {}
+  policyTypes: [Ingress, Egress]
+"#,
+    );
+    inc.apply(changes_between(&before_state, &w.state), &mut w.ids);
+    let maps = inc.maps();
+    assert_eq!(
+        isolating(maps, g, direction::INGRESS),
+        ["gryffindor/a-deny-all", "gryffindor/allow-from-slytherin"]
+    );
+    assert_eq!(
+        isolating(maps, g, direction::EGRESS),
+        ["gryffindor/a-deny-all"]
+    );
+    let full = Compiler::build(&w.state, &mut w.ids.clone(), OPTIONS);
+    assert_eq!(maps.rule_names, full.maps().rule_names);
+
+    // Removed again: its names go, nothing is left past the list.
+    let added_state = w.state.clone();
+    w.remove_policy("gryffindor/a-deny-all");
+    inc.apply(changes_between(&added_state, &w.state), &mut w.ids);
+    let maps = inc.maps();
+    assert_eq!(
+        isolating(maps, g, direction::INGRESS),
+        ["gryffindor/allow-from-slytherin"]
+    );
+    assert!(isolating(maps, g, direction::EGRESS).is_empty());
+    assert!(
+        !maps
+            .rule_names
+            .contains_key(&RuleKey::isolating(direction::INGRESS, g, 1))
+    );
+    assert_eq!(maps.rule_names, c.maps().rule_names);
+}
+
 #[test]
 fn the_table_names_exactly_the_referenced_rules() {
     let mut w = world();
     let c = Compiler::build(&w.state, &mut w.ids, OPTIONS);
     let maps = c.maps();
-    let keys: BTreeSet<RuleKey> = maps.rule_names.keys().copied().collect();
-    assert_eq!(keys, maps.referenced_rules());
+    assert_eq!(rule_keys(maps), maps.referenced_rules());
 
     let named = names(maps);
     let find = |kind: u8, dir: u8| {
@@ -141,8 +226,7 @@ fn incremental_changes_keep_the_table_exact_and_ordered() {
     w.remove_policy("gryffindor/allow-from-slytherin");
     let ops = c.apply(changes_between(&before_state, &w.state), &mut w.ids);
     let maps = c.maps();
-    let keys: BTreeSet<RuleKey> = maps.rule_names.keys().copied().collect();
-    assert_eq!(keys, maps.referenced_rules());
+    assert_eq!(rule_keys(maps), maps.referenced_rules());
     assert!(
         names(maps)
             .iter()
