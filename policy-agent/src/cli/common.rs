@@ -8,6 +8,7 @@ use policy_agent::{
     datapath::{
         Choice, OpenOptions,
         bpf::{
+            flows::{FlowOptions, FlowRate},
             loader::LoadOptions,
             pins::{DEFAULT_PIN_ROOT, PinLayout},
             sizing::Sizing,
@@ -210,6 +211,18 @@ impl BudgetArgs {
     }
 }
 
+/// How many flow records the classifier emits (BPF datapath).
+#[derive(clap::Args, Clone, Debug)]
+pub struct FlowRecordArgs {
+    /// Flow records (new flows and drops) each CPU may emit a second; the
+    /// rest are counted, not recorded. 0: no limit.
+    #[arg(long, default_value_t = FlowRate::DEFAULT.per_second)]
+    pub flow_records_per_second: u64,
+    /// Flow records each CPU may emit at once after a quiet time.
+    #[arg(long, default_value_t = FlowRate::DEFAULT.burst)]
+    pub flow_records_burst: u64,
+}
+
 /// Which datapath to enforce with, and where its pins live.
 #[derive(clap::Args, Clone, Debug)]
 pub struct EnforceArgs {
@@ -221,6 +234,8 @@ pub struct EnforceArgs {
     pub sizing: SizingArgs,
     #[command(flatten)]
     pub budget: BudgetArgs,
+    #[command(flatten)]
+    pub flow_records: FlowRecordArgs,
 }
 
 impl EnforceArgs {
@@ -251,6 +266,13 @@ impl EnforceArgs {
                 }
                 .capacities(),
                 conntrack_share: self.sizing.conntrack_share,
+                flows: FlowOptions {
+                    rate: Some(FlowRate {
+                        per_second: self.flow_records.flow_records_per_second,
+                        burst: self.flow_records.flow_records_burst,
+                    }),
+                    ..FlowOptions::default()
+                },
             },
             iptables: self.datapath.iptables_backend.into(),
         }

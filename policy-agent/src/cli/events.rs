@@ -1,9 +1,11 @@
-//! `policy-agent events`: follow drops live.
-use std::{process::ExitCode, time::Duration};
+//! `policy-agent events`: follow drops live (the flows of `flows`, drops
+//! only, in the older line format).
+use std::process::ExitCode;
 
 use anyhow::Context as _;
 use policy_agent::datapath::bpf::{
-    events::DropEventReader, kernel_log::follow_kernel_log, loader::Classifiers, pins::Hook,
+    events::DropRecord, flows::source::FlowSource, kernel_log::follow_kernel_log,
+    loader::Classifiers, pins::Hook,
 };
 
 use super::common::PinArgs;
@@ -26,8 +28,8 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let layout = args.pins.layout();
-    let mut reader = DropEventReader::open(&layout)
-        .context("opening the drop-event ring buffer (is the agent installed?)")?;
+    let mut source = FlowSource::open(&layout)
+        .context("reading flows (from the agent, or its ring buffer: is it installed?)")?;
     if args.kernel_log {
         let programs = Classifiers::open_pinned(&layout).context("opening the pinned programs")?;
         if let Some(id) = programs.id(Hook::Ingress) {
@@ -36,16 +38,17 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     let mut seen = 0usize;
     loop {
-        for record in reader.next_batch(Duration::from_millis(500)) {
-            if args.json {
-                println!("{}", serde_json::to_string(&record)?);
-            } else {
-                println!("{record}");
-            }
-            seen += 1;
-            if args.count.is_some_and(|c| seen >= c) {
-                return Ok(ExitCode::SUCCESS);
-            }
+        let Some(record) = DropRecord::of(&source.next_flow()?) else {
+            continue;
+        };
+        if args.json {
+            println!("{}", serde_json::to_string(&record)?);
+        } else {
+            println!("{record}");
+        }
+        seen += 1;
+        if args.count.is_some_and(|c| seen >= c) {
+            return Ok(ExitCode::SUCCESS);
         }
     }
 }

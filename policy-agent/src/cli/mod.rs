@@ -5,6 +5,7 @@ mod config;
 mod dump;
 mod events;
 mod explain;
+mod flows;
 mod render;
 mod reset;
 mod run;
@@ -41,6 +42,10 @@ enum Command {
     Render(render::Args),
     /// Follow drop events live.
     Events(events::Args),
+    /// Follow flows live (new flows judged by policy, and drops), named:
+    /// from the running agent (run this in its network namespace), else
+    /// from the pinned ring buffer.
+    Flows(flows::Args),
     /// Switch kernel debug logging or drop events at run time.
     Config(config::Args),
 }
@@ -56,6 +61,7 @@ pub fn main() -> ExitCode {
         Command::Dump(a) => dump::run(a),
         Command::Render(a) => render::run(a),
         Command::Events(a) => events::run(a),
+        Command::Flows(a) => flows::run(a),
         Command::Config(a) => config::run(a),
     };
     match result {

@@ -2,7 +2,11 @@
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use anyhow::Context as _;
-use policy_agent::worker::{self, Config, PodRanges, Sources};
+use clap::ValueEnum;
+use policy_agent::{
+    datapath::bpf::flows::FlowLog,
+    worker::{self, Config, PodRanges, Sources},
+};
 
 use super::common::{EnforceArgs, NodeArg};
 
@@ -45,6 +49,30 @@ pub struct Args {
     /// pass, which puts them first again where it can).
     #[arg(long, default_value_t = 5000)]
     pub order_check_ms: u64,
+    /// Which flow records the log carries: one JSON object per line at
+    /// info level, target "flows", at most 20 lines a second (the rest are
+    /// counted in policy_agent_flow_log_skipped_total).
+    #[arg(long, value_enum, default_value = "drops")]
+    pub flow_log: FlowLogChoice,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlowLogChoice {
+    Off,
+    /// Dropped flows and packets.
+    Drops,
+    /// Every new flow judged by policy, and every drop.
+    All,
+}
+
+impl From<FlowLogChoice> for FlowLog {
+    fn from(c: FlowLogChoice) -> Self {
+        match c {
+            FlowLogChoice::Off => FlowLog::Off,
+            FlowLogChoice::Drops => FlowLog::Drops,
+            FlowLogChoice::All => FlowLog::All,
+        }
+    }
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -52,6 +80,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     config.listen = args.listen;
     config.metrics_listen = args.metrics_listen;
     config.datapath = args.enforce.open_options();
+    config.datapath.load.flows.log = args.flow_log.into();
     config.service_ranges = args.enforce.service_ranges();
     config.pod_ranges = PodRanges::Given(args.enforce.datapath.pod_cidrs.clone());
     config.compile = args.enforce.compile_options();

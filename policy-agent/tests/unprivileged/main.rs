@@ -14,6 +14,7 @@
 mod bad_input;
 mod cluster_policy;
 mod deploy;
+mod flows;
 mod iptables_golden;
 mod properties;
 mod semantics;

@@ -32,7 +32,8 @@ pub struct BpfDriver {
     /// writer), so a sync diffs in memory instead of reading every map.
     last: Option<MapState<u32>>,
     interfaces: InterfaceCache,
-    drop_log: bool,
+    /// The flow thread (the ring's one reader) and its figures.
+    flows: observe::FlowObserver,
     kernel_log: bool,
     /// `--conntrack-share`, and whether its counting thread runs.
     conntrack_share: (Option<u32>, bool),
@@ -54,7 +55,7 @@ impl BpfDriver {
             enforcement,
             last: None,
             interfaces: InterfaceCache::default(),
-            drop_log: false,
+            flows: observe::FlowObserver::new(opts.flows.log),
             kernel_log: false,
             conntrack_share: (opts.conntrack_share, false),
             order: OrderWatch::default(),
@@ -197,12 +198,10 @@ impl Datapath for BpfDriver {
         }
     }
 
-    /// The drop log is retried until it runs; the kernel log follower is
-    /// started once (it would run twice).
+    /// The flow thread is retried until it runs; the kernel log follower
+    /// is started once (it would run twice).
     fn start_observers(&mut self) -> bool {
-        if !self.drop_log {
-            self.drop_log = observe::spawn_drop_log(&self.dp.layout);
-        }
+        let flows = self.flows.start(&self.dp.layout);
         if !self.kernel_log {
             self.kernel_log = true;
             observe::follow_kernel_log(&self.dp.layout);
@@ -211,7 +210,7 @@ impl Datapath for BpfDriver {
             self.conntrack_share.1 =
                 super::conntrack_share::spawn(&self.dp.layout, self.conntrack_share.0);
         }
-        self.drop_log && self.conntrack_share.1
+        flows && self.conntrack_share.1
     }
 
     fn enforced(&self, pod: &PodRef) -> Option<u32> {
@@ -226,8 +225,9 @@ impl Datapath for BpfDriver {
 
     fn metrics(&self) -> Option<MetricsSource> {
         let layout = self.dp.layout.clone();
+        let flows = self.flows.stats();
         Some(std::sync::Arc::new(move |out: &mut String| {
-            observe::render_metrics(out, &layout)
+            observe::render_metrics(out, &layout, Some(&flows))
         }))
     }
 }

@@ -1,29 +1,52 @@
-//! Following the drop-event ring buffer (`policy-agent events`, and the
-//! daemon's drop log), with pods and identities named.
+//! The flow-record ring (`DROP_EVENTS`), read raw, and the drop line
+//! `policy-agent events` prints.
 use std::{fmt, os::fd::AsRawFd as _, time::Duration};
 
 use aya::maps::{Map, MapData, RingBuf};
-use policy_common::{event::DropEvent, maps as names, verdict::Reason};
+use policy_common::{event::FlowRecord, maps as names};
 use serde::Serialize;
 
 use super::{
     error::Error,
-    maps::BpfMaps,
-    name_tables::{NameTables, address, endpoint_text, protocol_name},
+    flows::record::{FlowEvent, Verdict},
     pins::PinLayout,
 };
 
-/// One dropped packet, named.
+/// One dropped packet, named (what `events` prints).
 #[derive(Clone, Debug, Serialize)]
 pub struct DropRecord {
     pub pod: String,
-    pub direction: &'static str,
-    pub reason: &'static str,
+    pub direction: String,
+    pub reason: String,
     pub protocol: String,
     pub src: String,
     pub dst: String,
     pub peer: String,
     pub peer_class: String,
+}
+
+impl DropRecord {
+    /// The drop line of a named flow (None: it was allowed).
+    pub fn of(event: &FlowEvent) -> Option<Self> {
+        let f = &event.flow;
+        if f.verdict != Verdict::Drop {
+            return None;
+        }
+        let protocol = match f.protocol.parse::<u8>() {
+            Ok(n) => format!("proto {n}"),
+            Err(_) => f.protocol.clone(),
+        };
+        Some(Self {
+            pod: f.pod.clone(),
+            direction: f.direction.clone(),
+            reason: f.reason.clone(),
+            protocol,
+            src: event.src.clone(),
+            dst: event.dst.clone(),
+            peer: f.peer_identity.clone().unwrap_or_else(|| "-".into()),
+            peer_class: event.peer_class.clone(),
+        })
+    }
 }
 
 impl fmt::Display for DropRecord {
@@ -43,40 +66,30 @@ impl fmt::Display for DropRecord {
     }
 }
 
-pub struct DropEventReader {
+/// The ring's consumer. A ring has one consumer position: open it in
+/// one process only (the daemon, or `flows` when no daemon runs).
+pub struct FlowRing {
     ring: RingBuf<MapData>,
-    layout: PinLayout,
-    names: NameTables,
+    short: u64,
 }
 
-impl DropEventReader {
+impl FlowRing {
     pub fn open(layout: &PinLayout) -> Result<Self, Error> {
         let path = layout.map(names::DROP_EVENTS);
         let data = MapData::from_pin(&path).map_err(Error::map(names::DROP_EVENTS))?;
         let map = Map::from_map_data(data).map_err(Error::map(names::DROP_EVENTS))?;
         let ring = RingBuf::try_from(map).map_err(Error::map(names::DROP_EVENTS))?;
-        let mut this = Self {
-            ring,
-            layout: layout.clone(),
-            names: NameTables::default(),
-        };
-        this.refresh_names()?;
-        Ok(this)
+        Ok(Self { ring, short: 0 })
     }
 
-    /// Re-reads pod and identity names (they change as the agent syncs).
-    pub fn refresh_names(&mut self) -> Result<(), Error> {
-        let maps = BpfMaps::from_pins(&self.layout)?;
-        self.names = NameTables {
-            identities: maps.read_identities()?,
-            endpoints: maps.read_meta()?,
-            ..NameTables::default()
-        };
-        Ok(())
+    /// Records too short to be a [`FlowRecord`] skipped so far (a kernel
+    /// side of another layout).
+    pub fn short_records(&self) -> u64 {
+        self.short
     }
 
-    /// Waits up to `timeout` for events and returns those available.
-    pub fn next_batch(&mut self, timeout: Duration) -> Vec<DropRecord> {
+    /// Waits up to `timeout` for records and returns those available.
+    pub fn next_batch(&mut self, timeout: Duration) -> Vec<FlowRecord> {
         let mut fds = [libc::pollfd {
             fd: self.ring.as_raw_fd(),
             events: libc::POLLIN,
@@ -85,39 +98,21 @@ impl DropEventReader {
         let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
         // SAFETY: one valid pollfd for the duration of the call.
         unsafe { libc::poll(fds.as_mut_ptr(), 1, ms) };
-        let mut raw = Vec::new();
+        let mut out = Vec::new();
         while let Some(item) = self.ring.next() {
-            if item.len() >= std::mem::size_of::<DropEvent>() {
-                raw.push(*bytemuck::from_bytes::<DropEvent>(
-                    &item[..std::mem::size_of::<DropEvent>()],
-                ));
+            match decode(&item) {
+                Some(r) => out.push(r),
+                None => self.short += 1,
             }
         }
-        if raw
-            .iter()
-            .any(|e| !self.names.endpoints.contains_key(&e.ifindex))
-        {
-            let _ = self.refresh_names();
-        }
-        raw.iter().map(|e| self.record(e)).collect()
+        out
     }
+}
 
-    fn record(&self, e: &DropEvent) -> DropRecord {
-        DropRecord {
-            pod: self.names.endpoint(e.ifindex),
-            direction: policy_common::direction::name(e.direction),
-            reason: Reason::from_u8(e.reason)
-                .map(Reason::name)
-                .unwrap_or("unknown"),
-            protocol: protocol_name(e.protocol),
-            src: endpoint_text(address(e.family, &e.src), e.sport, e.protocol),
-            dst: endpoint_text(address(e.family, &e.dst), e.dport, e.protocol),
-            peer: if e.peer_identity == 0 {
-                "-".into()
-            } else {
-                self.names.identity(e.peer_identity)
-            },
-            peer_class: self.names.identity(e.peer_cidr_identity),
-        }
-    }
+/// A record from ring bytes (None: shorter than a [`FlowRecord`]; a
+/// longer one is read up to its size).
+pub fn decode(bytes: &[u8]) -> Option<FlowRecord> {
+    let size = std::mem::size_of::<FlowRecord>();
+    let head = bytes.get(..size)?;
+    Some(bytemuck::pod_read_unaligned(head))
 }

@@ -38,6 +38,8 @@ pub struct LoadOptions {
     /// The most `CONNTRACK` entries one interface may hold (0: no bound;
     /// None: [`super::conntrack_share::share_for`]'s default).
     pub conntrack_share: Option<u32>,
+    /// The flow-record budget and the daemon's flow log.
+    pub flows: super::flows::FlowOptions,
 }
 
 /// The classifiers, loaded or opened from their pins. Those of a device
@@ -285,6 +287,11 @@ impl PinnedClassifier {
         };
         let capacities = maps.capacities();
         warn_resized(&opts.capacities, &capacities);
+        if let Some(rate) = opts.flows.rate
+            && let Err(e) = super::flows::budget::write(layout, rate)
+        {
+            tracing::warn!(error = %e, "the flow-record budget could not be written");
+        }
         Ok(Self {
             layout: layout.clone(),
             maps,

@@ -7,6 +7,7 @@ use policy_common::{
     conntrack::{CtEntry, CtKey, FragEntry, FragKey},
     conntrack_share::{CtShare, CtUsageKey},
     endpoint::{EndpointInfo, EndpointMeta},
+    event::FlowBudget,
     identity::IdentityName,
     ipcache::IpcacheEntry,
     maps as names,
@@ -37,6 +38,7 @@ fn expected_sizes(name: &str) -> Option<(usize, usize)> {
         names::COUNTERS => (4, 8),
         names::POD_RANGES => (4 + size_of::<ServiceAddr>(), 4),
         names::ENFORCED => (size_of::<ServiceAddr>(), 4),
+        names::FLOW_BUDGET => (4, size_of::<FlowBudget>()),
         _ => return None,
     })
 }
@@ -100,7 +102,7 @@ where
 /// Maps newer than the layout version: pins an older agent left may lack
 /// them. Loading the object creates them beside the others; a reader of
 /// such pins goes on without them.
-pub(super) const ADDED_LATER: [&str; 1] = [names::RULE_NAMES];
+pub(super) const ADDED_LATER: [&str; 2] = [names::RULE_NAMES, names::FLOW_BUDGET];
 
 /// The map `name` from `source`, typed and checked against `layout`.
 pub(super) fn field<T>(

@@ -9,6 +9,7 @@ pub mod conntrack_share;
 pub mod driver;
 pub mod error;
 pub mod events;
+pub mod flows;
 mod foreign_programs;
 pub mod kernel_features;
 pub mod kernel_log;

@@ -1,20 +1,37 @@
-//! What observes the BPF datapath while the agent runs: the drop log
-//! (drop events with pod names, rate-limited), the classifier's debug log,
-//! and the kernel-side figures for `/metrics`.
+//! What observes the BPF datapath while the agent runs: the flow thread
+//! (the ring's one reader: names each record, counts it, logs it and
+//! hands it to live subscribers), the classifier's debug log, and the
+//! kernel-side figures for `/metrics`.
 use std::{
     fmt::Write as _,
+    sync::{Arc, atomic::Ordering},
     time::{Duration, Instant},
 };
 
+use policy_common::verdict::Reason;
 use tracing::{info, warn};
 
 use super::{
-    events::DropEventReader,
+    events::FlowRing,
+    flows::{
+        FlowLog,
+        clock::WallClock,
+        hub::{Hub, Line},
+        naming::{FlowNamer, PinnedNames},
+        record::Verdict,
+        socket,
+        stats::FlowStats,
+    },
     kernel_log::follow_kernel_log as follow,
     loader::Classifiers,
     maps::BpfMaps,
     pins::{Hook, PinLayout},
 };
+
+/// Lines the flow log writes a second at most (the rest are counted).
+const FLOW_LOG_PER_SECOND: usize = 20;
+/// How often the per-policy series are checked against `RULE_NAMES`.
+const PRUNE_EVERY: Duration = Duration::from_secs(60);
 
 /// Forwards the classifier's debug log (emitted only while switched on).
 pub(super) fn follow_kernel_log(layout: &PinLayout) {
@@ -28,49 +45,130 @@ pub(super) fn follow_kernel_log(layout: &PinLayout) {
     }
 }
 
-/// Logs drop events with pod names, from a thread of its own, at most
-/// `DROP_LOG_PER_SECOND` lines a second (the rest are counted, and the
-/// kernel counters have them all). False when the ring cannot be opened.
-pub(super) fn spawn_drop_log(layout: &PinLayout) -> bool {
-    const DROP_LOG_PER_SECOND: usize = 20;
-    let reader = match DropEventReader::open(layout) {
+/// The daemon's flow thread and what it shares with `/metrics`.
+pub(super) struct FlowObserver {
+    log: FlowLog,
+    started: bool,
+    stats: Arc<FlowStats>,
+    hub: Arc<Hub>,
+}
+
+impl FlowObserver {
+    pub(super) fn new(log: FlowLog) -> Self {
+        Self {
+            log,
+            started: false,
+            stats: Arc::default(),
+            hub: Arc::default(),
+        }
+    }
+
+    /// Starts the flow thread unless it runs; false while the ring
+    /// cannot be opened.
+    pub(super) fn start(&mut self, layout: &PinLayout) -> bool {
+        if !self.started {
+            self.started = spawn_flows(layout, self.log, self.stats.clone(), self.hub.clone());
+        }
+        self.started
+    }
+
+    /// What `/metrics` renders of the flows.
+    pub(super) fn stats(&self) -> Arc<FlowStats> {
+        self.stats.clone()
+    }
+}
+
+/// The flow log's rate: a window of one second.
+struct LogLimit {
+    window: Instant,
+    logged: usize,
+    skipped: usize,
+}
+
+impl LogLimit {
+    /// Whether one more line may go out now.
+    fn take(&mut self, stats: &FlowStats) -> bool {
+        if self.window.elapsed() >= Duration::from_secs(1) {
+            if self.skipped > 0 {
+                info!(target: "flows", skipped = self.skipped, "more flows not logged");
+            }
+            self.window = Instant::now();
+            self.logged = 0;
+            self.skipped = 0;
+        }
+        if self.logged < FLOW_LOG_PER_SECOND {
+            self.logged += 1;
+            true
+        } else {
+            self.skipped += 1;
+            stats.log_skipped.fetch_add(1, Ordering::Relaxed);
+            false
+        }
+    }
+}
+
+/// Reads the ring from a thread of its own and serves subscribers. False
+/// when the ring cannot be opened (tried again after the next sync).
+fn spawn_flows(layout: &PinLayout, log: FlowLog, stats: Arc<FlowStats>, hub: Arc<Hub>) -> bool {
+    let mut ring = match FlowRing::open(layout) {
         Ok(r) => r,
         Err(e) => {
-            warn!(error = %e, "drop events unavailable");
+            warn!(error = %e, "flow records unavailable");
             return false;
         }
     };
+    if let Err(e) = socket::serve(layout, hub.clone()) {
+        warn!(error = %e, "flow subscribers cannot connect (is another agent serving these pins?)");
+    }
+    let mut namer = FlowNamer::new(PinnedNames::new(layout), WallClock::now());
     std::thread::Builder::new()
-        .name("drop-events".into())
+        .name("flows".into())
         .spawn(move || {
-            let mut reader = reader;
-            let mut window = Instant::now();
-            let (mut logged, mut suppressed) = (0usize, 0usize);
+            let mut limit = LogLimit {
+                window: Instant::now(),
+                logged: 0,
+                skipped: 0,
+            };
+            let mut pruned = Instant::now();
             loop {
-                for record in reader.next_batch(Duration::from_secs(1)) {
-                    if window.elapsed() >= Duration::from_secs(1) {
-                        if suppressed > 0 {
-                            info!(target: "drops", suppressed, "more drops not logged");
-                        }
-                        window = Instant::now();
-                        logged = 0;
-                        suppressed = 0;
+                let batch = ring.next_batch(Duration::from_secs(1));
+                namer.tick();
+                if pruned.elapsed() >= PRUNE_EVERY {
+                    stats.retain(namer.live_labels());
+                    pruned = Instant::now();
+                }
+                stats
+                    .short_records
+                    .store(ring.short_records(), Ordering::Relaxed);
+                for record in batch {
+                    let event = namer.name(&record);
+                    stats.count(Reason::from_u8(record.reason), &event.flow);
+                    if !hub.is_empty()
+                        && let Ok(line) = serde_json::to_string(&event)
+                    {
+                        hub.publish(&Line::from(line));
                     }
-                    if logged < DROP_LOG_PER_SECOND {
-                        info!(target: "drops", "{record}");
-                        logged += 1;
-                    } else {
-                        suppressed += 1;
+                    let wanted = match log {
+                        FlowLog::Off => false,
+                        FlowLog::Drops => event.flow.verdict == Verdict::Drop,
+                        FlowLog::All => true,
+                    };
+                    if wanted
+                        && limit.take(&stats)
+                        && let Ok(line) = serde_json::to_string(&event.flow)
+                    {
+                        info!(target: "flows", "{line}");
                     }
                 }
+                stats.subscriber_lost.store(hub.lost(), Ordering::Relaxed);
             }
         })
         .is_ok()
 }
 
 /// Appends the kernel's verdict counters and map fill, read from the pins
-/// now (nothing while nothing is pinned).
-pub(super) fn render_metrics(out: &mut String, layout: &PinLayout) {
+/// now (nothing while nothing is pinned), and the flows' figures.
+pub(super) fn render_metrics(out: &mut String, layout: &PinLayout, flows: Option<&FlowStats>) {
     let Ok(maps) = BpfMaps::from_pins(layout) else {
         return;
     };
@@ -99,6 +197,16 @@ pub(super) fn render_metrics(out: &mut String, layout: &PinLayout) {
         }
         for (r, n) in drops {
             let _ = writeln!(out, "policy_agent_drops_total{{reason=\"{r}\"}} {n}");
+        }
+        if let Some(flows) = flows {
+            let sum = |wanted: Reason| -> u64 {
+                counters
+                    .iter()
+                    .filter(|((r, _), _)| *r == wanted)
+                    .map(|(_, n)| *n)
+                    .sum()
+            };
+            flows.render(out, sum(Reason::RecordLimited), sum(Reason::EventLost));
         }
     }
     if let Ok(share) = maps.ct_share.get(&0, 0) {

@@ -1,0 +1,91 @@
+//! Where a reader (`policy-agent flows`, `events`) gets named flows: the
+//! daemon's socket when a daemon serves these pins, else the ring itself
+//! (no daemon: the one-shot `apply` case; reading it beside a daemon
+//! would take records from it).
+use std::{
+    collections::VecDeque,
+    io::{BufRead as _, BufReader},
+    os::unix::net::UnixStream,
+    time::Duration,
+};
+
+use super::{
+    Error,
+    clock::WallClock,
+    naming::{FlowNamer, PinnedNames},
+    record::FlowEvent,
+    socket,
+};
+use crate::datapath::bpf::{events::FlowRing, pins::PinLayout};
+
+pub enum FlowSource {
+    Daemon {
+        reader: BufReader<UnixStream>,
+        layout: PinLayout,
+    },
+    Ring {
+        ring: Box<FlowRing>,
+        namer: Box<FlowNamer<PinnedNames>>,
+        pending: VecDeque<FlowEvent>,
+    },
+}
+
+impl FlowSource {
+    pub fn open(layout: &PinLayout) -> Result<Self, Error> {
+        if let Some(stream) = socket::connect(layout)? {
+            return Ok(Self::Daemon {
+                reader: BufReader::new(stream),
+                layout: layout.clone(),
+            });
+        }
+        let ring = FlowRing::open(layout)?;
+        Ok(Self::Ring {
+            ring: Box::new(ring),
+            namer: Box::new(FlowNamer::new(PinnedNames::new(layout), WallClock::now())),
+            pending: VecDeque::new(),
+        })
+    }
+
+    /// Whether flows come from a daemon.
+    pub fn from_daemon(&self) -> bool {
+        matches!(self, Self::Daemon { .. })
+    }
+
+    /// The next flow (waits for it).
+    pub fn next_flow(&mut self) -> Result<FlowEvent, Error> {
+        match self {
+            Self::Daemon { reader, layout } => {
+                let mut line = String::new();
+                if reader
+                    .read_line(&mut line)
+                    .map_err(|source| Error::Socket {
+                        name: socket::socket_name(layout),
+                        source,
+                    })?
+                    == 0
+                {
+                    return Err(Error::Closed(layout.root().to_path_buf()));
+                }
+                if let Ok(serde_json::Value::Object(o)) = serde_json::from_str(&line)
+                    && let Some(e) = o.get("error")
+                {
+                    return Err(Error::Refused(e.to_string()));
+                }
+                Ok(serde_json::from_str(&line)?)
+            }
+            Self::Ring {
+                ring,
+                namer,
+                pending,
+            } => loop {
+                if let Some(e) = pending.pop_front() {
+                    return Ok(e);
+                }
+                namer.tick();
+                for r in ring.next_batch(Duration::from_millis(500)) {
+                    pending.push_back(namer.name(&r));
+                }
+            },
+        }
+    }
+}
