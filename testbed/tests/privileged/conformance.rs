@@ -58,8 +58,10 @@ macro_rules! conformance_suite {
         mod $module {
             use super::*;
 
+            /// A fresh node `n`; on BPF every check also holds the flow
+            /// records its traffic made to the API evaluator.
             fn env(n: &'static str) -> Conformance {
-                Conformance::new(n, $backend)
+                crate::flow_audit::audited(n, $backend)
             }
 
             /// A fresh node `n` with `policies` applied; its checks probe

@@ -20,6 +20,8 @@ mod cluster_policy;
 mod cluster_policy_kube;
 mod cni;
 mod conformance;
+mod flow_audit;
+mod flows;
 mod full_maps;
 mod http_limits;
 mod identity_adoption;

@@ -13,7 +13,7 @@ use policy_agent::{
         },
     },
     policy::cluster_policy::{
-        Connection, ParsedClusterPolicy, PodView, Remote, decide as evaluate,
+        Connection, Decision, ParsedClusterPolicy, PodView, Remote, decide as evaluate,
     },
 };
 use policy_common::direction;
@@ -35,6 +35,26 @@ pub fn decide(
     port: u16,
     np_word: Option<bool>,
 ) -> bool {
+    let (allows, _) = decide_by(
+        state, endpoint, ep, ingress, peer_pod, peer, protocol, port, np_word,
+    );
+    allows
+}
+
+/// [`decide`], with the tier rule that decided (its policy's name and the
+/// rule's index), when an Accept or a Deny of a tier did.
+#[allow(clippy::too_many_arguments)]
+pub fn decide_by(
+    state: &ClusterState,
+    endpoint: &ObjectRef,
+    ep: &PodInfo,
+    ingress: bool,
+    peer_pod: Option<(&ObjectRef, &PodInfo)>,
+    peer: IpAddr,
+    protocol: u8,
+    port: u16,
+    np_word: Option<bool>,
+) -> (bool, Option<(String, usize)>) {
     let policies: Vec<ParsedClusterPolicy> = state
         .cluster_policies
         .values()
@@ -79,7 +99,18 @@ pub fn decide(
         protocol,
         port,
     };
-    evaluate(&policies, &conn, np_word).0.allows()
+    let (decision, by) = evaluate(&policies, &conn, np_word);
+    let tier_decided = matches!(
+        decision,
+        Decision::AdminAccept
+            | Decision::AdminDeny
+            | Decision::BaselineAccept
+            | Decision::BaselineDeny
+    );
+    let rule = by
+        .filter(|_| tier_decided)
+        .map(|m| (m.policy.name.clone(), m.rule.index));
+    (decision.allows(), rule)
 }
 
 fn labels(keys: &'static [&'static str]) -> impl Strategy<Value = BTreeMap<String, String>> {

@@ -166,6 +166,16 @@ fn policy_types(spec: &NetworkPolicySpec) -> (bool, bool) {
     }
 }
 
+/// What the NetworkPolicies say of one new flow at one pod (see
+/// [`World::network_policies`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NetworkPolicyWord {
+    /// The policies isolating the pod in the flow's direction.
+    pub isolating: BTreeSet<ObjectRef>,
+    /// The rules admitting the flow: (policy, index in its list).
+    pub admitting: BTreeSet<(ObjectRef, usize)>,
+}
+
 /// What the oracle knows about an address.
 pub struct World<'a> {
     pub state: &'a ClusterState,
@@ -325,9 +335,46 @@ impl<'a> World<'a> {
         if to_node && (ingress || self.state.cluster_policies.is_empty()) {
             return true;
         }
+        let word = self.network_policies(endpoint, ingress, peer, proto_, port);
+        let isolated = !word.isolating.is_empty();
+        let allowed_by_np = !word.admitting.is_empty();
         let ep = &self.state.pods[endpoint];
-        let mut isolated = false;
-        let mut allowed_by_np = false;
+        // "the only allowed connections are those allowed by the union of
+        // the policies' rules".
+        let np_word = isolated.then_some(allowed_by_np || to_node);
+        if self.state.cluster_policies.is_empty() {
+            return np_word.unwrap_or(true);
+        }
+        // ClusterNetworkPolicy tiers around the NetworkPolicy tier, by the
+        // reference evaluator (written from the API text, apart from the
+        // compiler).
+        super::cnp_oracle::decide(
+            self.state,
+            endpoint,
+            ep,
+            ingress,
+            self.pod(peer),
+            peer,
+            proto_,
+            port,
+            np_word,
+        )
+    }
+
+    /// What the NetworkPolicies say of a new flow of `endpoint` with
+    /// `peer` (`ingress`: the peer sends): the policies isolating it in
+    /// that direction, and the rules (policy, index in its list) that
+    /// admit the flow.
+    pub fn network_policies(
+        &self,
+        endpoint: &ObjectRef,
+        ingress: bool,
+        peer: IpAddr,
+        proto_: u8,
+        port: u16,
+    ) -> NetworkPolicyWord {
+        let ep = &self.state.pods[endpoint];
+        let mut word = NetworkPolicyWord::default();
         for (name, np) in &self.state.policies {
             if name.namespace != endpoint.namespace {
                 continue;
@@ -349,43 +396,55 @@ impl<'a> World<'a> {
             }
             // "a pod is isolated for ingress if there is any NetworkPolicy
             // that both selects the pod and has "Ingress" in its policyTypes".
-            isolated = true;
+            word.isolating.insert(name.clone());
             // DOCUMENTED CHOICE: an invalid policy isolates but allows nothing.
             if !policy_valid(np) {
                 continue;
             }
-            let allowed = if ingress {
+            let admitting: Vec<usize> = if ingress {
                 spec.ingress
                     .iter()
                     .flatten()
-                    .any(|r: &NetworkPolicyIngressRule| {
+                    .enumerate()
+                    .filter(|(_, r): &(usize, &NetworkPolicyIngressRule)| {
                         self.rule(name, &r.from, &r.ports, true, endpoint, peer, proto_, port)
                     })
+                    .map(|(i, _)| i)
+                    .collect()
             } else {
                 spec.egress
                     .iter()
                     .flatten()
-                    .any(|r: &NetworkPolicyEgressRule| {
+                    .enumerate()
+                    .filter(|(_, r): &(usize, &NetworkPolicyEgressRule)| {
                         self.rule(name, &r.to, &r.ports, false, endpoint, peer, proto_, port)
                     })
+                    .map(|(i, _)| i)
+                    .collect()
             };
-            if allowed {
-                allowed_by_np = true;
-            }
+            word.admitting
+                .extend(admitting.into_iter().map(|i| (name.clone(), i)));
         }
-        // "the only allowed connections are those allowed by the union of
-        // the policies' rules".
-        let np_word = isolated.then_some(allowed_by_np || to_node);
-        if self.state.cluster_policies.is_empty() {
-            return np_word.unwrap_or(true);
-        }
-        // ClusterNetworkPolicy tiers around the NetworkPolicy tier, by the
-        // reference evaluator (written from the API text, apart from the
-        // compiler).
-        super::cnp_oracle::decide(
+        word
+    }
+
+    /// The ClusterNetworkPolicy rule that decides a new flow of `endpoint`
+    /// with `peer` (its policy's name and the rule's index), when a tier's
+    /// Accept or Deny does.
+    pub fn tier_rule(
+        &self,
+        endpoint: &ObjectRef,
+        ingress: bool,
+        peer: IpAddr,
+        proto_: u8,
+        port: u16,
+    ) -> Option<(String, usize)> {
+        let word = self.network_policies(endpoint, ingress, peer, proto_, port);
+        let np_word = (!word.isolating.is_empty()).then_some(!word.admitting.is_empty());
+        super::cnp_oracle::decide_by(
             self.state,
             endpoint,
-            ep,
+            &self.state.pods[endpoint],
             ingress,
             self.pod(peer),
             peer,
@@ -393,6 +452,7 @@ impl<'a> World<'a> {
             port,
             np_word,
         )
+        .1
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -5,7 +5,7 @@
 //! probed (the SCTP tests live elsewhere). CNPAdminTierIngressTCP and
 //! CNPAdminTierIntegration are in mod.rs.
 use policy_testbed::Transport::{Tcp, Udp};
-use policy_testbed::fixtures::conformance::{Backend, Conformance, labels};
+use policy_testbed::fixtures::conformance::{Backend, labels};
 
 use super::model::{
     Action, CEDRIC_0, CEDRIC_1, DRACO_0, DRACO_1, Dir, GRYFFINDOR, HARRY_0, HARRY_1, HUFFLEPUFF,
@@ -273,7 +273,7 @@ const INLINE_CIDR_POKES: [&[Poke]; 4] = [
 /// address; both families' are listed here, so the Accept shows in both
 /// halves of the matrix.
 pub(super) fn inline_cidr(test: &str, (prefix, backend): (&'static str, Backend), policy: Policy) {
-    let mut c = Conformance::new(prefix, backend);
+    let mut c = crate::flow_audit::audited(prefix, backend);
     let mut policies = vec![policy];
     stage(
         &c,
@@ -353,7 +353,7 @@ fn cnp_admin_tier_egress_inline_cidr_peers(prefix: &'static str, backend: Backen
 /// both ways between gryffindor and slytherin (by house label: `team`);
 /// then the Pass moved to 40, handing both to the Baseline Accept.
 fn cnp_admin_tier_priority_field(prefix: &'static str, backend: Backend) {
-    let c = Conformance::new(prefix, backend);
+    let c = crate::flow_audit::audited(prefix, backend);
     let gryffindor = Sel::Pods(("team", "b"), None);
     let slytherin = Sel::Pods(("team", "c"), None);
     let both_ways = |name: &'static str, tier, priority, action, verb: &str| {

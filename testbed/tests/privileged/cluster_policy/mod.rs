@@ -55,7 +55,7 @@ fn ingress_tcp(order: [usize; 7]) -> String {
 
 /// CNPAdminTierIngressTCP, its six subtests.
 fn cnp_admin_tier_ingress_tcp(name: &'static str, backend: Backend) {
-    let c = Conformance::new(name, backend);
+    let c = crate::flow_audit::audited(name, backend);
     c.write_policies(&ingress_tcp([0, 1, 2, 3, 4, 5, 6]));
     c.apply_ok();
     let tcp80 = |port: u16, tr: Transport| tr == Transport::Tcp && port == 80;
@@ -105,7 +105,7 @@ const BASELINE: &str = "apiVersion: policy.networking.k8s.io/v1alpha2\nkind: Clu
 /// admits gamma (slytherin) both ways; then Pass to it; then, with the
 /// NetworkPolicy deleted, Pass to the Baseline Deny.
 fn cnp_admin_tier_integration(name: &'static str, backend: Backend) {
-    let c = Conformance::new(name, backend);
+    let c = crate::flow_audit::audited(name, backend);
     let docs = |action: &str, np: bool| {
         let mut d = vec![PASS_EXAMPLE.replace("ACTION", action), BASELINE.to_owned()];
         if np {

@@ -458,7 +458,7 @@ pub(super) fn edited_in_place(
         ("then rules 0 and 2 swapped", Some((0, 2))),
         ("then rules 3 and 4 swapped", Some((3, 4))),
     ];
-    let c = Conformance::new(prefix, backend);
+    let c = crate::flow_audit::audited(prefix, backend);
     for ((what, edit), pokes) in EDITS.iter().zip(stages) {
         if let Some((a, b)) = edit {
             for dir in [Dir::Ingress, Dir::Egress] {

@@ -14,7 +14,7 @@
 //! alpha it is 80, on gamma 8080), then the pod the upstream rule reaches
 //! stripped of its named port, which must then match nothing there.
 use policy_testbed::Transport::{Tcp, Udp};
-use policy_testbed::fixtures::conformance::{Backend, Conformance};
+use policy_testbed::fixtures::conformance::Backend;
 
 use super::model::{
     CEDRIC_0, CEDRIC_1, DRACO_0, DRACO_1, Dir, GRYFFINDOR, HARRY_0, HARRY_1, HUFFLEPUFF, Poke,
@@ -48,7 +48,7 @@ fn run(case: Case, (prefix, backend): (&'static str, Backend)) {
         slytherin: (deny, by_destination),
         stripped: (pod, lost),
     } = case;
-    let mut c = Conformance::new(prefix, backend);
+    let mut c = crate::flow_audit::audited(prefix, backend);
     policy.rules_mut(dir)[index].protocols = vec![named(name)];
     stage(
         &c,

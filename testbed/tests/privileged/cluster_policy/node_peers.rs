@@ -176,7 +176,7 @@ const BASELINE: &str = "apiVersion: policy.networking.k8s.io/v1alpha2\nkind: Clu
 /// and 4 (the Deny of nodes); the Deny of every network closes beta's
 /// egress to every pod too.
 fn admin_tier_egress_node_peers(prefix: &'static str, backend: Backend) {
-    let c = Conformance::new(prefix, backend);
+    let c = crate::flow_audit::audited(prefix, backend);
     let servers = NodeServers::start(&c.node().node);
     c.write_policies(&format!("{}---\n{ADMIN}", node_object()));
     c.apply_ok();
@@ -212,7 +212,7 @@ fn admin_tier_egress_node_peers(prefix: &'static str, backend: Backend) {
 /// CNPBaselineTierEgressNodePeers: the TCP range 0-1 accepted, port 4
 /// denied; the Deny of every network closes beta's egress to every pod.
 fn baseline_tier_egress_node_peers(prefix: &'static str, backend: Backend) {
-    let c = Conformance::new(prefix, backend);
+    let c = crate::flow_audit::audited(prefix, backend);
     let servers = NodeServers::start(&c.node().node);
     c.write_policies(&format!("{}---\n{BASELINE}", node_object()));
     c.apply_ok();
