@@ -13,6 +13,9 @@
 //! probes run and miss. The probe counts are taken from the model
 //! (`policy_common::model`) and printed.
 //!
+//! Then flow records: a denied new flow with records off, on and read,
+//! on with the ring full, and on with the budget spent (`records`).
+//!
 //! Then ClusterNetworkPolicy: 100 of them in both tiers over 10,000 pods,
 //! compiled, beside the NetworkPolicy state of 10,000 entries, a denied new
 //! flow and an established one each (`tiers`).
@@ -28,6 +31,9 @@
 //! `cargo xtask bench --only datapath-guest` runs this binary inside the
 //! emulated 6.1 guest (far slower, its target directory read-only there).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[path = "datapath/records.rs"]
+mod records;
 
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -310,11 +316,12 @@ fn main() {
         "floor: empty program {empty:.1} ns/pkt; parse + one hash lookup {one_lookup:.1} ns/pkt"
     );
     let tiers = tiers(&mut floors, repeat, rounds);
+    let records = records::records(&mut floors, &new_denied, &established, repeat, rounds);
     let json = serde_json::json!({
         "ipcache_entries": IPCACHE_ENTRIES, "repeat": repeat, "rounds": rounds,
         "typical_probes": typical_probes, "worst_probes": worst_probes,
         "floor_empty_ns": empty, "floor_one_lookup_ns": one_lookup, "rows": rows,
-        "tiers": tiers,
+        "tiers": tiers, "records": records,
     });
     let out = std::env::var_os("POLICY_AGENT_BENCH_OUT").map_or_else(
         || {
