@@ -376,6 +376,20 @@ fn a_removed_rule_stays_named_and_a_miss_reads_again() {
     assert_eq!(policy_names(&e.flow), ["default/allow-client[1]"]);
 }
 
+/// A name handed over before its removal (the daemon does so for every
+/// name a sync removes) names records its namer never saw in the pins.
+#[test]
+fn a_name_handed_over_before_its_removal_names_later_records() {
+    let full = names();
+    let none = without_rules(full.clone(), |_| false);
+    let mut namer = FlowNamer::new(Reads(vec![none]), CLOCK);
+    let e = namer.name(&record(Reason::AllowPolicy, all_refs()));
+    assert!(e.flow.policies[0].is_unknown());
+    namer.keep(full.tables.rules.clone());
+    let e = namer.name(&record(Reason::AllowPolicy, all_refs()));
+    assert_eq!(policy_names(&e.flow), ["default/allow-client[1]"]);
+}
+
 #[test]
 fn an_isolating_list_is_replaced_whole_and_kept_when_gone() {
     let full = names();

@@ -75,6 +75,24 @@ impl BpfDriver {
                 .set_ranges(&mut self.dp.maps, desired.pod_ranges, &mut report);
         let links_changed = self.interfaces.take_links_changed();
         let incremental = self.last.is_some() && !self.interfaces.needs_full_pass();
+        // Names this sync removes go to the flow thread first.
+        let names_before = if incremental {
+            None
+        } else {
+            self.last.as_ref().map(|s| s.rule_names.clone())
+        };
+        if let Some(last) = &self.last
+            && incremental
+        {
+            let retiring = ops
+                .iter()
+                .filter_map(|op| match op {
+                    MapOp::DeleteRuleName(k) => last.rule_names.get(k).map(|n| (*k, *n)),
+                    _ => None,
+                })
+                .collect();
+            self.flows.retire(retiring);
+        }
         if incremental {
             let mut ops: Vec<MapOp<PodRef>> = ops.to_vec();
             // A full pass looks every interface up itself.
@@ -135,6 +153,15 @@ impl BpfDriver {
             )?;
             if verifies {
                 self.order.settle(&mut self.dp);
+            }
+            // A full pass removed what the compiled state no longer names
+            // (after the fact: the names are kept for records still read).
+            if let (Some(before), Some(now)) = (names_before, &self.last) {
+                let gone = before
+                    .into_iter()
+                    .filter(|(k, _)| !now.rule_names.contains_key(k))
+                    .collect();
+                self.flows.retire(gone);
             }
             report.problems = self.standing.replace(&report.problems);
         }

@@ -4,11 +4,14 @@
 //! kernel-side figures for `/metrics`.
 use std::{
     fmt::Write as _,
-    sync::{Arc, atomic::Ordering},
+    sync::{Arc, Mutex, atomic::Ordering},
     time::{Duration, Instant},
 };
 
-use policy_common::verdict::Reason;
+use policy_common::{
+    rule_name::{RuleKey, RuleName},
+    verdict::Reason,
+};
 use tracing::{info, warn};
 
 use super::{
@@ -51,7 +54,13 @@ pub(super) struct FlowObserver {
     started: bool,
     stats: Arc<FlowStats>,
     hub: Arc<Hub>,
+    retiring: Retiring,
 }
+
+/// Names a sync is about to remove from `RULE_NAMES`, handed to the flow
+/// thread first: records of flows the rule judged may still be in the
+/// ring, and are named with them.
+type Retiring = Arc<Mutex<Vec<(RuleKey, RuleName)>>>;
 
 impl FlowObserver {
     pub(super) fn new(log: FlowLog) -> Self {
@@ -60,6 +69,17 @@ impl FlowObserver {
             started: false,
             stats: Arc::default(),
             hub: Arc::default(),
+            retiring: Arc::default(),
+        }
+    }
+
+    /// Hands the flow thread names about to be removed (see [`Retiring`]).
+    pub(super) fn retire(&self, names: Vec<(RuleKey, RuleName)>) {
+        if names.is_empty() || !self.started {
+            return;
+        }
+        if let Ok(mut r) = self.retiring.lock() {
+            r.extend(names);
         }
     }
 
@@ -67,7 +87,13 @@ impl FlowObserver {
     /// cannot be opened.
     pub(super) fn start(&mut self, layout: &PinLayout) -> bool {
         if !self.started {
-            self.started = spawn_flows(layout, self.log, self.stats.clone(), self.hub.clone());
+            self.started = spawn_flows(
+                layout,
+                self.log,
+                self.stats.clone(),
+                self.hub.clone(),
+                self.retiring.clone(),
+            );
         }
         self.started
     }
@@ -109,7 +135,13 @@ impl LogLimit {
 
 /// Reads the ring from a thread of its own and serves subscribers. False
 /// when the ring cannot be opened (tried again after the next sync).
-fn spawn_flows(layout: &PinLayout, log: FlowLog, stats: Arc<FlowStats>, hub: Arc<Hub>) -> bool {
+fn spawn_flows(
+    layout: &PinLayout,
+    log: FlowLog,
+    stats: Arc<FlowStats>,
+    hub: Arc<Hub>,
+    retiring: Retiring,
+) -> bool {
     let mut ring = match FlowRing::open(layout) {
         Ok(r) => r,
         Err(e) => {
@@ -141,6 +173,13 @@ fn spawn_flows(layout: &PinLayout, log: FlowLog, stats: Arc<FlowStats>, hub: Arc
                     .short_records
                     .store(ring.short_records(), Ordering::Relaxed);
                 for record in batch {
+                    // Before naming: a name removed since the batch was
+                    // read is found here, not missed in the pins.
+                    if let Ok(mut r) = retiring.lock()
+                        && !r.is_empty()
+                    {
+                        namer.keep(r.drain(..));
+                    }
                     let event = namer.name(&record);
                     stats.count(Reason::from_u8(record.reason), &event.flow);
                     if !hub.is_empty()

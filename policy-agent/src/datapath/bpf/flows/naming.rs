@@ -19,7 +19,7 @@ use policy_common::{
     identity,
     maps::capacity,
     proto,
-    rule_name::{RuleKey, kind},
+    rule_name::{RuleKey, RuleName, kind},
     verdict::{FIRST_DROP, Reason},
 };
 
@@ -157,6 +157,14 @@ impl<S: NameSource> FlowNamer<S> {
         {
             self.unanswered.clear();
             let _ = self.refresh();
+        }
+    }
+
+    /// Keeps `names` (about to leave the pins) beside what was seen; a
+    /// name the pins hold wins.
+    pub fn keep(&mut self, names: impl IntoIterator<Item = (RuleKey, RuleName)>) {
+        for (k, n) in names {
+            self.names.tables.rules.entry(k).or_insert(n);
         }
     }
 
