@@ -107,6 +107,23 @@ pub fn render(datapath: Option<&Value>, system: Option<&Value>, control: Option<
             );
         }
     }
+    if let Some(rec) = datapath.map(|d| &d["records"]).filter(|r| r.is_object()) {
+        let _ = writeln!(
+            out,
+            "Flow records: a denied new flow (typical shape, {} policy entries; its drop is recorded), over the one-lookup floor of the same round. *Off*: records switched off. *Written*: each record written to a ring the reader empties. *Ring full*: the reservation fails, counted. *Budget spent*: the per-CPU budget holds it back, counted, before any reservation.\n",
+            rec["policy_entries"]
+        );
+        let _ = writeln!(
+            out,
+            "| records | off | written | ring full | budget spent | one record (ns) | flows judged and recorded a second, one core |\n|---|---:|---:|---:|---:|---:|---:|\n| new flow denied | {:.2}x | {:.2}x | {:.2}x | {:.2}x | {:.0} | {:.0} |\n",
+            f(rec, "off_over_floor"),
+            f(rec, "on_read_over_floor"),
+            f(rec, "on_ring_full_over_floor"),
+            f(rec, "on_budget_spent_over_floor"),
+            f(rec, "record_ns"),
+            f(rec, "recorded_flows_per_core_second"),
+        );
+    }
     if let Some(s) = system {
         let none = &s["none"];
         let _ = writeln!(
