@@ -221,6 +221,10 @@ pub struct FlowRecordArgs {
     /// Flow records each CPU may emit at once after a quiet time.
     #[arg(long, default_value_t = FlowRate::DEFAULT.burst)]
     pub flow_records_burst: u64,
+    /// The NFLOG group the iptables fallback logs flow records to (its
+    /// budget is the node's, per family: the two options above).
+    #[arg(long, default_value_t = policy_agent::datapath::iptables::DEFAULT_GROUP)]
+    pub flow_records_group: u16,
 }
 
 /// Which datapath to enforce with, and where its pins live.
@@ -275,6 +279,12 @@ impl EnforceArgs {
                 },
             },
             iptables: self.datapath.iptables_backend.into(),
+            iptables_records: Some(policy_agent::datapath::iptables::FlowLogOptions {
+                group: self.flow_records.flow_records_group,
+                per_second: u32::try_from(self.flow_records.flow_records_per_second)
+                    .unwrap_or(u32::MAX),
+                burst: u32::try_from(self.flow_records.flow_records_burst).unwrap_or(u32::MAX),
+            }),
         }
     }
 }

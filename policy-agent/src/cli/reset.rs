@@ -46,6 +46,12 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             }
         }
     }
+    // The names the iptables fallback's flow records are read with.
+    let names = policy_agent::datapath::iptables::flow_log::names_path(layout.root());
+    if let Err(e) = policy_agent::datapath::iptables::flow_log::remove_names(&names) {
+        ok = false;
+        eprintln!("error: {e}");
+    }
     Ok(if ok {
         ExitCode::SUCCESS
     } else {

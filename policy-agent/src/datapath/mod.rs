@@ -154,6 +154,8 @@ pub struct OpenOptions {
     pub layout: bpf::pins::PinLayout,
     pub load: bpf::loader::LoadOptions,
     pub iptables: iptables::Backend,
+    /// The iptables fallback's flow records (None: off).
+    pub iptables_records: Option<iptables::FlowLogOptions>,
 }
 
 /// Opens the chosen datapath. With [`Choice::Auto`], a BPF failure (old
@@ -161,7 +163,14 @@ pub struct OpenOptions {
 /// the iptables fallback is used.
 pub fn open(opts: &OpenOptions) -> Result<Box<dyn Datapath>, Error> {
     let iptables = || -> Result<Box<dyn Datapath>, Error> {
-        Ok(Box::new(iptables::IptablesDriver::open(opts.iptables)?))
+        let mut driver = iptables::IptablesDriver::open(opts.iptables)?;
+        if let Some(records) = opts.iptables_records {
+            driver.flow_log = Some(records);
+            driver.names_file = Some(iptables::flow_log::names_path(opts.layout.root()));
+            driver.flows_layout = Some(opts.layout.clone());
+            driver.set_flow_log(opts.load.flows.log);
+        }
+        Ok(Box::new(driver))
     };
     match opts.choice {
         Choice::Bpf => Ok(Box::new(bpf::BpfDriver::open(&opts.layout, &opts.load)?)),

@@ -92,6 +92,7 @@ impl Config {
                 layout,
                 load: Default::default(),
                 iptables: Backend::Auto,
+                iptables_records: None,
             },
             compile: CompileOptions::default(),
             listen: SocketAddr::from(([127, 0, 0, 1], 9402)),

@@ -5,9 +5,9 @@ use std::{collections::BTreeMap, net::IpAddr, time::Duration};
 
 use policy_agent::{
     datapath::bpf::{
-        error::Error,
         events::{DropRecord, decode},
         flows::{
+            Error,
             clock::WallClock,
             filter::FlowFilter,
             hub::{Hub, MAX_SUBSCRIBERS},

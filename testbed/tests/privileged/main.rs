@@ -26,6 +26,7 @@ mod full_maps;
 mod http_limits;
 mod identity_adoption;
 mod iptables;
+mod iptables_flow_log;
 mod iptables_hardening;
 mod kernel;
 mod netns;

@@ -9,6 +9,7 @@ use policy_common::endpoint::ATTACH_POD;
 
 use super::{
     error::Error,
+    flows::pipeline::FlowObserver,
     foreign_programs::OrderWatch,
     loader::{LoadOptions, PinnedClassifier},
     observe,
@@ -33,7 +34,7 @@ pub struct BpfDriver {
     last: Option<MapState<u32>>,
     interfaces: InterfaceCache,
     /// The flow thread (the ring's one reader) and its figures.
-    flows: observe::FlowObserver,
+    flows: FlowObserver,
     kernel_log: bool,
     /// `--conntrack-share`, and whether its counting thread runs.
     conntrack_share: (Option<u32>, bool),
@@ -55,7 +56,7 @@ impl BpfDriver {
             enforcement,
             last: None,
             interfaces: InterfaceCache::default(),
-            flows: observe::FlowObserver::new(opts.flows.log),
+            flows: FlowObserver::new(opts.flows.log),
             kernel_log: false,
             conntrack_share: (opts.conntrack_share, false),
             order: OrderWatch::default(),
@@ -228,7 +229,7 @@ impl Datapath for BpfDriver {
     /// The flow thread is retried until it runs; the kernel log follower
     /// is started once (it would run twice).
     fn start_observers(&mut self) -> bool {
-        let flows = self.flows.start(&self.dp.layout);
+        let flows = observe::start_flows(&mut self.flows, &self.dp.layout);
         if !self.kernel_log {
             self.kernel_log = true;
             observe::follow_kernel_log(&self.dp.layout);

@@ -3,18 +3,25 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
+    path::PathBuf,
 };
 
-use tracing::info;
+use tracing::{info, warn};
 
 use super::{
-    Backend, DEFAULT_MARK, Error, Executor, NAME_BITS, RenderInput, Ruleset, pod_range_guard,
-    render,
+    Backend, DEFAULT_MARK, Error, Executor, FlowLogOptions, NAME_BITS, RenderInput, Ruleset,
+    flow_log::{self, IptablesNames},
+    pod_range_guard, render_with,
 };
 use crate::{
     cluster::{ObjectKind, PodRef, Problem},
+    datapath::bpf::{
+        flows::{FlowLog, pipeline::FlowObserver},
+        pins::PinLayout,
+    },
     datapath::{self, Datapath, Desired, InterfaceCache, SyncReport},
-    mapstate::MapOp,
+    mapstate::{MapOp, fnv1a64},
+    metrics::MetricsSource,
 };
 
 pub struct IptablesDriver {
@@ -28,6 +35,18 @@ pub struct IptablesDriver {
     /// installed pod holds is dropped. Read from the installed rules at
     /// open, they stay until the node's are known.
     pub pod_ranges: Vec<ipnet::IpNet>,
+    /// Flow records: each new flow's verdict logged to this NFLOG group,
+    /// within this budget (None: off).
+    pub flow_log: Option<FlowLogOptions>,
+    /// Where every sync writes the names flow records need (the rules,
+    /// identities and local pods; see `flow_log::names`). None: nowhere.
+    pub names_file: Option<PathBuf>,
+    /// The hash of what the names file last got (None: write it).
+    names_written: Option<u64>,
+    /// The daemon's flow thread on the NFLOG group, and the pin root its
+    /// subscribers' socket is named after.
+    flows: FlowObserver,
+    pub flows_layout: Option<PinLayout>,
 }
 
 impl IptablesDriver {
@@ -57,7 +76,17 @@ impl IptablesDriver {
             mark: DEFAULT_MARK,
             installed: BTreeMap::new(),
             pod_ranges: Vec::new(),
+            flow_log: None,
+            names_file: None,
+            names_written: None,
+            flows: FlowObserver::new(FlowLog::default()),
+            flows_layout: None,
         }
+    }
+
+    /// Which records the daemon's flow thread logs.
+    pub fn set_flow_log(&mut self, log: FlowLog) {
+        self.flows = FlowObserver::new(log);
     }
 
     /// The ruleset for `desired`, with the interfaces found here: (ruleset,
@@ -76,14 +105,17 @@ impl IptablesDriver {
             .iter()
             .map(|(p, i)| (p.clone(), i.name.clone()))
             .collect();
-        let mut ruleset = render(&RenderInput {
-            maps: desired.maps,
-            local_pods: desired.local_pods,
-            interfaces: &names,
-            rules: desired.rules,
-            mark: self.mark,
-            name_bits: NAME_BITS,
-        });
+        let mut ruleset = render_with(
+            &RenderInput {
+                maps: desired.maps,
+                local_pods: desired.local_pods,
+                interfaces: &names,
+                rules: desired.rules,
+                mark: self.mark,
+                name_bits: NAME_BITS,
+            },
+            self.flow_log.as_ref(),
+        );
         let indexes: BTreeMap<PodRef, u32> = interfaces
             .iter()
             .map(|(p, i)| (p.clone(), i.ifindex))
@@ -91,6 +123,48 @@ impl IptablesDriver {
         let enforced = enforced_addresses(desired, &indexes, |_, _| true);
         pod_range_guard::add(&mut ruleset, &self.pod_ranges, &enforced);
         (ruleset, problems, indexes)
+    }
+
+    /// Writes the names file when it is asked for and its content changed
+    /// (a failure is a problem of the node, not of enforcement).
+    fn write_names(
+        &mut self,
+        desired: &Desired<'_>,
+        interfaces: &BTreeMap<PodRef, u32>,
+    ) -> Option<Problem> {
+        let path = self.names_file.as_ref()?;
+        let names = IptablesNames {
+            group: self.flow_log.map(|o| o.group),
+            rules: desired.maps.rule_names.clone(),
+            identities: desired.maps.identities.clone(),
+            pods: interfaces
+                .iter()
+                .map(|(pod, ifindex)| (*ifindex, pod.to_string()))
+                .collect(),
+            pod_addresses: interfaces
+                .iter()
+                .map(|(pod, ifindex)| {
+                    let ips = desired.local_pods.get(pod).cloned().unwrap_or_default();
+                    (*ifindex, ips)
+                })
+                .collect(),
+        };
+        let hash = fnv1a64(names.to_json().as_bytes());
+        if self.names_written == Some(hash) {
+            return None;
+        }
+        match flow_log::write_names(path, &names) {
+            Ok(()) => {
+                self.names_written = Some(hash);
+                None
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot write the names of flow records");
+                Some(Problem::node(format!(
+                    "iptables: {e}; flow records are not named until it is written"
+                )))
+            }
+        }
     }
 }
 
@@ -153,6 +227,7 @@ impl Datapath for IptablesDriver {
             self.exec.apply(r)?;
         }
         let applied = self.exec.apply(&ruleset)?;
+        problems.extend(self.write_names(desired, &interfaces));
         self.installed = interfaces;
         if applied.wrote_anything() {
             info!(
@@ -185,6 +260,37 @@ impl Datapath for IptablesDriver {
 
     fn forget_cache(&mut self) {
         self.interfaces.clear();
+        // A periodic resync also puts back a names file someone removed.
+        self.names_written = None;
+    }
+
+    /// The flow thread on the NFLOG group (records on), named from the
+    /// names file the syncs write.
+    fn start_observers(&mut self) -> bool {
+        let (Some(opts), Some(path), Some(layout)) = (
+            self.flow_log,
+            self.names_file.clone(),
+            self.flows_layout.clone(),
+        ) else {
+            return true;
+        };
+        self.flows.start(&layout, || {
+            let reader =
+                flow_log::IptablesFlowReader::open(opts.group).map_err(|e| e.to_string())?;
+            Ok((reader, flow_log::FileNames::new(&path)))
+        })
+    }
+
+    /// The flows' figures: per-policy counters and lost records.
+    fn metrics(&self) -> Option<MetricsSource> {
+        self.flow_log?;
+        let stats = self.flows.stats();
+        let backend = self.exec.backend;
+        Some(std::sync::Arc::new(move |out: &mut String| {
+            let limited = flow_log::limited_records(backend).unwrap_or(0);
+            let lost = stats.source_lost.load(std::sync::atomic::Ordering::Relaxed);
+            stats.render(out, limited, lost);
+        }))
     }
 
     fn enforced(&self, pod: &PodRef) -> Option<u32> {

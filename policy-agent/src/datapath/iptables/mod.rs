@@ -5,6 +5,7 @@
 mod apply;
 mod driver;
 mod error;
+pub mod flow_log;
 mod pod_range_guard;
 mod render;
 mod ruleset;
@@ -13,9 +14,14 @@ pub use self::{
     apply::{ApplyReport, Backend, Executor, ResetReport},
     driver::IptablesDriver,
     error::Error,
-    render::{DEFAULT_MARK, NAME_BITS, RenderInput, render},
+    flow_log::{IptablesFlowReader, IptablesNames, read_names},
+    render::{
+        DEFAULT_BURST, DEFAULT_GROUP, DEFAULT_MARK, DEFAULT_RATE, FlowLogOptions, NAME_BITS,
+        RenderInput, render, render_with,
+    },
     ruleset::{
-        Chain, ChainKind, FORWARD_CHAIN, Family, INPUT_CHAIN, IpSet, OUTPUT_CHAIN, OWN_PREFIX,
-        Ruleset, SetKind, SetName, TUNNEL_CHAIN, is_own_chain, is_own_set,
+        Chain, ChainKind, FORWARD_CHAIN, Family, INPUT_CHAIN, IpSet, LIMITED_CHAIN,
+        LIMITED_COMMENT, LIMITED_DROP_CHAIN, OUTPUT_CHAIN, OWN_PREFIX, Ruleset, SetKind, SetName,
+        TUNNEL_CHAIN, is_own_chain, is_own_set,
     },
 };

@@ -107,15 +107,19 @@ pub enum ChainKind {
     Source,
     /// What a pod whose egress tiers judge sends the node itself.
     ToNode,
+    /// One flow record's verdict: marks or drops, and logs it to NFLOG
+    /// (see `render::records`).
+    Record,
 }
 
 impl ChainKind {
-    pub const ALL: [ChainKind; 5] = [
+    pub const ALL: [ChainKind; 6] = [
         ChainKind::Ingress,
         ChainKind::Egress,
         ChainKind::Policy,
         ChainKind::Source,
         ChainKind::ToNode,
+        ChainKind::Record,
     ];
 
     /// The letter after the prefix: one place, so that every kind the
@@ -127,6 +131,7 @@ impl ChainKind {
             ChainKind::Policy => 'P',
             ChainKind::Source => 'S',
             ChainKind::ToNode => 'N',
+            ChainKind::Record => 'R',
         }
     }
 
@@ -211,6 +216,14 @@ pub const INPUT_CHAIN: &str = "pa-agent:INPUT";
 /// an egress-isolated pod's go through its egress chain. Rendered only
 /// when some local pod is egress-isolated.
 pub const TUNNEL_CHAIN: &str = "pa-agent:TUNNEL";
+/// Where an allowing record chain goes when the record budget is spent:
+/// its one rule counts the records not logged, and returns to the chain
+/// that judged the flow (reached by `-g`). Rendered only with records on.
+pub const LIMITED_CHAIN: &str = "pa-agent:LIMITED";
+/// The same for a dropping record chain: counts and drops.
+pub const LIMITED_DROP_CHAIN: &str = "pa-agent:LIMITED-DROP";
+/// The comment of the counting rule of both.
+pub const LIMITED_COMMENT: &str = "pa-agent: flow records over the budget";
 /// The built-in chains the agent hooks (first rule: a jump to its own
 /// chain), each with that chain; hooked when the chain is rendered.
 pub const HOOKS: [(&str, &str); 3] = [
@@ -230,7 +243,9 @@ fn is_hex(s: &str, len: usize) -> bool {
 /// Whether `name` is a chain this agent makes: its exact shape, not
 /// just the prefix.
 pub fn is_own_chain(name: &str) -> bool {
-    if name == TUNNEL_CHAIN || HOOKS.iter().any(|(_, own)| *own == name) {
+    if [TUNNEL_CHAIN, LIMITED_CHAIN, LIMITED_DROP_CHAIN].contains(&name)
+        || HOOKS.iter().any(|(_, own)| *own == name)
+    {
         return true;
     }
     name.strip_prefix(OWN_PREFIX)

@@ -17,17 +17,16 @@ mod oracle;
 #[path = "../../../../policy-agent/tests/unprivileged/support/cnp_oracle.rs"]
 mod cnp_oracle;
 
-/// A fresh conformance node whose checks, on BPF, also hold the flow
-/// records their traffic made to the evaluator.
+/// A fresh conformance node whose checks also hold the flow records
+/// their traffic made to the evaluator (on BPF from the pinned ring, on
+/// iptables from NFLOG).
 pub fn audited(prefix: &'static str, backend: Backend) -> Conformance {
     let c = Conformance::new(prefix, backend);
-    if backend == Backend::Bpf {
-        *c.flow_audit.borrow_mut() = Some(audit());
-    }
+    *c.flow_audit.borrow_mut() = Some(audit());
     c
 }
 
-/// The audit every BPF conformance check runs.
+/// The audit every conformance check runs.
 pub fn audit() -> FlowAudit {
     Box::new(|c, what, records| {
         let judged = judge(c, records).unwrap_or_else(|wrong| {

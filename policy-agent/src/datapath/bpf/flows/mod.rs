@@ -14,11 +14,13 @@
 //! - [`socket`]: the subscribers' socket, served and connected to.
 //! - [`source`]: where a reader gets named flows (daemon or ring).
 //! - [`budget`]: the per-CPU record budget the agent writes.
+//! - [`pipeline`]: the daemon's flow thread, on either datapath's records.
 pub mod budget;
 pub mod clock;
 pub mod filter;
 pub mod hub;
 pub mod naming;
+pub mod pipeline;
 pub mod policies;
 pub mod record;
 pub mod socket;
@@ -66,4 +68,6 @@ pub enum Error {
     Closed(PathBuf),
     #[error("the agent refused the subscription: {0}")]
     Refused(String),
+    #[error(transparent)]
+    Iptables(#[from] crate::datapath::iptables::flow_log::Error),
 }

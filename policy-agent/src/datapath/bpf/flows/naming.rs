@@ -23,6 +23,7 @@ use policy_common::{
     verdict::{FIRST_DROP, Reason},
 };
 
+use super::Error;
 pub use super::policies::{is_new_flow, live_labels, policies};
 use super::{
     clock::WallClock,
@@ -31,7 +32,6 @@ use super::{
     stats::RuleLabels,
 };
 use crate::datapath::bpf::{
-    error::Error,
     maps::BpfMaps,
     name_tables::{NameTables, address, endpoint_text},
     pins::PinLayout,
@@ -70,7 +70,7 @@ impl PinnedNames {
         }
     }
 
-    fn read_from(maps: &BpfMaps) -> Result<Names, Error> {
+    fn read_from(maps: &BpfMaps) -> Result<Names, crate::datapath::bpf::Error> {
         let mut addresses = BTreeMap::new();
         for (ifindex, ep) in maps.endpoints()? {
             if ep.flags & ENDPOINT_HAS_V4 != 0 {
@@ -95,9 +95,9 @@ impl NameSource for PinnedNames {
     fn read(&mut self) -> Result<Names, Error> {
         let maps = match self.maps.take() {
             Some(m) => m,
-            None => BpfMaps::from_pins(&self.layout)?,
+            None => BpfMaps::from_pins(&self.layout).map_err(Error::Bpf)?,
         };
-        let names = Self::read_from(&maps)?;
+        let names = Self::read_from(&maps).map_err(Error::Bpf)?;
         self.maps = Some(maps);
         Ok(names)
     }

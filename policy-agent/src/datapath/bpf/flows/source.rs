@@ -1,7 +1,8 @@
 //! Where a reader (`policy-agent flows`, `events`) gets named flows: the
 //! daemon's socket when a daemon serves these pins, else the ring itself
 //! (no daemon: the one-shot `apply` case; reading it beside a daemon
-//! would take records from it).
+//! would take records from it), or on the iptables fallback the NFLOG
+//! group its names file gives.
 use std::{
     collections::VecDeque,
     io::{BufRead as _, BufReader},
@@ -16,7 +17,13 @@ use super::{
     record::FlowEvent,
     socket,
 };
-use crate::datapath::bpf::{events::FlowRing, pins::PinLayout};
+use crate::datapath::{
+    bpf::{events::FlowRing, pins::PinLayout},
+    iptables::{
+        DEFAULT_GROUP,
+        flow_log::{FileNames, IptablesFlowReader, names_path, read_names},
+    },
+};
 
 pub enum FlowSource {
     Daemon {
@@ -26,6 +33,11 @@ pub enum FlowSource {
     Ring {
         ring: Box<FlowRing>,
         namer: Box<FlowNamer<PinnedNames>>,
+        pending: VecDeque<FlowEvent>,
+    },
+    Nflog {
+        reader: Box<IptablesFlowReader>,
+        namer: Box<FlowNamer<FileNames>>,
         pending: VecDeque<FlowEvent>,
     },
 }
@@ -38,7 +50,23 @@ impl FlowSource {
                 layout: layout.clone(),
             });
         }
-        let ring = FlowRing::open(layout)?;
+        let ring = match FlowRing::open(layout) {
+            Ok(ring) => ring,
+            Err(e) => {
+                // No pinned ring: the iptables fallback, if it left its
+                // names for these pins.
+                let path = names_path(layout.root());
+                let Ok(names) = read_names(&path) else {
+                    return Err(e.into());
+                };
+                let group = names.group.unwrap_or(DEFAULT_GROUP);
+                return Ok(Self::Nflog {
+                    reader: Box::new(IptablesFlowReader::open(group)?),
+                    namer: Box::new(FlowNamer::new(FileNames::new(&path), WallClock::now())),
+                    pending: VecDeque::new(),
+                });
+            }
+        };
         Ok(Self::Ring {
             ring: Box::new(ring),
             namer: Box::new(FlowNamer::new(PinnedNames::new(layout), WallClock::now())),
@@ -83,6 +111,19 @@ impl FlowSource {
                 }
                 namer.tick();
                 for r in ring.next_batch(Duration::from_millis(500)) {
+                    pending.push_back(namer.name(&r));
+                }
+            },
+            Self::Nflog {
+                reader,
+                namer,
+                pending,
+            } => loop {
+                if let Some(e) = pending.pop_front() {
+                    return Ok(e);
+                }
+                namer.tick();
+                for r in reader.next_batch(Duration::from_millis(500)) {
                     pending.push_back(namer.name(&r));
                 }
             },

@@ -62,6 +62,8 @@ pub struct FlowStats {
     pub log_skipped: AtomicU64,
     /// Ring records too short to be a flow record.
     pub short_records: AtomicU64,
+    /// Records the source lost (NFLOG: gaps in its sequence numbers).
+    pub source_lost: AtomicU64,
 }
 
 fn direction_label(d: &str) -> &'static str {

@@ -58,6 +58,12 @@
 //! things that would share a name are not rendered (fail closed: the rules
 //! naming a colliding set or policy chain are left out, colliding pods'
 //! traffic is dropped) and each collision is reported.
+//!
+//! With flow records on ([`render_with`]), each rule that decides a new
+//! flow (a policy key's mark, a tier's Accept or Deny, a pod chain's
+//! final drop, a forged source) jumps to a record chain that decides the
+//! same and logs it to NFLOG (see `records`).
+mod records;
 mod sets;
 mod tiers;
 
@@ -73,8 +79,12 @@ use policy_common::{
         ENDPOINT_INGRESS_TIERED,
     },
     identity::{ANY, NODE},
-    policy::{ENTRY_TIERS_ONLY, PolicyKey},
+    policy::{ENTRY_TIERS_ONLY, PolicyKey, TierSlot},
+    verdict::Reason,
 };
+
+use self::records::Records;
+pub use self::records::{DEFAULT_BURST, DEFAULT_GROUP, DEFAULT_RATE, FlowLogOptions};
 
 use self::sets::{PeerSets, peer_match, port_match, set_of};
 use self::tiers::{TierKeys, chain_label, tier_keys, tier_rules, to_node_chain, to_node_rules};
@@ -128,9 +138,10 @@ fn collisions<T: Ord + Clone, N: Ord>(items: impl IntoIterator<Item = (N, T)>) -
         .collect()
 }
 
-/// One endpoint's keys in one direction by the policy they came from
-/// (its name, or the rule ref when the origin is unknown).
-type ByPolicy = BTreeMap<String, (Option<RuleOrigin>, Vec<PolicyKey>)>;
+/// One endpoint's keys in one direction, each with its entry's rule ref,
+/// by the policy they came from (its name, or the rule ref when the
+/// origin is unknown).
+type ByPolicy = BTreeMap<String, (Option<RuleOrigin>, Vec<(PolicyKey, u32)>)>;
 
 /// One local pod to render.
 struct PodEntry<'a> {
@@ -142,6 +153,12 @@ struct PodEntry<'a> {
 }
 
 pub fn render(input: &RenderInput<'_>) -> Ruleset {
+    render_with(input, None)
+}
+
+/// [`render`], with flow records logged to NFLOG when `records` is given
+/// (see `records`).
+pub fn render_with(input: &RenderInput<'_>, records: Option<&FlowLogOptions>) -> Ruleset {
     let maps = input.maps;
     let addresses = identity_addresses(maps);
     let mark = format!("0x{:x}", input.mark);
@@ -235,6 +252,7 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
             name: INPUT_CHAIN.into(),
             rules: Vec::new(),
         };
+        let mut records = records.map(|o| Records::new(*o, &mark, input.name_bits, fam));
         // Source validation, for every local pod, before anything accepts.
         for p in &pods {
             if colliding_pods.contains(p.pod) {
@@ -252,13 +270,19 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                 }
             }
             input_chain.rules.push(format!("-i {} -j {name}", p.ifname));
-            chains.insert(
-                name.clone(),
-                Chain {
-                    name,
-                    rules: source_rules(&fam_ips(p.pod)),
-                },
-            );
+            let mut rules = source_rules(&fam_ips(p.pod));
+            if let Some(record) = records.as_mut().and_then(|r| {
+                r.drop(
+                    &mut chains,
+                    Reason::DropSpoofed,
+                    direction::EGRESS,
+                    p.identity,
+                )
+            }) && let Some(last) = rules.last_mut()
+            {
+                *last = format!("-m comment --comment \"pa-agent: forged source\" -j {record}");
+            }
+            chains.insert(name.clone(), Chain { name, rules });
         }
         // A local pod's address enters the node at its own interface only
         // (whose source check is above): from anywhere else, a tunnel
@@ -345,7 +369,7 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                     let slot = by_policy
                         .entry(policy)
                         .or_insert_with(|| (origin.cloned(), Vec::new()));
-                    slot.1.push(*key);
+                    slot.1.push((*key, entry.rule_ref));
                 }
                 wanted.push((p, dir, by_policy, tiers));
             }
@@ -479,6 +503,12 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                     continue;
                 }
                 let mut used_sets = BTreeSet::new();
+                let identity = p.identity;
+                let mut record = |slot: TierSlot| {
+                    records
+                        .as_mut()
+                        .and_then(|r| r.tier(&mut chains, i, slot, *dir, identity))
+                };
                 let tier_chain_rules = tier_rules(
                     keys,
                     |key| {
@@ -497,6 +527,7 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                         Some(format!("{peer}{}", port_match(key)))
                     },
                     port_match,
+                    &mut record,
                     &mark,
                     *dir,
                 );
@@ -554,7 +585,7 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                 }
                 let mut policy_rules = Vec::new();
                 let mut used_sets = BTreeSet::new();
-                for key in keys {
+                for &(key, rule_ref) in keys {
                     let Some(peer) = peer_match(
                         &mut PeerSets {
                             input,
@@ -564,15 +595,16 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                             sets: &mut out.sets,
                             used: &mut used_sets,
                         },
-                        key,
+                        &key,
                         *dir,
                     ) else {
                         continue;
                     };
-                    policy_rules.push(format!(
-                        "{peer}{}-j MARK --set-xmark {mark}/{mark}",
-                        port_match(key)
-                    ));
+                    let target = records
+                        .as_mut()
+                        .and_then(|r| r.allow_policy(&mut chains, *dir, p.identity, rule_ref))
+                        .unwrap_or_else(|| format!("MARK --set-xmark {mark}/{mark}"));
+                    policy_rules.push(format!("{peer}{}-j {target}", port_match(&key)));
                 }
                 out.chain_sets.insert(chain_name.clone(), used_sets);
                 chains.insert(
@@ -595,7 +627,10 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
                 rules.push("-j RETURN".into());
             } else {
                 rules.push(format!("-m mark --mark {mark}/{mark} -j RETURN"));
-                rules.push("-j DROP".into());
+                let record = records
+                    .as_mut()
+                    .and_then(|r| r.drop(&mut chains, Reason::DropPolicy, *dir, p.identity));
+                rules.push(format!("-j {}", record.as_deref().unwrap_or("DROP")));
             }
             out.pod_chains
                 .entry(pod_chain.clone())
@@ -633,6 +668,12 @@ pub fn render(input: &RenderInput<'_>) -> Ruleset {
         let resume = format!("-m connmark --mark {mark}/{mark} -j CONNMARK --set-xmark 0x0/{mark}");
         forward.rules.push(resume.clone());
         output.rules.push(resume);
+        if let Some(r) = records {
+            for chain in r.limited_chains() {
+                chains.insert(chain.name.clone(), chain);
+            }
+            out.problems.extend(r.problems);
+        }
         let mut list = vec![forward, input_chain, output];
         list.extend(chains.into_values());
         out.chains.insert(fam, list);

@@ -78,10 +78,14 @@ pub(super) fn chain_label(tier: usize) -> &'static str {
 /// match (None: its peer's set cannot be named). A key whose peer cannot
 /// be matched fails closed: an Accept is left out, a Deny or a Pass drops
 /// whatever its ports match (more than written, never less).
+///
+/// `record(slot)` is the record chain of an Accept or Deny (None: records
+/// are off): it marks or drops itself, and logs.
 pub(super) fn tier_rules(
     keys: &TierKeys,
     mut matches: impl FnMut(&PolicyKey) -> Option<String>,
     port_only: impl Fn(&PolicyKey) -> String,
+    record: &mut dyn FnMut(TierSlot) -> Option<String>,
     mark: &str,
     dir: u8,
 ) -> Vec<String> {
@@ -100,10 +104,15 @@ pub(super) fn tier_rules(
         };
         match slot.action() {
             action::ACCEPT => {
-                rules.push(format!("{m}{comment}-j MARK --set-xmark {mark}/{mark}"));
+                let target =
+                    record(*slot).unwrap_or_else(|| format!("MARK --set-xmark {mark}/{mark}"));
+                rules.push(format!("{m}{comment}-j {target}"));
                 rules.push(format!("{m}{comment}-j RETURN"));
             }
-            action::DENY => rules.push(format!("{m}{comment}-j DROP")),
+            action::DENY => {
+                let target = record(*slot).unwrap_or_else(|| "DROP".into());
+                rules.push(format!("{m}{comment}-j {target}"));
+            }
             _ => rules.push(format!("{m}{comment}-j RETURN")),
         }
     }
