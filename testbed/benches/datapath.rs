@@ -316,7 +316,13 @@ fn main() {
         "floor: empty program {empty:.1} ns/pkt; parse + one hash lookup {one_lookup:.1} ns/pkt"
     );
     let tiers = tiers(&mut floors, repeat, rounds);
-    let records = records::records(&mut floors, &new_denied, &established, repeat, rounds);
+    let records = records::records(
+        &mut floors,
+        (&new_denied, &new_worst),
+        &established,
+        repeat,
+        rounds,
+    );
     let json = serde_json::json!({
         "ipcache_entries": IPCACHE_ENTRIES, "repeat": repeat, "rounds": rounds,
         "typical_probes": typical_probes, "worst_probes": worst_probes,

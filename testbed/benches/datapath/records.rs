@@ -32,7 +32,7 @@ use policy_common::{
     verdict::Reason,
 };
 
-use super::{median, run_once, state};
+use super::{median, run_once, state, worst_state};
 
 /// Packets per call with the ring read: fewer than the ring holds
 /// (2^18 bytes, 104 per record), so every one is written.
@@ -68,7 +68,7 @@ fn drain(ring: &mut RingBuf<aya::maps::MapData>) -> usize {
 /// The figures, as JSON; printed as they are measured.
 pub fn records(
     floors: &mut Unpinned,
-    new_denied: &[u8],
+    (new_denied, new_worst): (&[u8], &[u8]),
     established: &[u8],
     repeat: u32,
     rounds: usize,
@@ -78,6 +78,15 @@ pub fn records(
     let old = dp.maps.read_state().unwrap();
     dp.maps.apply(&diff(&old, &s)).unwrap();
     let mut ring = RingBuf::try_from(dp.ebpf.take_map(names::DROP_EVENTS).unwrap()).unwrap();
+    // The worst lookup shape (54 probes), off and written.
+    let mut worst = Unpinned::load_with(&[(names::CONNTRACK, 65536)]).unwrap();
+    let w = worst_state(1_000);
+    let old = worst.maps.read_state().unwrap();
+    worst.maps.apply(&diff(&old, &w)).unwrap();
+    let mut worst_ring =
+        RingBuf::try_from(worst.ebpf.take_map(names::DROP_EVENTS).unwrap()).unwrap();
+    set_budget(&mut worst, FlowBudget::new(0, 0));
+    let (mut worst_off, mut worst_on) = (Vec::new(), Vec::new());
     let (mut off, mut on, mut full, mut spent) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut written = 0usize;
     for _ in 0..rounds {
@@ -107,6 +116,12 @@ pub fn records(
         spent.push(run_once(dp.program(Hook::Egress).unwrap(), new_denied, repeat) / f);
         assert!(drain(&mut ring) <= 2, "the budget holds records back");
         set_budget(&mut dp, FlowBudget::new(0, 0));
+        set_records(&mut worst, false);
+        worst_off.push(run_once(worst.program(Hook::Egress).unwrap(), new_worst, repeat) / f);
+        set_records(&mut worst, true);
+        drain(&mut worst_ring);
+        worst_on.push(run_once(worst.program(Hook::Egress).unwrap(), new_worst, n) / f);
+        drain(&mut worst_ring);
     }
     assert!(
         written >= rounds * DRAINED_REPEAT.min(repeat) as usize * 9 / 10,
@@ -123,7 +138,8 @@ pub fn records(
             })
             .collect(),
     );
-    let [off, on, full, spent] = [off, on, full, spent].map(median);
+    let [off, on, full, spent, worst_off, worst_on] =
+        [off, on, full, spent, worst_off, worst_on].map(median);
     let record_ns = (on - off) * floor;
     let per_core = if record_ns > 0.0 {
         1e9 / (on * floor)
@@ -141,6 +157,9 @@ pub fn records(
         core_share * 100.0
     );
     println!(
+        "flow records, worst shape (54 probes): records off {worst_off:.2}x the floor, on and read {worst_on:.2}x"
+    );
+    println!(
         "flow records, new flow denied (1,000 entries): records off {off:.2}x the floor, on and read {on:.2}x (+{record_ns:.0} ns a record), on with the ring full {full:.2}x, on with the budget spent {spent:.2}x; one core judges and records {per_core:.0} such flows a second"
     );
     serde_json::json!({
@@ -148,6 +167,7 @@ pub fn records(
         "off_over_floor": off, "on_read_over_floor": on,
         "on_ring_full_over_floor": full, "on_budget_spent_over_floor": spent,
         "record_ns": record_ns, "recorded_flows_per_core_second": per_core,
+        "worst_off_over_floor": worst_off, "worst_on_read_over_floor": worst_on,
         "userspace_ns_per_record": user_ns, "default_budget_core_share": core_share,
     })
 }

@@ -115,13 +115,21 @@ pub fn render(datapath: Option<&Value>, system: Option<&Value>, control: Option<
         );
         let _ = writeln!(
             out,
-            "| records | off | written | ring full | budget spent | one record (ns) | flows judged and recorded a second, one core |\n|---|---:|---:|---:|---:|---:|---:|\n| new flow denied | {:.2}x | {:.2}x | {:.2}x | {:.2}x | {:.0} | {:.0} |\n",
+            "| records | off | written | ring full | budget spent | one record (ns) | flows judged and recorded a second, one core |\n|---|---:|---:|---:|---:|---:|---:|\n| new flow denied, typical shape | {:.2}x | {:.2}x | {:.2}x | {:.2}x | {:.0} | {:.0} |\n| new flow denied, worst shape | {:.2}x | {:.2}x | | | | |\n",
             f(rec, "off_over_floor"),
             f(rec, "on_read_over_floor"),
             f(rec, "on_ring_full_over_floor"),
             f(rec, "on_budget_spent_over_floor"),
             f(rec, "record_ns"),
             f(rec, "recorded_flows_per_core_second"),
+            f(rec, "worst_off_over_floor"),
+            f(rec, "worst_on_read_over_floor"),
+        );
+        let _ = writeln!(
+            out,
+            "The daemon's work per record (named, counted, serialized): {:.0} ns; at the default budget on every CPU, {:.2}% of a core.\n",
+            f(rec, "userspace_ns_per_record"),
+            f(rec, "default_budget_core_share") * 100.0,
         );
     }
     if let Some(s) = system {

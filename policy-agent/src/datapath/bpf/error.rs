@@ -104,9 +104,10 @@ impl Error {
 
     pub(crate) fn program(name: &'static str) -> impl FnOnce(aya::programs::ProgramError) -> Self {
         move |e| match e {
-            aya::programs::ProgramError::LoadError { verifier_log, .. } => {
-                super::verifier::rejected(name, &verifier_log.to_string())
-            }
+            aya::programs::ProgramError::LoadError {
+                verifier_log,
+                io_error,
+            } => super::verifier::rejected(name, &verifier_log.to_string(), &io_error),
             e => Self::Program {
                 name,
                 source: Box::new(e),

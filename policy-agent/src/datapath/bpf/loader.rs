@@ -5,7 +5,7 @@ use policy_common::{
     endpoint::{ATTACH_POD, ATTACH_STANDBY, ATTACH_TCX, ENDPOINT_NAME_LEN, EndpointMeta},
     maps as names,
 };
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use super::{
     attach::{Ahead, AttachMode, Attachment, attach_error, hook_bit},
@@ -99,6 +99,27 @@ pub struct PinnedClassifier {
     pub(super) capacities: super::capacity_plan::Capacities,
 }
 
+/// Loads one classifier. A load the kernel interrupted (EAGAIN, EINTR: a
+/// signal reached the loading thread mid-verification; the log then ends
+/// without a violation) is tried again, twice at most; a rejection is not.
+pub(super) fn load_classifier(prog: &mut SchedClassifier, name: &'static str) -> Result<(), Error> {
+    const ATTEMPTS: usize = 3;
+    let mut attempt = 1;
+    loop {
+        match prog.load() {
+            Ok(()) => return Ok(()),
+            Err(aya::programs::ProgramError::LoadError { io_error, .. })
+                if attempt < ATTEMPTS
+                    && matches!(io_error.raw_os_error(), Some(libc::EAGAIN | libc::EINTR)) =>
+            {
+                warn!(program = name, attempt, error = %io_error, "verification interrupted, loading again");
+                attempt += 1;
+            }
+            Err(e) => return Err(Error::program(name)(e)),
+        }
+    }
+}
+
 pub(super) fn loader<'a>(
     capacities: &'a [(&'a str, u32)],
     pins: &'a [(&'static str, std::path::PathBuf)],
@@ -143,7 +164,7 @@ fn load_in_parallel(ebpf: &mut aya::Ebpf) -> Result<(), Error> {
     let results: Vec<Result<(), Error>> = std::thread::scope(|scope| {
         let handles: Vec<_> = progs
             .into_iter()
-            .map(|(name, prog)| scope.spawn(move || prog.load().map_err(Error::program(name))))
+            .map(|(name, prog)| scope.spawn(move || load_classifier(prog, name)))
             .collect();
         handles
             .into_iter()
@@ -192,7 +213,7 @@ impl PinnedClassifier {
                 source: Box::new(e),
             })?;
             let prog = classifier(&mut ebpf, name)?;
-            prog.load().map_err(Error::program(name))?;
+            load_classifier(prog, name)?;
             let path = self.layout.program(name);
             remove_pin(&path)?;
             prog.pin(&path).map_err(|e| Error::Pin {

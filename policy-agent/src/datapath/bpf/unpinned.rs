@@ -4,7 +4,7 @@ use aya::programs::SchedClassifier;
 
 use super::{
     error::Error,
-    loader::{classifier, loader},
+    loader::{classifier, load_classifier, loader},
     maps::BpfMaps,
     object::OBJECT,
     pins::Hook,
@@ -64,7 +64,7 @@ impl Unpinned {
         };
         for hook in Hook::ALL {
             let name = hook.program();
-            this.program(hook)?.load().map_err(Error::program(name))?;
+            load_classifier(this.program(hook)?, name)?;
         }
         Ok(this)
     }
@@ -74,7 +74,7 @@ impl Unpinned {
     pub fn extra_program(&mut self, name: &'static str) -> Result<&mut SchedClassifier, Error> {
         let prog = classifier(&mut self.ebpf, name)?;
         if prog.fd().is_err() {
-            prog.load().map_err(Error::program(name))?;
+            load_classifier(prog, name)?;
         }
         Ok(prog)
     }

@@ -36,9 +36,10 @@ fn log_path(program: &str) -> PathBuf {
     dir.join(format!("policy-agent-verifier-{program}.log"))
 }
 
-/// The error for `program` rejected with `log`; the log is written to a
-/// file (and to the debug log), never dropped.
-pub fn rejected(program: &'static str, log: &str) -> Error {
+/// The error for `program` rejected with `log` (the load failing with
+/// `errno`, said beside the summary); the log is written to a file (and
+/// to the debug log), never dropped.
+pub fn rejected(program: &'static str, log: &str, errno: &std::io::Error) -> Error {
     let path = log_path(program);
     if let Err(e) = std::fs::write(&path, log) {
         error!(program, error = %e, path = %path.display(), "cannot keep the verifier log");
@@ -46,7 +47,7 @@ pub fn rejected(program: &'static str, log: &str) -> Error {
     debug!(program, "verifier log:\n{log}");
     Error::Verifier {
         program,
-        summary: summary(log),
+        summary: format!("{} ({errno})", summary(log)),
         log: path,
         lines: log.lines().count(),
     }
