@@ -99,14 +99,21 @@ pub struct PinnedClassifier {
     pub(super) capacities: super::capacity_plan::Capacities,
 }
 
-/// Loads one classifier. A load the kernel interrupted (EAGAIN, EINTR: a
-/// signal reached the loading thread mid-verification; the log then ends
-/// without a violation) is tried again, twice at most; a rejection is not.
+/// Loads one classifier. The verifier gives up (EAGAIN, its log ending
+/// without a violation) when a signal is pending for the loading thread,
+/// and a verification takes most of a second under load: signals are
+/// blocked in this thread while it runs (the process's other threads take
+/// them), and a load still interrupted is tried again, twice at most. A
+/// rejection is not tried again.
 pub(super) fn load_classifier(prog: &mut SchedClassifier, name: &'static str) -> Result<(), Error> {
     const ATTEMPTS: usize = 3;
     let mut attempt = 1;
     loop {
-        match prog.load() {
+        let loaded = {
+            let _blocked = SignalsBlocked::new();
+            prog.load()
+        };
+        match loaded {
             Ok(()) => return Ok(()),
             Err(aya::programs::ProgramError::LoadError { io_error, .. })
                 if attempt < ATTEMPTS
@@ -116,6 +123,37 @@ pub(super) fn load_classifier(prog: &mut SchedClassifier, name: &'static str) ->
                 attempt += 1;
             }
             Err(e) => return Err(Error::program(name)(e)),
+        }
+    }
+}
+
+/// Every blockable signal blocked in this thread until dropped.
+struct SignalsBlocked {
+    old: libc::sigset_t,
+    ok: bool,
+}
+
+impl SignalsBlocked {
+    fn new() -> Self {
+        // SAFETY: sigset_t is plain data; both sets are valid for the
+        // calls, which only read `all` and write `old`.
+        unsafe {
+            let mut all: libc::sigset_t = std::mem::zeroed();
+            let mut old: libc::sigset_t = std::mem::zeroed();
+            libc::sigfillset(&mut all);
+            let ok = libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old) == 0;
+            Self { old, ok }
+        }
+    }
+}
+
+impl Drop for SignalsBlocked {
+    fn drop(&mut self) {
+        if self.ok {
+            // SAFETY: restores the mask read by `new` in this same thread.
+            unsafe {
+                libc::pthread_sigmask(libc::SIG_SETMASK, &self.old, std::ptr::null_mut());
+            }
         }
     }
 }

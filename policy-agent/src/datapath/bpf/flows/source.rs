@@ -13,7 +13,8 @@ use std::{
 use super::{
     Error,
     clock::WallClock,
-    naming::{FlowNamer, PinnedNames},
+    naming::{FlowNamer, NameSource, PinnedNames},
+    pipeline::RecordSource,
     record::FlowEvent,
     socket,
 };
@@ -105,28 +106,29 @@ impl FlowSource {
                 ring,
                 namer,
                 pending,
-            } => loop {
-                if let Some(e) = pending.pop_front() {
-                    return Ok(e);
-                }
-                namer.tick();
-                for r in ring.next_batch(Duration::from_millis(500)) {
-                    pending.push_back(namer.name(&r));
-                }
-            },
+            } => Ok(next_named(ring.as_mut(), namer, pending)),
             Self::Nflog {
                 reader,
                 namer,
                 pending,
-            } => loop {
-                if let Some(e) = pending.pop_front() {
-                    return Ok(e);
-                }
-                namer.tick();
-                for r in reader.next_batch(Duration::from_millis(500)) {
-                    pending.push_back(namer.name(&r));
-                }
-            },
+            } => Ok(next_named(reader.as_mut(), namer, pending)),
+        }
+    }
+}
+
+/// The next record of `records`, named (waits for it).
+fn next_named<S: NameSource>(
+    records: &mut impl RecordSource,
+    namer: &mut FlowNamer<S>,
+    pending: &mut VecDeque<FlowEvent>,
+) -> FlowEvent {
+    loop {
+        if let Some(e) = pending.pop_front() {
+            return e;
+        }
+        namer.tick();
+        for r in records.next_batch(Duration::from_millis(500)) {
+            pending.push_back(namer.name(&r));
         }
     }
 }
