@@ -161,19 +161,32 @@ fn open() -> Result<Socket, Error> {
     Ok(socket)
 }
 
-/// A netlink message: header, nfgenmsg, attributes.
-fn message(kind: u16, flags: u16, seq: u32, family: u8, attrs: &[u8]) -> Vec<u8> {
+/// An nfnetlink message: header (type `subsys << 8 | kind`), nfgenmsg
+/// (`family`, version 0, `res_id` in network order), attributes.
+pub(crate) fn nfnetlink_message(
+    subsys: u16,
+    kind: u16,
+    flags: u16,
+    seq: u32,
+    (family, res_id): (u8, u16),
+    attrs: &[u8],
+) -> Vec<u8> {
     let len = 16 + 4 + attrs.len();
     let mut buf = Vec::with_capacity(len);
     buf.extend_from_slice(&(len as u32).to_ne_bytes());
-    buf.extend_from_slice(&((NFNL_SUBSYS_CTNETLINK << 8) | kind).to_ne_bytes());
+    buf.extend_from_slice(&((subsys << 8) | kind).to_ne_bytes());
     buf.extend_from_slice(&flags.to_ne_bytes());
     buf.extend_from_slice(&seq.to_ne_bytes());
     buf.extend_from_slice(&0u32.to_ne_bytes());
-    // nfgenmsg: family, version 0, resource id 0.
-    buf.extend_from_slice(&[family, 0, 0, 0]);
+    buf.extend_from_slice(&[family, 0]);
+    buf.extend_from_slice(&res_id.to_be_bytes());
     buf.extend_from_slice(attrs);
     buf
+}
+
+/// A ctnetlink message (resource id 0).
+fn message(kind: u16, flags: u16, seq: u32, family: u8, attrs: &[u8]) -> Vec<u8> {
+    nfnetlink_message(NFNL_SUBSYS_CTNETLINK, kind, flags, seq, (family, 0), attrs)
 }
 
 fn attr(out: &mut Vec<u8>, kind: u16, value: &[u8]) {

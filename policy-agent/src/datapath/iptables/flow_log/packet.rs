@@ -42,8 +42,7 @@ const ICMP_ECHO: u8 = 8;
 const ICMPV6_ECHO_REQUEST: u8 = 128;
 const ICMPV6_ECHO_REPLY: u8 = 129;
 
-/// A netlink message: header, nfgenmsg (`family`, version 0, `res_id` in
-/// network order), attributes.
+/// An nfnetlink_log message (see `netlink::conntrack::nfnetlink_message`).
 pub(super) fn message(
     kind: u16,
     flags: u16,
@@ -52,17 +51,14 @@ pub(super) fn message(
     res_id: u16,
     attrs: &[u8],
 ) -> Vec<u8> {
-    let len = 16 + 4 + attrs.len();
-    let mut buf = Vec::with_capacity(len);
-    buf.extend_from_slice(&(len as u32).to_ne_bytes());
-    buf.extend_from_slice(&((NFNL_SUBSYS_ULOG << 8) | kind).to_ne_bytes());
-    buf.extend_from_slice(&flags.to_ne_bytes());
-    buf.extend_from_slice(&seq.to_ne_bytes());
-    buf.extend_from_slice(&0u32.to_ne_bytes());
-    buf.extend_from_slice(&[family, 0]);
-    buf.extend_from_slice(&res_id.to_be_bytes());
-    buf.extend_from_slice(attrs);
-    buf
+    crate::netlink::conntrack::nfnetlink_message(
+        NFNL_SUBSYS_ULOG,
+        kind,
+        flags,
+        seq,
+        (family, res_id),
+        attrs,
+    )
 }
 
 pub(super) fn attr(out: &mut Vec<u8>, kind: u16, value: &[u8]) {
