@@ -8,6 +8,14 @@ fn main() -> anyhow::Result<()> {
         .no_deps()
         .exec()
         .context("cargo metadata")?;
+    // The classifier is built from policy-common too: a change there
+    // (a layout, a shared decision helper) must rebuild it, which
+    // aya-build's own rerun list (the eBPF package) does not say.
+    if let Some(common) = packages.iter().find(|p| p.name.as_str() == "policy-common")
+        && let Some(dir) = common.manifest_path.parent()
+    {
+        println!("cargo:rerun-if-changed={dir}");
+    }
     let ebpf = packages
         .into_iter()
         .find(|p| p.name.as_str() == "policy-ebpf")

@@ -21,6 +21,12 @@ pub const ENDPOINT_INGRESS_UPDATING: u32 = 1 << 6;
 /// The same for traffic the pod sends.
 pub const ENDPOINT_EGRESS_UPDATING: u32 = 1 << 7;
 
+/// A staged policy would judge the pod where no enforced one does: its
+/// connections are tracked, so each new flow is recorded once and the
+/// agent can report what the staged policies would decide (see
+/// `policy-agent`'s staged view). Verdicts do not change.
+pub const ENDPOINT_STAGED: u32 = 1 << 8;
+
 /// [`EndpointInfo::ipv4`] holds the pod's IPv4 address.
 pub const ENDPOINT_HAS_V4: u32 = 1 << 2;
 /// [`EndpointInfo::ipv6`] holds the pod's IPv6 address.
@@ -181,14 +187,16 @@ impl EndpointInfo {
     }
 
     /// Whether connections of this endpoint are tracked: only where an
-    /// entry decides something (the pod is judged in some direction).
+    /// entry decides something (the pod is judged in some direction), or
+    /// where a staged policy would ([`ENDPOINT_STAGED`]).
     #[inline(always)]
     pub const fn tracks(&self) -> bool {
         self.flags
             & (ENDPOINT_INGRESS_ISOLATED
                 | ENDPOINT_EGRESS_ISOLATED
                 | ENDPOINT_INGRESS_TIERED
-                | ENDPOINT_EGRESS_TIERED)
+                | ENDPOINT_EGRESS_TIERED
+                | ENDPOINT_STAGED)
             != 0
     }
 

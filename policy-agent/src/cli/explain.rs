@@ -35,6 +35,10 @@ pub struct Args {
     /// JSON instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Both verdicts: as enforced, and with the staged policies (those
+    /// annotated `policy-agent/staged: "true"`) enforced too.
+    #[arg(long)]
+    pub staged: bool,
 }
 
 fn flow_end(s: &str) -> anyhow::Result<FlowEnd> {
@@ -90,29 +94,81 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     for e in &loaded.errors {
         eprintln!("warning: {e}");
     }
+    let staged = state.staged_policies();
+    let enforced = explain_in(&args, &state.enforced(), protocol)?;
+    if !args.staged {
+        if !staged.is_empty() {
+            eprintln!(
+                "note: {} staged polic{} not enforced and not in this verdict (--staged shows both)",
+                staged.len(),
+                if staged.len() == 1 { "y is" } else { "ies are" }
+            );
+        }
+        print_one(&enforced, args.json)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let with_staged = explain_in(&args, &state, protocol)?;
+    let names: Vec<String> = staged.iter().map(ToString::to_string).collect();
+    if args.json {
+        let both = serde_json::json!({
+            "enforced": enforced,
+            "staged": with_staged,
+            "staged_policies": names,
+        });
+        println!("{}", serde_json::to_string_pretty(&both)?);
+    } else {
+        println!("== enforced");
+        print_one(&enforced, false)?;
+        if names.is_empty() {
+            println!("== staged: no policy is staged");
+        } else {
+            println!("== with the staged policies ({})", names.join(", "));
+        }
+        print_one(&with_staged, false)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One explanation, of a flow or of a flow to a Service.
+#[derive(serde::Serialize)]
+#[serde(untagged)]
+enum Answer {
+    Flow(Box<policy_agent::policy::Explanation>),
+    Service(policy_agent::policy::ServiceExplanation),
+}
+
+fn print_one(answer: &Answer, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(answer)?);
+    } else {
+        match answer {
+            Answer::Flow(e) => print!("{e}"),
+            Answer::Service(e) => print!("{e}"),
+        }
+    }
+    Ok(())
+}
+
+/// The answer in `state` (every policy in it enforced).
+fn explain_in(args: &Args, state: &ClusterState, protocol: u8) -> anyhow::Result<Answer> {
     let mut ids = IdentityAllocator::new();
     let compiled = compile_with(
-        &state,
+        state,
         &mut ids,
         CompileOptions {
             all_pods_local: true,
             ..CompileOptions::default()
         },
     );
-    if let Some(service) = service_target(&args.to, &state)? {
+    if let Some(service) = service_target(&args.to, state)? {
         let query = ServiceQuery {
             src: flow_end(&args.from)?,
             service,
             protocol,
             port: args.port,
         };
-        let explanation = explain_service(&state, &compiled, &query).context("explaining")?;
-        if args.json {
-            println!("{}", serde_json::to_string_pretty(&explanation)?);
-        } else {
-            print!("{explanation}");
-        }
-        return Ok(ExitCode::SUCCESS);
+        let explanation = explain_service(state, &compiled, &query).context("explaining")?;
+        return Ok(Answer::Service(explanation));
     }
     let query = ExplainQuery {
         src: flow_end(&args.from)?,
@@ -120,11 +176,6 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         protocol,
         port: args.port,
     };
-    let explanation = explain(&state, &compiled, &query).context("explaining")?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&explanation)?);
-    } else {
-        print!("{explanation}");
-    }
-    Ok(ExitCode::SUCCESS)
+    let explanation = explain(state, &compiled, &query).context("explaining")?;
+    Ok(Answer::Flow(Box::new(explanation)))
 }

@@ -36,6 +36,9 @@ pub struct Args {
     /// Only flows this policy decided (or would, staged): "[namespace/]name".
     #[arg(long, value_name = "[NS/]NAME")]
     pub policy: Option<String>,
+    /// Only flows whose verdict the staged policies would change.
+    #[arg(long)]
+    pub staged: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -48,6 +51,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             VerdictArg::Drop => Verdict::Drop,
         }),
         policy: args.policy,
+        staged: args.staged,
     };
     let mut source = FlowSource::open(&layout)
         .context("reading flows (from the agent, or its ring buffer: is it installed?)")?;

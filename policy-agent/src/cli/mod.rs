@@ -9,6 +9,7 @@ mod flows;
 mod render;
 mod reset;
 mod run;
+mod staged_report;
 
 use std::process::ExitCode;
 
@@ -46,6 +47,10 @@ enum Command {
     /// from the running agent (run this in its network namespace), else
     /// from the pinned ring buffer.
     Flows(flows::Args),
+    /// Per staged policy (annotated `policy-agent/staged: "true"`), the
+    /// new flows it would have dropped or admitted since it was staged,
+    /// from the running agent.
+    StagedReport(staged_report::Args),
     /// Switch kernel debug logging or drop events at run time.
     Config(config::Args),
 }
@@ -62,6 +67,7 @@ pub fn main() -> ExitCode {
         Command::Render(a) => render::run(a),
         Command::Events(a) => events::run(a),
         Command::Flows(a) => flows::run(a),
+        Command::StagedReport(a) => staged_report::run(a),
         Command::Config(a) => config::run(a),
     };
     match result {

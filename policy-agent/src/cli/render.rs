@@ -39,8 +39,16 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     for p in &unreadable {
         eprintln!("warning: {p}");
     }
+    let staged = state.staged_policies();
+    if !staged.is_empty() {
+        eprintln!(
+            "note: {} staged polic{} not rendered (staged policies are reported, never enforced)",
+            staged.len(),
+            if staged.len() == 1 { "y is" } else { "ies are" }
+        );
+    }
     let compiler = Compiler::build(
-        &state,
+        &state.enforced(),
         &mut IdentityAllocator::new(),
         CompileOptions {
             budget: args.budget.budget(args.max_pods),
@@ -53,6 +61,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         local_pods: compiler.local_pods(),
         rules: &rules,
         pod_ranges: compiler.pod_ranges(),
+        staged: None,
     };
     // Rendering needs no iptables tools: nothing is applied.
     let (ruleset, mut problems, _) = IptablesDriver::unchecked(Backend::Auto).ruleset(&desired);

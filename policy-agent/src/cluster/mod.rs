@@ -10,6 +10,7 @@ pub mod cluster_policy;
 mod convert;
 mod problem;
 mod service;
+pub mod staged;
 
 use std::{collections::BTreeMap, fmt, net::IpAddr};
 

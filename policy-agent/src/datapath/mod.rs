@@ -40,6 +40,9 @@ pub struct Desired<'a> {
     /// the datapath keeps the guard it holds (what the pins or the
     /// installed rules say); an empty list turns it off.
     pub pod_ranges: Option<&'a [ipnet::IpNet]>,
+    /// The staged view, while some policy is staged: the flow records'
+    /// new flows are judged against it (see `cluster::staged`).
+    pub staged: Option<&'a std::sync::Arc<crate::mapstate::StagedView>>,
 }
 
 /// The outcome of one sync.

@@ -11,6 +11,7 @@ mod diff;
 mod identity_name;
 mod origin;
 mod rule_name;
+mod staged;
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -32,6 +33,7 @@ pub use self::{
     identity_name::{identity_name, identity_name_str},
     origin::RuleOrigin,
     rule_name::{RuleText, entry_rules, rule_name, rule_name_text},
+    staged::{StagedVerdict, StagedView},
 };
 
 /// Desired (or read-back) content of the policy maps.

@@ -4,6 +4,7 @@ use std::time::Instant;
 
 use tracing::debug;
 
+use super::staging::Staging;
 use crate::{
     cluster::Change,
     datapath::{self, Datapath, Desired, OpenOptions, SyncReport},
@@ -16,6 +17,8 @@ pub struct Enforcer {
     datapath: Box<dyn Datapath>,
     ids: IdentityAllocator,
     compiler: Compiler,
+    /// The staged view, while some policy is staged.
+    staging: Staging,
 }
 
 impl Enforcer {
@@ -28,6 +31,7 @@ impl Enforcer {
             datapath,
             ids,
             compiler: Compiler::new(compile),
+            staging: Staging::default(),
         })
     }
 
@@ -66,17 +70,28 @@ impl Enforcer {
     /// compiler's (invalid policies, pods without an address).
     pub fn enforce(&mut self, changes: Vec<Change>) -> Result<SyncReport, datapath::Error> {
         let t = Instant::now();
-        let ops = self.compiler.apply(changes, &mut self.ids);
+        let (changes, staged_changes) = self.staging.split(changes);
+        let mut ops = self.compiler.apply(changes, &mut self.ids);
+        self.staging
+            .follow(&self.compiler, &self.ids, staged_changes);
+        // Only marks pods tracked: no verdict moves, in any order.
+        ops.extend(
+            self.compiler
+                .track_staged(self.staging.tracked(&self.compiler)),
+        );
         let compile_us = t.elapsed().as_micros() as u64;
         let rules = self.compiler.rules();
+        let staged = self.staging.view();
         let desired = Desired {
             maps: self.compiler.maps(),
             local_pods: self.compiler.local_pods(),
             rules: &rules,
             pod_ranges: self.compiler.pod_ranges(),
+            staged: staged.as_ref(),
         };
         let mut report = self.datapath.sync(&desired, &ops)?;
         let mut problems = self.compiler.problems();
+        problems.extend(self.staging.problems());
         problems.append(&mut report.problems);
         report.problems = problems;
         debug!(

@@ -9,6 +9,7 @@ mod enforcer;
 mod handoff;
 mod inbox;
 mod reconcile;
+mod staging;
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 

@@ -71,6 +71,7 @@ fn enforce_with_records(
                 local_pods: compiler.local_pods(),
                 rules: &rules,
                 pod_ranges: compiler.pod_ranges(),
+                staged: None,
             };
             let mut driver = IptablesDriver::open(iptables::Backend::Auto).unwrap();
             driver.flow_log = Some(opts);

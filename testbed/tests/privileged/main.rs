@@ -35,3 +35,4 @@ mod pod_range_guard_netns;
 mod policy_budget;
 mod sctp;
 mod services;
+mod staged;

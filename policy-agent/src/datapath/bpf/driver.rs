@@ -192,6 +192,7 @@ impl Datapath for BpfDriver {
         desired: &Desired<'_>,
         ops: &[MapOp<PodRef>],
     ) -> Result<SyncReport, datapath::Error> {
+        self.flows.set_staged(desired.staged);
         Ok(self.sync_bpf(desired, ops)?)
     }
 

@@ -199,6 +199,7 @@ impl Datapath for IptablesDriver {
         desired: &Desired<'_>,
         _ops: &[MapOp<PodRef>],
     ) -> Result<SyncReport, datapath::Error> {
+        self.flows.set_staged(desired.staged);
         if let Some(ranges) = desired.pod_ranges
             && ranges != self.pod_ranges.as_slice()
         {

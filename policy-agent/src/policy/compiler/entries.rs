@@ -8,7 +8,7 @@ use policy_common::{
     direction,
     endpoint::{
         ENDPOINT_EGRESS_ISOLATED, ENDPOINT_EGRESS_TIERED, ENDPOINT_INGRESS_ISOLATED,
-        ENDPOINT_INGRESS_TIERED, EndpointInfo, lookups,
+        ENDPOINT_INGRESS_TIERED, ENDPOINT_STAGED, EndpointInfo, lookups,
     },
     identity::{ANY, NODE},
     ipcache::IpcacheEntry,
@@ -155,7 +155,11 @@ impl Compiler {
             };
             for pod in &ident.endpoints {
                 let ips = self.local_pods.get(pod).map_or(&[][..], Vec::as_slice);
-                self.out.set_endpoint(pod, Some(info.with_addresses(ips)));
+                let mut info = info.with_addresses(ips);
+                if self.staged_tracked.contains(pod) {
+                    info.flags |= ENDPOINT_STAGED;
+                }
+                self.out.set_endpoint(pod, Some(info));
             }
         }
     }

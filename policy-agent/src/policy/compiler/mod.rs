@@ -51,6 +51,7 @@ use std::{
 
 use ipnet::IpNet;
 use policy_common::{
+    endpoint::ENDPOINT_STAGED,
     identity::{NODE, WORLD, kind},
     rule_name::{RuleKey, RuleName},
 };
@@ -135,6 +136,9 @@ pub struct Compiler {
     admitted: u64,
     /// The next apply compiles in full (refused policies looked at again).
     recompile: bool,
+    /// Local pods a staged policy would judge where no enforced one does:
+    /// their entries carry `ENDPOINT_STAGED` (see [`Compiler::track_staged`]).
+    staged_tracked: BTreeSet<PodRef>,
 }
 
 fn host_net(ip: IpAddr) -> IpNet {
@@ -196,6 +200,7 @@ impl Compiler {
         );
         let cluster_policies = std::mem::take(&mut self.cluster_policies);
         let nodes = std::mem::take(&mut self.nodes);
+        let staged_tracked = std::mem::take(&mut self.staged_tracked);
         let services = (
             std::mem::take(&mut self.services),
             std::mem::take(&mut self.endpoint_slices),
@@ -212,6 +217,7 @@ impl Compiler {
         ) = services;
         self.cluster_policies = cluster_policies;
         self.nodes = nodes;
+        self.staged_tracked = staged_tracked;
         self.built = true;
 
         self.carve(&parsed, ids);
@@ -341,6 +347,32 @@ impl Compiler {
         if self.has_refusals() {
             self.recompile = true;
         }
+    }
+
+    /// Marks `pods` (local pods a staged policy would judge where no
+    /// enforced one does) with `ENDPOINT_STAGED`, and every other pod
+    /// without it; returns the endpoint writes that takes. Verdicts do
+    /// not change: the flag only has the pod's flows tracked.
+    pub fn track_staged(&mut self, pods: BTreeSet<PodRef>) -> Vec<MapOp<PodRef>> {
+        if pods == self.staged_tracked {
+            return Vec::new();
+        }
+        self.out.start_journal();
+        let changed: Vec<PodRef> = pods
+            .symmetric_difference(&self.staged_tracked)
+            .cloned()
+            .collect();
+        self.staged_tracked = pods;
+        for pod in changed {
+            if let Some(mut info) = self.out.maps.endpoints.get(&pod).copied() {
+                info.flags &= !ENDPOINT_STAGED;
+                if self.staged_tracked.contains(&pod) {
+                    info.flags |= ENDPOINT_STAGED;
+                }
+                self.out.set_endpoint(&pod, Some(info));
+            }
+        }
+        self.out.take_ops()
     }
 
     /// A pod as the compiler last saw it.

@@ -88,7 +88,7 @@ fn decode(obj: &DynamicObject) -> Result<(String, ClusterNetworkPolicy), String>
     let mut cnp: ClusterNetworkPolicy =
         serde_json::from_value(value).map_err(|e| format!("does not decode: {e}"))?;
     cnp.metadata.managed_fields = None;
-    cnp.metadata.annotations = None;
+    crate::cluster::staged::keep_staged_annotation(&mut cnp.metadata);
     cnp.metadata.owner_references = None;
     Ok((obj.name_any(), cnp))
 }

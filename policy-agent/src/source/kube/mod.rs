@@ -124,11 +124,12 @@ fn service_cidr_stream(api: Api<ServiceCIDR>) -> BoxStream<'static, Update> {
         .boxed()
 }
 
-/// Keeps only what policy reads: no managed fields, annotations or owners.
+/// Keeps only what policy reads: no managed fields, owners, or annotations
+/// but the one that stages a policy.
 fn strip_policy(p: &NetworkPolicy) -> NetworkPolicy {
     let mut p = p.clone();
     p.metadata.managed_fields = None;
-    p.metadata.annotations = None;
+    crate::cluster::staged::keep_staged_annotation(&mut p.metadata);
     p.metadata.owner_references = None;
     p
 }

@@ -11,6 +11,8 @@ pub struct FlowFilter {
     /// `[namespace/]name` of a policy the flow's policies (or staged
     /// policies) include.
     pub policy: Option<String>,
+    /// Only flows whose verdict the staged policies would change.
+    pub staged: bool,
 }
 
 fn namespace_of(pod: &str) -> Option<&str> {
@@ -28,6 +30,9 @@ impl FlowFilter {
         if let Some(ns) = &self.namespace
             && !pods().any(|p| namespace_of(p) == Some(ns.as_str()))
         {
+            return false;
+        }
+        if self.staged && flow.staged.is_none() {
             return false;
         }
         if self.verdict.is_some_and(|v| v != flow.verdict) {

@@ -14,6 +14,8 @@
 //! - [`socket`]: the subscribers' socket, served and connected to.
 //! - [`source`]: where a reader gets named flows (daemon or ring).
 //! - [`budget`]: the per-CPU record budget the agent writes.
+//! - [`staged`]: each new flow judged again against the staged view;
+//!   [`staged_report`]: per staged policy, the flows it would change.
 //! - [`pipeline`]: the daemon's flow thread, on either datapath's records.
 pub mod budget;
 pub mod clock;
@@ -25,6 +27,8 @@ pub mod policies;
 pub mod record;
 pub mod socket;
 pub mod source;
+pub mod staged;
+pub mod staged_report;
 pub mod stats;
 
 use std::path::PathBuf;

@@ -20,9 +20,10 @@ use super::{
     naming::{FlowNamer, NameSource},
     record::Verdict,
     socket,
+    staged::{SharedView, StagedJudge},
     stats::FlowStats,
 };
-use crate::datapath::bpf::pins::PinLayout;
+use crate::{datapath::bpf::pins::PinLayout, mapstate::StagedView};
 
 /// Lines the flow log writes a second at most (the rest are counted).
 const FLOW_LOG_PER_SECOND: usize = 20;
@@ -61,6 +62,7 @@ pub struct FlowObserver {
     stats: Arc<FlowStats>,
     hub: Arc<Hub>,
     retiring: Retiring,
+    staged: SharedView,
 }
 
 /// Names a sync is about to remove from `RULE_NAMES`, handed to the flow
@@ -76,6 +78,21 @@ impl FlowObserver {
             stats: Arc::default(),
             hub: Arc::default(),
             retiring: Arc::default(),
+            staged: Arc::default(),
+        }
+    }
+
+    /// The staged view records are judged against from now on.
+    pub fn set_staged(&self, view: Option<&Arc<StagedView>>) {
+        if let Ok(mut v) = self.staged.lock() {
+            let same = match (&*v, view) {
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                (None, None) => true,
+                _ => false,
+            };
+            if !same {
+                *v = view.cloned();
+            }
         }
     }
 
@@ -111,6 +128,7 @@ impl FlowObserver {
                     self.stats.clone(),
                     self.hub.clone(),
                     self.retiring.clone(),
+                    self.staged.clone(),
                 ),
                 Err(e) => {
                     warn!(error = %e, "flow records unavailable");
@@ -166,12 +184,13 @@ fn spawn_flows<R, S>(
     stats: Arc<FlowStats>,
     hub: Arc<Hub>,
     retiring: Retiring,
+    staged: SharedView,
 ) -> bool
 where
     R: RecordSource + Send + 'static,
     S: NameSource + Send + 'static,
 {
-    if let Err(e) = socket::serve(layout, hub.clone()) {
+    if let Err(e) = socket::serve(layout, hub.clone(), stats.clone()) {
         warn!(error = %e, "flow subscribers cannot connect (is another agent serving these pins?)");
     }
     let mut namer = FlowNamer::new(names, WallClock::now());
@@ -184,9 +203,12 @@ where
                 skipped: 0,
             };
             let mut pruned = Instant::now();
+            let mut judge = StagedJudge::default();
             loop {
                 let batch = ring.next_batch(Duration::from_secs(1));
                 namer.tick();
+                judge.update(staged.lock().ok().and_then(|v| v.clone()));
+                stats.staged.follow(judge.view().map(|v| &**v));
                 if pruned.elapsed() >= PRUNE_EVERY {
                     stats.retain(namer.live_labels());
                     pruned = Instant::now();
@@ -203,8 +225,10 @@ where
                     {
                         namer.keep(r.drain(..));
                     }
-                    let event = namer.name(&record);
+                    let mut event = namer.name(&record);
+                    judge.judge(&record, &mut event.flow);
                     stats.count(Reason::from_u8(record.reason), &event.flow);
+                    stats.staged.count(&event.flow);
                     if !hub.is_empty()
                         && let Ok(line) = serde_json::to_string(&event)
                     {
@@ -212,7 +236,9 @@ where
                     }
                     let wanted = match log {
                         FlowLog::Off => false,
-                        FlowLog::Drops => event.flow.verdict == Verdict::Drop,
+                        FlowLog::Drops => {
+                            event.flow.verdict == Verdict::Drop || event.flow.staged.is_some()
+                        }
                         FlowLog::All => true,
                     };
                     if wanted

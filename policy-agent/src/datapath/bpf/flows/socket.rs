@@ -3,7 +3,7 @@
 //! daemon that reads those pins (and a second agent with other pins does
 //! not collide). Only root may subscribe: flows name every pod's peers.
 use std::{
-    io::{self, Write as _},
+    io::{self, Read as _, Write as _},
     os::{
         fd::AsRawFd as _,
         linux::net::SocketAddrExt as _,
@@ -15,7 +15,7 @@ use std::{
 
 use tracing::{debug, info, warn};
 
-use super::{Error, hub::Hub};
+use super::{Error, hub::Hub, stats::FlowStats};
 use crate::datapath::bpf::pins::PinLayout;
 
 /// The abstract name (without its leading NUL) for the pins of `layout`.
@@ -69,9 +69,14 @@ fn hung_up(stream: &UnixStream) -> bool {
     n == 0
 }
 
+/// What a client asks for, in its first line.
+pub const SUBSCRIBE: &str = "flows";
+pub const STAGED_REPORT: &str = "staged-report";
+
 /// Listens for subscribers of the flows of `layout`'s pins, from a thread
-/// of its own, each served by a thread writing its queue.
-pub fn serve(layout: &PinLayout, hub: Arc<Hub>) -> Result<(), Error> {
+/// of its own, each served by a thread writing its queue; and answers
+/// requests for the staged report from `stats`.
+pub fn serve(layout: &PinLayout, hub: Arc<Hub>, stats: Arc<FlowStats>) -> Result<(), Error> {
     let name = socket_name(layout);
     let listener = UnixListener::bind_addr(&address(layout)?).map_err(|source| Error::Socket {
         name: name.clone(),
@@ -83,7 +88,7 @@ pub fn serve(layout: &PinLayout, hub: Arc<Hub>) -> Result<(), Error> {
         .spawn(move || {
             for stream in listener.incoming() {
                 match stream {
-                    Ok(s) => accept(s, &hub),
+                    Ok(s) => accept(s, &hub, &stats),
                     Err(e) => warn!(error = %e, "accepting a flow subscriber"),
                 }
             }
@@ -92,7 +97,22 @@ pub fn serve(layout: &PinLayout, hub: Arc<Hub>) -> Result<(), Error> {
     Ok(())
 }
 
-fn accept(mut stream: UnixStream, hub: &Hub) {
+/// The client's request: its first line, read within a second.
+fn request(stream: &UnixStream) -> io::Result<String> {
+    stream.set_read_timeout(Some(Duration::from_secs(1)))?;
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    let mut reader = stream;
+    while line.len() < 64 {
+        if reader.read(&mut byte)? == 0 || byte[0] == b'\n' {
+            break;
+        }
+        line.push(byte[0]);
+    }
+    Ok(String::from_utf8_lossy(&line).trim().to_owned())
+}
+
+fn accept(mut stream: UnixStream, hub: &Hub, stats: &FlowStats) {
     match peer_uid(&stream) {
         Ok(0) => {}
         Ok(uid) => {
@@ -101,6 +121,24 @@ fn accept(mut stream: UnixStream, hub: &Hub) {
         }
         Err(e) => {
             warn!(error = %e, "flow subscriber refused: no credentials");
+            return;
+        }
+    }
+    match request(&stream).as_deref() {
+        Ok(SUBSCRIBE) => {}
+        Ok(STAGED_REPORT) => {
+            let report = stats.staged.report();
+            if let Ok(line) = serde_json::to_string(&report) {
+                let _ = writeln!(stream, "{line}");
+            }
+            return;
+        }
+        Ok(other) => {
+            let _ = writeln!(stream, "{{\"error\":\"unknown request {other:?}\"}}");
+            return;
+        }
+        Err(e) => {
+            debug!(error = %e, "flow client sent no request");
             return;
         }
     }
@@ -137,11 +175,17 @@ fn accept(mut stream: UnixStream, hub: &Hub) {
     }
 }
 
-/// Connects to the daemon serving the flows of `layout`'s pins (None:
-/// none listens).
-pub fn connect(layout: &PinLayout) -> Result<Option<UnixStream>, Error> {
+/// Connects to the daemon serving the flows of `layout`'s pins and sends
+/// `request` (None: none listens).
+pub fn connect(layout: &PinLayout, request: &str) -> Result<Option<UnixStream>, Error> {
     match UnixStream::connect_addr(&address(layout)?) {
-        Ok(s) => Ok(Some(s)),
+        Ok(mut s) => {
+            writeln!(s, "{request}").map_err(|source| Error::Socket {
+                name: socket_name(layout),
+                source,
+            })?;
+            Ok(Some(s))
+        }
         Err(e)
             if matches!(
                 e.kind(),

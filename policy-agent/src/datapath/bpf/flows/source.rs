@@ -17,6 +17,7 @@ use super::{
     pipeline::RecordSource,
     record::FlowEvent,
     socket,
+    staged_report::StagedReport,
 };
 use crate::datapath::{
     bpf::{events::FlowRing, pins::PinLayout},
@@ -45,7 +46,7 @@ pub enum FlowSource {
 
 impl FlowSource {
     pub fn open(layout: &PinLayout) -> Result<Self, Error> {
-        if let Some(stream) = socket::connect(layout)? {
+        if let Some(stream) = socket::connect(layout, socket::SUBSCRIBE)? {
             return Ok(Self::Daemon {
                 reader: BufReader::new(stream),
                 layout: layout.clone(),
@@ -114,6 +115,30 @@ impl FlowSource {
             } => Ok(next_named(reader.as_mut(), namer, pending)),
         }
     }
+}
+
+/// The staged report of the daemon serving `layout`'s pins (None: no
+/// daemon serves them; the report is the daemon's: it judges the records).
+pub fn staged_report(layout: &PinLayout) -> Result<Option<StagedReport>, Error> {
+    let Some(stream) = socket::connect(layout, socket::STAGED_REPORT)? else {
+        return Ok(None);
+    };
+    let mut line = String::new();
+    BufReader::new(stream)
+        .read_line(&mut line)
+        .map_err(|source| Error::Socket {
+            name: socket::socket_name(layout),
+            source,
+        })?;
+    if line.is_empty() {
+        return Err(Error::Closed(layout.root().to_path_buf()));
+    }
+    if let Ok(serde_json::Value::Object(o)) = serde_json::from_str(&line)
+        && let Some(e) = o.get("error")
+    {
+        return Err(Error::Refused(e.to_string()));
+    }
+    Ok(Some(serde_json::from_str(&line)?))
 }
 
 /// The next record of `records`, named (waits for it).

@@ -64,6 +64,8 @@ pub struct FlowStats {
     pub short_records: AtomicU64,
     /// Records the source lost (NFLOG: gaps in its sequence numbers).
     pub source_lost: AtomicU64,
+    /// Per staged policy, the flows it would change.
+    pub staged: super::staged_report::StagedTallies,
 }
 
 fn direction_label(d: &str) -> &'static str {
@@ -158,6 +160,7 @@ impl FlowStats {
             out,
             "# HELP policy_agent_flow_records_lost_total Flow records lost: held back by the per-CPU budget (--flow-records-per-second), lost to a full ring, or dropped from a slow subscriber's queue.\n# TYPE policy_agent_flow_records_lost_total counter\npolicy_agent_flow_records_lost_total{{cause=\"budget\"}} {budget}\npolicy_agent_flow_records_lost_total{{cause=\"ring\"}} {ring}\npolicy_agent_flow_records_lost_total{{cause=\"subscriber\"}} {subscriber}"
         );
+        self.staged.render(out);
         let _ = writeln!(
             out,
             "# HELP policy_agent_flow_log_skipped_total Flow-log lines not written, past the log's rate.\n# TYPE policy_agent_flow_log_skipped_total counter\npolicy_agent_flow_log_skipped_total {}",
@@ -167,7 +170,7 @@ impl FlowStats {
 }
 
 /// A Prometheus label value, escaped.
-fn escape(s: &str) -> String {
+pub(super) fn escape(s: &str) -> String {
     s.replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")

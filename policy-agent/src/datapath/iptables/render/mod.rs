@@ -76,7 +76,7 @@ use policy_common::{
     direction, encapsulation,
     endpoint::{
         ENDPOINT_EGRESS_ISOLATED, ENDPOINT_EGRESS_TIERED, ENDPOINT_INGRESS_ISOLATED,
-        ENDPOINT_INGRESS_TIERED,
+        ENDPOINT_INGRESS_TIERED, ENDPOINT_STAGED,
     },
     identity::{ANY, NODE},
     policy::{ENTRY_TIERS_ONLY, PolicyKey, TierSlot},
@@ -314,6 +314,38 @@ pub fn render_with(input: &RenderInput<'_>, records: Option<&FlowLogOptions>) ->
             "-m connmark --mark {mark}/{mark} -m conntrack --ctdir REPLY -j DROP"
         ));
         forward.rules.push(shortcut.clone());
+        // The new flows of a pod only a staged policy would judge, in the
+        // directions no enforced one does: recorded, nothing decided.
+        for p in pods.iter().filter(|p| p.flags & ENDPOINT_STAGED != 0) {
+            if colliding_pods.contains(p.pod) {
+                continue;
+            }
+            for (dir, judged, iface) in [
+                (
+                    direction::EGRESS,
+                    ENDPOINT_EGRESS_ISOLATED | ENDPOINT_EGRESS_TIERED,
+                    "-i",
+                ),
+                (
+                    direction::INGRESS,
+                    ENDPOINT_INGRESS_ISOLATED | ENDPOINT_INGRESS_TIERED,
+                    "-o",
+                ),
+            ] {
+                if p.flags & judged != 0 {
+                    continue;
+                }
+                if let Some(record) = records
+                    .as_mut()
+                    .and_then(|r| r.observe(&mut chains, dir, p.identity))
+                {
+                    forward.rules.push(format!(
+                        "{iface} {} -m conntrack --ctstate NEW -j {record}",
+                        p.ifname
+                    ));
+                }
+            }
+        }
         // In OUTPUT the node's own packets are never held: a pod's flow to
         // the node (INPUT, never judged here) is answered through OUTPUT,
         // and node traffic is always allowed.

@@ -105,6 +105,22 @@ impl<'a> Records<'a> {
         )
     }
 
+    /// The record chain of a new flow no enforced policy judges, at a pod
+    /// a staged policy would judge (`ENDPOINT_STAGED`): logged for the
+    /// agent to judge against the staged view, and nothing else (no mark:
+    /// the pod chains of its peer still judge it).
+    pub(super) fn observe(
+        &mut self,
+        chains: &mut BTreeMap<String, Chain>,
+        dir: u8,
+        identity: u32,
+    ) -> Option<String> {
+        self.chain(
+            chains,
+            RecordPrefix::new(Reason::AllowNotIsolated, dir, identity, RuleRef::default()),
+        )
+    }
+
     /// The record chain of a drop by `reason` (no rule: the policies
     /// isolating the identity name it).
     pub(super) fn drop(
@@ -179,6 +195,14 @@ impl<'a> Records<'a> {
                 .into_iter()
                 .collect();
             rules.extend([log, "-j DROP".into()]);
+            rules
+        } else if prefix.reason == Reason::AllowNotIsolated {
+            let mut rules: Vec<String> = self
+                .limit()
+                .map(|l| format!("{l}-g {LIMITED_CHAIN}"))
+                .into_iter()
+                .collect();
+            rules.push(log);
             rules
         } else {
             let mut rules = vec![
