@@ -64,9 +64,6 @@ impl RuleRef {
 /// [`FlowRecord::flags`]: the record is a new flow (its first packet,
 /// allowed or dropped), not a dropped packet of some other kind.
 pub const RECORD_NEW_FLOW: u8 = 1 << 0;
-/// [`FlowRecord::flags`]: `staged_reason` and `staged` hold the verdict
-/// the staged policies would give, which differs from this one.
-pub const RECORD_STAGED: u8 = 1 << 1;
 
 #[repr(C)]
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
@@ -93,13 +90,14 @@ pub struct FlowRecord {
     pub reason: u8,
     /// What decided it (meaningful for the reasons a policy lookup gives).
     pub rule: RuleRef,
-    /// [`RECORD_NEW_FLOW`], [`RECORD_STAGED`].
+    /// [`RECORD_NEW_FLOW`].
     pub flags: u8,
-    /// With [`RECORD_STAGED`]: the reason the staged policies would give.
-    pub staged_reason: u8,
+    /// Zero. Room for a second verdict judged in the kernel; the agent
+    /// judges staged policies itself, from the record (its staged view).
+    pub _reserved_reason: u8,
     pub _pad: u16,
-    /// With [`RECORD_STAGED`]: what would decide it.
-    pub staged: RuleRef,
+    /// Zero, as `_reserved_reason`.
+    pub _reserved_rule: RuleRef,
     pub _pad1: u32,
 }
 assert_size!(FlowRecord, 96);

@@ -183,3 +183,213 @@ impl Staging {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use policy_common::{direction, proto, verdict::Reason};
+
+    use super::*;
+    use crate::{
+        cluster::{ClusterState, ObjectRef, changes_between},
+        mapstate::rule_name_text,
+        source::manifests::{LoadedManifests, load_text},
+    };
+
+    const CLUSTER: &str = r#"
+apiVersion: v1
+kind: Namespace
+metadata: {name: shop, labels: {team: s}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: web, namespace: shop, labels: {app: web}}
+spec: {nodeName: n1, containers: [{name: c, image: x}]}
+status: {podIPs: [{ip: 10.1.0.10}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: db, namespace: shop, labels: {app: db}}
+spec: {nodeName: n1, containers: [{name: c, image: x}]}
+status: {podIPs: [{ip: 10.1.0.12}]}
+"#;
+
+    fn staged(yes: bool) -> &'static str {
+        if yes {
+            "\n  annotations: {policy-agent/staged: \"true\"}"
+        } else {
+            ""
+        }
+    }
+
+    fn deny_db(staged_: bool) -> String {
+        format!(
+            "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata:\n  name: deny-db\n  namespace: shop{}\nspec:\n  podSelector: {{matchLabels: {{app: db}}}}\n  policyTypes: [Ingress]\n",
+            staged(staged_)
+        )
+    }
+
+    fn state(policies: &str) -> ClusterState {
+        let mut loaded = LoadedManifests::default();
+        load_text(
+            Path::new("c.yaml"),
+            &format!("{CLUSTER}\n---\n{policies}"),
+            &mut loaded,
+        );
+        assert!(loaded.errors.is_empty(), "{:?}", loaded.errors);
+        loaded.cluster_state("n1", vec!["192.168.0.1".parse().unwrap()])
+    }
+
+    /// The enforcer's steps, without a datapath.
+    struct Harness {
+        compiler: Compiler,
+        ids: IdentityAllocator,
+        staging: Staging,
+        last: ClusterState,
+        marked: BTreeSet<PodRef>,
+    }
+
+    impl Harness {
+        fn new() -> Self {
+            Self {
+                compiler: Compiler::new(Default::default()),
+                ids: IdentityAllocator::new(),
+                staging: Staging::default(),
+                last: ClusterState::default(),
+                marked: BTreeSet::new(),
+            }
+        }
+
+        fn enforce(&mut self, next: ClusterState) {
+            let changes = changes_between(&self.last, &next);
+            self.last = next;
+            let (changes, raw) = self.staging.split(changes);
+            self.compiler.apply(changes, &mut self.ids);
+            self.staging.follow(&self.compiler, &self.ids, raw);
+            self.marked = self.staging.tracked(&self.compiler);
+            self.compiler.track_staged(self.marked.clone());
+        }
+
+        fn flags(&self, pod: &str) -> u32 {
+            let (ns, name) = pod.split_once('/').unwrap();
+            self.compiler.maps().endpoints[&ObjectRef::new(ns, name)].flags
+        }
+
+        fn staged(&self, enforced: Reason) -> Option<(Reason, Vec<String>)> {
+            let view = self.staging.view()?;
+            let v = view.judge(
+                "shop/db",
+                direction::INGRESS,
+                "10.1.0.10".parse().unwrap(),
+                proto::TCP,
+                80,
+                enforced,
+            )?;
+            let names = view
+                .rule_names
+                .iter()
+                .filter(|(k, _)| k.id == v.endpoint_identity || k.id == v.rule.network_policy)
+                .map(|(_, n)| rule_name_text(n).policy)
+                .collect();
+            Some((v.reason, names))
+        }
+    }
+
+    #[test]
+    fn a_staged_policy_is_judged_beside_the_enforced_ones_and_enforced_once_unstaged() {
+        use policy_common::endpoint::{ENDPOINT_INGRESS_ISOLATED, ENDPOINT_STAGED};
+        let mut h = Harness::new();
+        h.enforce(state(&deny_db(true)));
+        // Not enforced: db is isolated in no direction, only tracked.
+        assert_eq!(h.flags("shop/db") & ENDPOINT_INGRESS_ISOLATED, 0);
+        assert_ne!(h.flags("shop/db") & ENDPOINT_STAGED, 0);
+        assert_eq!(
+            h.flags("shop/web") & ENDPOINT_STAGED,
+            0,
+            "web is not touched"
+        );
+        // The staged view would drop what is allowed now, naming it.
+        let (reason, names) = h.staged(Reason::AllowNotIsolated).unwrap();
+        assert_eq!(reason, Reason::DropPolicy);
+        assert_eq!(names, ["deny-db"]);
+        // A verdict it would not change is not reported.
+        assert_eq!(h.staged(Reason::DropPolicy), None);
+
+        // Un-staged: enforced in the same sync, and the view is gone.
+        h.enforce(state(&deny_db(false)));
+        assert_ne!(h.flags("shop/db") & ENDPOINT_INGRESS_ISOLATED, 0);
+        assert_eq!(h.flags("shop/db") & ENDPOINT_STAGED, 0);
+        assert!(h.staging.view().is_none());
+        assert!(h.marked.is_empty());
+
+        // Staged again: no longer enforced, reported again.
+        h.enforce(state(&deny_db(true)));
+        assert_eq!(h.flags("shop/db") & ENDPOINT_INGRESS_ISOLATED, 0);
+        assert!(h.staged(Reason::AllowNotIsolated).is_some());
+        // Deleted: nothing staged, nothing tracked for it.
+        h.enforce(state(""));
+        assert!(h.staging.view().is_none());
+        assert_eq!(h.flags("shop/db") & ENDPOINT_STAGED, 0);
+    }
+
+    #[test]
+    fn a_staged_allow_reports_what_it_would_admit() {
+        let allow_web = format!(
+            "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata:\n  name: allow-web\n  namespace: shop{}\nspec:\n  podSelector: {{matchLabels: {{app: db}}}}\n  ingress: [{{from: [{{podSelector: {{matchLabels: {{app: web}}}}}}]}}]\n",
+            staged(true)
+        );
+        let mut h = Harness::new();
+        h.enforce(state(&format!("{}\n---\n{allow_web}", deny_db(false))));
+        // db is isolated already: nothing to mark.
+        assert!(h.marked.is_empty());
+        let (reason, names) = h.staged(Reason::DropPolicy).unwrap();
+        assert_eq!(reason, Reason::AllowPolicy);
+        assert!(names.contains(&"allow-web".to_owned()), "{names:?}");
+    }
+
+    #[test]
+    fn a_staged_cluster_policy_is_judged_in_its_tier() {
+        let guard = format!(
+            "apiVersion: policy.networking.k8s.io/v1alpha2\nkind: ClusterNetworkPolicy\nmetadata:\n  name: guard{}\nspec:\n  tier: Admin\n  priority: 5\n  subject: {{namespaces: {{}}}}\n  ingress:\n  - {{name: no-web, action: Deny, from: [{{namespaces: {{}}}}]}}\n",
+            staged(true)
+        );
+        let mut h = Harness::new();
+        h.enforce(state(&guard));
+        use policy_common::endpoint::ENDPOINT_INGRESS_TIERED;
+        assert_eq!(
+            h.flags("shop/db") & ENDPOINT_INGRESS_TIERED,
+            0,
+            "not enforced"
+        );
+        let view = h.staging.view().unwrap();
+        let v = view
+            .judge(
+                "shop/db",
+                direction::INGRESS,
+                "10.1.0.10".parse().unwrap(),
+                proto::TCP,
+                80,
+                Reason::AllowNotIsolated,
+            )
+            .unwrap();
+        assert_eq!(v.reason, Reason::DropAdminTier);
+        let key = policy_common::rule_name::RuleKey::new(
+            policy_common::rule_name::kind::ADMIN,
+            direction::INGRESS,
+            v.rule.admin.rank(),
+        );
+        let text = rule_name_text(&view.rule_names[&key]);
+        assert_eq!(
+            (text.policy.as_str(), text.rule.as_str()),
+            ("guard", "no-web")
+        );
+        assert_eq!(
+            view.staged
+                .keys()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>(),
+            ["ClusterNetworkPolicy guard"]
+        );
+    }
+}

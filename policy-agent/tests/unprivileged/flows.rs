@@ -22,7 +22,7 @@ use policy_agent::{
 };
 use policy_common::{
     direction::{EGRESS, INGRESS},
-    event::{FlowRecord, RECORD_STAGED, RuleRef},
+    event::{FlowRecord, RuleRef},
     family,
     identity::kind as identity_kind,
     policy::{TierSlot, action},
@@ -283,21 +283,6 @@ fn an_unknown_rule_is_named_as_unknown() {
     let p = &e.flow.policies[0];
     assert_eq!(p.name, format!("unknown rule 0x{:08x}", slot.rank()));
     assert_eq!((p.rule, p.priority), (Some(3), Some(7)));
-}
-
-#[test]
-fn staged_verdicts_are_named_the_same_way() {
-    let mut r = record(Reason::AllowPolicy, all_refs());
-    r.flags = RECORD_STAGED;
-    r.staged_reason = Reason::DropPolicy as u8;
-    let e = named(&r);
-    let staged = e.flow.staged.as_ref().unwrap();
-    assert_eq!(staged.verdict, Verdict::Drop);
-    assert_eq!(staged.reason, "drop_policy");
-    assert_eq!(staged.policies.len(), 3);
-    let v = serde_json::to_value(&e.flow).unwrap();
-    assert_eq!(v["staged"]["verdict"], "drop");
-    assert!(e.flow.names_policy(Some("default"), "deny-all"));
 }
 
 #[test]

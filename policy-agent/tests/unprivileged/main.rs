@@ -19,4 +19,5 @@ mod iptables_golden;
 mod properties;
 mod semantics;
 mod services;
+mod staged;
 mod support;

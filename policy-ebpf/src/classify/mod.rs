@@ -395,9 +395,9 @@ pub(super) fn emit_record(
             _ => RuleRef::default(),
         };
         (*ev).flags = flags;
-        (*ev).staged_reason = 0;
+        (*ev)._reserved_reason = 0;
         (*ev)._pad = 0;
-        (*ev).staged = RuleRef::default();
+        (*ev)._reserved_rule = RuleRef::default();
         (*ev)._pad1 = 0;
     }
     slot.submit(0);

@@ -15,7 +15,7 @@ use std::{
 
 use policy_common::{
     endpoint::{ENDPOINT_HAS_V4, ENDPOINT_HAS_V6},
-    event::{FlowRecord, RECORD_STAGED, RuleRef},
+    event::FlowRecord,
     identity,
     maps::capacity,
     proto,
@@ -28,7 +28,7 @@ pub use super::policies::{is_new_flow, live_labels, policies};
 use super::{
     clock::WallClock,
     policies::rule_keys,
-    record::{Flow, FlowEvent, Peer, Staged, Verdict},
+    record::{Flow, FlowEvent, Peer, Verdict},
     stats::RuleLabels,
 };
 use crate::datapath::bpf::{
@@ -207,18 +207,12 @@ fn wanted(r: &FlowRecord) -> Vec<Miss> {
     if r.peer_identity >= identity::FIRST_LABEL {
         out.push(Miss::Identity(r.peer_identity));
     }
-    let mut rules = |reason: u8, rule: &RuleRef| {
-        if let Some(reason) = Reason::from_u8(reason) {
-            out.extend(
-                rule_keys(reason, rule, r.direction, r.endpoint_identity)
-                    .into_iter()
-                    .map(Miss::Rule),
-            );
-        }
-    };
-    rules(r.reason, &r.rule);
-    if r.flags & RECORD_STAGED != 0 {
-        rules(r.staged_reason, &r.staged);
+    if let Some(reason) = Reason::from_u8(r.reason) {
+        out.extend(
+            rule_keys(reason, &r.rule, r.direction, r.endpoint_identity)
+                .into_iter()
+                .map(Miss::Rule),
+        );
     }
     out
 }
@@ -262,13 +256,6 @@ pub fn name_record(names: &Names, clock: &WallClock, r: &FlowRecord) -> FlowEven
     };
     let ported = matches!(r.protocol, proto::TCP | proto::UDP | proto::SCTP);
     let reason = Reason::from_u8(r.reason);
-    let staged = (r.flags & RECORD_STAGED != 0).then(|| Staged {
-        verdict: verdict(r.staged_reason),
-        reason: reason_name(r.staged_reason),
-        policies: Reason::from_u8(r.staged_reason)
-            .map(|s| policies(t, s, &r.staged, r.direction, r.endpoint_identity))
-            .unwrap_or_default(),
-    });
     FlowEvent {
         flow: Flow {
             time: clock.rfc3339(r.timestamp_ns),
@@ -283,7 +270,9 @@ pub fn name_record(names: &Names, clock: &WallClock, r: &FlowRecord) -> FlowEven
             policies: reason
                 .map(|s| policies(t, s, &r.rule, r.direction, r.endpoint_identity))
                 .unwrap_or_default(),
-            staged,
+            // Judged by the daemon against its staged view (see
+            // `super::staged`), not carried by the record.
+            staged: None,
         },
         src: endpoint_text(src, r.sport, r.protocol),
         dst: endpoint_text(dst, r.dport, r.protocol),
