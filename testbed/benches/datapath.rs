@@ -14,7 +14,8 @@
 //! (`policy_common::model`) and printed.
 //!
 //! Then flow records: a denied new flow with records off, on and read,
-//! on with the ring full, and on with the budget spent (`records`).
+//! on with the ring full, and on with the budget spent (`records`); and
+//! what a staged policy costs an endpoint it touches (`staged`).
 //!
 //! Then ClusterNetworkPolicy: 100 of them in both tiers over 10,000 pods,
 //! compiled, beside the NetworkPolicy state of 10,000 entries, a denied new
@@ -34,6 +35,8 @@
 
 #[path = "datapath/records.rs"]
 mod records;
+#[path = "datapath/staged.rs"]
+mod staged;
 
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -323,11 +326,12 @@ fn main() {
         repeat,
         rounds,
     );
+    let staged = staged::staged(&mut floors, repeat, rounds);
     let json = serde_json::json!({
         "ipcache_entries": IPCACHE_ENTRIES, "repeat": repeat, "rounds": rounds,
         "typical_probes": typical_probes, "worst_probes": worst_probes,
         "floor_empty_ns": empty, "floor_one_lookup_ns": one_lookup, "rows": rows,
-        "tiers": tiers, "records": records,
+        "tiers": tiers, "records": records, "staged": staged,
     });
     let out = std::env::var_os("POLICY_AGENT_BENCH_OUT").map_or_else(
         || {

@@ -38,7 +38,7 @@ use super::{median, run_once, state, worst_state};
 /// (2^18 bytes, 104 per record), so every one is written.
 const DRAINED_REPEAT: u32 = 2_000;
 
-fn set_budget(dp: &mut Unpinned, budget: FlowBudget) {
+pub(super) fn set_budget(dp: &mut Unpinned, budget: FlowBudget) {
     let mut map: PerCpuArray<_, FlowBudget> =
         PerCpuArray::try_from(dp.ebpf.map_mut(names::FLOW_BUDGET).unwrap()).unwrap();
     let cpus = aya::util::nr_cpus().unwrap();

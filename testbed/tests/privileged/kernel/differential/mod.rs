@@ -19,6 +19,7 @@ use policy_common::{
     endpoint::{
         ENDPOINT_EGRESS_ISOLATED, ENDPOINT_EGRESS_TIERED, ENDPOINT_EGRESS_UPDATING,
         ENDPOINT_INGRESS_ISOLATED, ENDPOINT_INGRESS_TIERED, ENDPOINT_INGRESS_UPDATING,
+        ENDPOINT_STAGED,
     },
     event::{FlowBudget, FlowRecord, RECORD_NEW_FLOW, RuleRef},
     identity::{self, ANY, FIRST_CIDR, NODE, WORLD},
@@ -117,9 +118,16 @@ fn random_state(h: &mut Harness, rng: &mut StdRng) {
     } else {
         0
     };
+    // Now and then a staged policy would judge it: tracked, whatever it
+    // is isolated by.
+    let staged = if rng.random_bool(0.25) {
+        ENDPOINT_STAGED
+    } else {
+        0
+    };
     h.endpoint(
         me,
-        *flags.choose(rng).unwrap() | *tiered.choose(rng).unwrap() | updating,
+        *flags.choose(rng).unwrap() | *tiered.choose(rng).unwrap() | updating | staged,
         1,
     );
     h.ipcache("10.0.0.10/32", me, WORLD);
