@@ -139,9 +139,11 @@ pub fn staged(floors: &mut Unpinned, repeat: u32, rounds: usize) -> serde_json::
 /// 1,000 entries, our endpoint isolated in it), in ns: the median of
 /// five runs of 20,000 records.
 fn judge_ns_per_record(s: &MapState<u32>) -> f64 {
-    let mut view_maps: MapState<PodRef> = MapState::default();
-    view_maps.policy = s.policy.clone();
-    view_maps.ipcache = s.ipcache.clone();
+    let mut view_maps: MapState<PodRef> = MapState {
+        policy: s.policy.clone(),
+        ipcache: s.ipcache.clone(),
+        ..MapState::default()
+    };
     let mut ep = s.endpoints[&1];
     ep.flags |= policy_common::endpoint::ENDPOINT_INGRESS_ISOLATED;
     view_maps.endpoints.insert(PodRef::new("shop", "db-0"), ep);
