@@ -3,7 +3,6 @@
 //! the daemon's socket while `run` consumes it (with its per-policy
 //! series on /metrics). Needs root.
 use std::{
-    io::{BufRead as _, BufReader},
     process::{Child, Stdio},
     sync::mpsc,
     time::{Duration, Instant},
@@ -18,32 +17,9 @@ use serde_json::Value;
 /// beta/db admits beta/web only.
 const DB: &str = "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: db, namespace: beta}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  ingress: [{from: [{podSelector: {matchLabels: {app: web}}}]}]\n";
 
-/// `policy-agent flows --json` about beta/db in the node namespace, its
-/// lines sent on as they come.
+/// `policy-agent flows --json` about beta/db in the node namespace.
 fn follow(c: &Conformance) -> (Child, mpsc::Receiver<Value>) {
-    let mut child = c
-        .node()
-        .node
-        .command(fixtures::agent())
-        .args(["flows", "--json", "--count", "1000", "--pod", "beta/db"])
-        .args(["--pin-dir", c.layout.root().to_str().unwrap()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let out = child.stdout.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines() {
-            let Ok(line) = line else { return };
-            let v: Value = serde_json::from_str(&line)
-                .unwrap_or_else(|e| panic!("flows printed {line:?}: {e}"));
-            if tx.send(v).is_err() {
-                return;
-            }
-        }
-    });
-    (child, rx)
+    c.follow_flows(&["--count", "1000", "--pod", "beta/db"])
 }
 
 /// Waits for an allowed flow from beta/web and a dropped one from
@@ -120,18 +96,7 @@ fn flows_from_the_daemon_and_their_series() {
         &[],
     );
     // The daemon serves its flows (so `flows` does not read the ring).
-    let wanted = format!("@policy-agent-flows:{}", c.layout.root().display());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !c
-        .node()
-        .node
-        .exec("cat", &["/proc/net/unix"])
-        .unwrap_or_default()
-        .contains(&wanted)
-    {
-        assert!(Instant::now() < deadline, "no socket {wanted}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    c.wait_for_flow_socket();
     let (mut child, rx) = follow(&c);
     std::thread::sleep(Duration::from_millis(300));
     let _ = c.matrix();

@@ -1,79 +1,83 @@
 //! Staged policies on a simulated node, on both datapaths: a staged
-//! deny-all changes no verdict (judged at the receiver), every flow it
+//! deny-all (and a staged Admin Deny) changes no verdict (judged at the receiver), every flow it
 //! would drop is reported (flow records, the staged report, /metrics),
 //! and removing the annotation enforces it. Needs root.
 use std::{
     collections::BTreeSet,
-    io::{BufRead as _, BufReader},
-    process::{Child, Stdio},
-    sync::mpsc,
     time::{Duration, Instant},
 };
 
 use policy_testbed::{
     connectivity::Transport,
-    fixtures::{
-        self,
-        conformance::{Backend, Conformance, is_node},
-    },
+    fixtures::conformance::{Backend, Conformance, is_node},
 };
 use serde_json::Value;
 
-/// beta/db isolated for ingress, nothing admitted.
-fn deny_db(staged: bool) -> String {
-    let annotation = if staged {
+/// A staged policy at beta/db's ingress, and what it would do.
+struct Case {
+    /// The manifest, staged or not.
+    yaml: fn(bool) -> String,
+    /// Whether a flow from this pod to beta/db would be dropped.
+    drops_from: fn(&str) -> bool,
+    /// The staged verdict's reason and policies.
+    reason: &'static str,
+    policies: fn() -> Value,
+    /// kind and name in the report.
+    report: (&'static str, &'static str),
+    series: &'static str,
+}
+
+fn annotation(staged: bool) -> &'static str {
+    if staged {
         "\n  annotations: {policy-agent/staged: \"true\"}"
     } else {
         ""
-    };
-    format!(
-        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata:\n  name: deny-db\n  namespace: beta{annotation}\nspec:\n  podSelector: {{matchLabels: {{app: db}}}}\n  policyTypes: [Ingress]\n"
-    )
-}
-
-/// `policy-agent flows --json --staged` in the node namespace, its lines
-/// sent on as they come.
-fn follow_staged(c: &Conformance) -> (Child, mpsc::Receiver<Value>) {
-    let mut child = c
-        .node()
-        .node
-        .command(fixtures::agent())
-        .args(["flows", "--json", "--staged", "--count", "100000"])
-        .args(["--pin-dir", c.layout.root().to_str().unwrap()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let out = child.stdout.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines() {
-            let Ok(line) = line else { return };
-            let v: Value = serde_json::from_str(&line)
-                .unwrap_or_else(|e| panic!("flows printed {line:?}: {e}"));
-            if tx.send(v).is_err() {
-                return;
-            }
-        }
-    });
-    (child, rx)
-}
-
-fn wait_for_socket(c: &Conformance) {
-    let wanted = format!("@policy-agent-flows:{}", c.layout.root().display());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !c
-        .node()
-        .node
-        .exec("cat", &["/proc/net/unix"])
-        .unwrap_or_default()
-        .contains(&wanted)
-    {
-        assert!(Instant::now() < deadline, "no socket {wanted}");
-        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
+/// beta/db isolated for ingress, nothing admitted.
+fn deny_db(staged: bool) -> String {
+    format!(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata:\n  name: deny-db\n  namespace: beta{}\nspec:\n  podSelector: {{matchLabels: {{app: db}}}}\n  policyTypes: [Ingress]\n",
+        annotation(staged)
+    )
+}
+
+const DENY_ALL: Case = Case {
+    yaml: deny_db,
+    drops_from: |_| true,
+    reason: "drop_policy",
+    policies: || {
+        serde_json::json!([{
+            "kind": "NetworkPolicy", "namespace": "beta", "name": "deny-db",
+            "rule": null, "rule_name": null, "tier": null, "priority": null
+        }])
+    },
+    report: ("NetworkPolicy", "deny-db"),
+    series: "policy_agent_staged_flows_total{kind=\"NetworkPolicy\",namespace=\"beta\",name=\"deny-db\",direction=\"ingress\",verdict=\"drop\"}",
+};
+
+/// An Admin Deny of gamma's pods at beta/db.
+fn guard(staged: bool) -> String {
+    format!(
+        "apiVersion: policy.networking.k8s.io/v1alpha2\nkind: ClusterNetworkPolicy\nmetadata:\n  name: guard{}\nspec:\n  tier: Admin\n  priority: 5\n  subject:\n    pods:\n      namespaceSelector: {{matchLabels: {{kubernetes.io/metadata.name: beta}}}}\n      podSelector: {{matchLabels: {{app: db}}}}\n  ingress:\n  - {{name: no-gamma, action: Deny, from: [{{namespaces: {{matchLabels: {{team: c}}}}}}]}}\n",
+        annotation(staged)
+    )
+}
+
+const ADMIN_DENY: Case = Case {
+    yaml: guard,
+    drops_from: |from| from.starts_with("gamma/"),
+    reason: "drop_admin_tier",
+    policies: || {
+        serde_json::json!([{
+            "kind": "ClusterNetworkPolicy", "namespace": null, "name": "guard",
+            "rule": 0, "rule_name": "no-gamma", "tier": "Admin", "priority": 5
+        }])
+    },
+    report: ("ClusterNetworkPolicy", "guard"),
+    series: "policy_agent_staged_flows_total{kind=\"ClusterNetworkPolicy\",namespace=\"\",name=\"guard\",direction=\"ingress\",verdict=\"drop\"}",
+};
 /// (peer pod, protocol, port) of a flow at beta/db, as a record names it.
 type Probe = (String, String, Option<u64>);
 
@@ -85,28 +89,29 @@ fn transport_name(t: Transport, port: u16) -> (String, Option<u64>) {
     }
 }
 
-fn staged_deny_all(prefix: &'static str, backend: Backend, port: u16) {
+fn staged_case(prefix: &'static str, backend: Backend, port: u16, case: &Case) {
     let mut c = Conformance::new(prefix, backend);
-    c.write_policies(&deny_db(true));
+    c.write_policies(&(case.yaml)(true));
     let dir = c.dir.to_str().unwrap().to_owned();
     c.start_daemon_with(
         port,
         &["--manifests", &dir, "--flow-records-per-second", "0"],
         &[],
     );
-    wait_for_socket(&c);
-    let (mut child, rx) = follow_staged(&c);
+    c.wait_for_flow_socket();
+    let (mut child, rx) = c.follow_flows(&["--staged", "--count", "100000"]);
     std::thread::sleep(Duration::from_millis(300));
 
     // Staged: no verdict changes. Every cell is open, judged at the
     // receiver (the request reached the pod, its answer came back).
-    let m = c.check("a staged deny-all", |_, _, _, _| true);
+    let m = c.check("a staged policy", |_, _, _, _| true);
 
     // Every flow to beta/db the matrix made (but the node's, which policy
     // never judges, and the pod's own) is reported as one it would drop.
     let mut wanted: BTreeSet<Probe> = BTreeSet::new();
     for (from, target, v6) in m.cells.keys() {
-        if target.pod != "beta/db" || is_node(from) || from == "beta/db" {
+        if target.pod != "beta/db" || is_node(from) || from == "beta/db" || !(case.drops_from)(from)
+        {
             continue;
         }
         // ICMPv6 echo is reported as such; the matrix pings both families.
@@ -130,15 +135,8 @@ fn staged_deny_all(prefix: &'static str, backend: Backend, port: u16) {
         if v["pod"] == "beta/db" && v["direction"] == "ingress" {
             assert_eq!(v["verdict"], "allow", "{v:#}");
             assert_eq!(staged["verdict"], "drop", "{v:#}");
-            assert_eq!(staged["reason"], "drop_policy", "{v:#}");
-            assert_eq!(
-                staged["policies"],
-                serde_json::json!([{
-                    "kind": "NetworkPolicy", "namespace": "beta", "name": "deny-db",
-                    "rule": null, "rule_name": null, "tier": null, "priority": null
-                }]),
-                "{v:#}"
-            );
+            assert_eq!(staged["reason"], case.reason, "{v:#}");
+            assert_eq!(staged["policies"], (case.policies)(), "{v:#}");
             if let Some(peer) = v["peer"]["pod"].as_str() {
                 reported.insert((
                     peer.to_owned(),
@@ -158,30 +156,14 @@ fn staged_deny_all(prefix: &'static str, backend: Backend, port: u16) {
     );
 
     // The report and the series count them.
-    let report = c
-        .node()
-        .node
-        .command(fixtures::agent())
-        .args(["staged-report", "--json"])
-        .args(["--pin-dir", c.layout.root().to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(
-        report.status.success(),
-        "{}",
-        String::from_utf8_lossy(&report.stderr)
-    );
-    let report: Value = serde_json::from_slice(&report.stdout).unwrap();
+    let report = c.staged_report();
     let policies = report["policies"].as_array().unwrap();
     assert_eq!(policies.len(), 1, "{report:#}");
     let deny = &policies[0];
+    let (kind, name) = &case.report;
     assert_eq!(
-        (&deny["kind"], &deny["namespace"], &deny["name"]),
-        (
-            &Value::from("NetworkPolicy"),
-            &Value::from("beta"),
-            &Value::from("deny-db")
-        ),
+        (&deny["kind"], &deny["name"]),
+        (&Value::from(*kind), &Value::from(*name)),
         "{report:#}"
     );
     let would_drop = deny["would_drop_ingress"].as_u64().unwrap();
@@ -192,25 +174,19 @@ fn staged_deny_all(prefix: &'static str, backend: Backend, port: u16) {
     );
     assert_eq!(deny["would_allow_ingress"], 0, "{report:#}");
     let metrics = c.http_get(port, "/metrics");
-    let series = "policy_agent_staged_flows_total{kind=\"NetworkPolicy\",namespace=\"beta\",name=\"deny-db\",direction=\"ingress\",verdict=\"drop\"}";
-    assert!(metrics.contains(series), "no {series} in\n{metrics}");
+    assert!(
+        metrics.contains(case.series),
+        "no {} in\n{metrics}",
+        case.series
+    );
 
     // Un-staged: enforced as written.
-    c.write_policies(&deny_db(false));
-    c.eventually(
-        "the deny-all un-staged",
-        Duration::from_secs(10),
-        |f, t, _, _| is_node(f) || f == t || t != "beta/db",
-    );
-    let report = c
-        .node()
-        .node
-        .command(fixtures::agent())
-        .args(["staged-report", "--json"])
-        .args(["--pin-dir", c.layout.root().to_str().unwrap()])
-        .output()
-        .unwrap();
-    let report: Value = serde_json::from_slice(&report.stdout).unwrap();
+    c.write_policies(&(case.yaml)(false));
+    let drops_from = case.drops_from;
+    c.eventually("un-staged", Duration::from_secs(10), move |f, t, _, _| {
+        is_node(f) || f == t || t != "beta/db" || !drops_from(f)
+    });
+    let report = c.staged_report();
     assert_eq!(report["policies"], serde_json::json!([]), "{report:#}");
     c.stop_daemon();
     c.reset();
@@ -218,10 +194,20 @@ fn staged_deny_all(prefix: &'static str, backend: Backend, port: u16) {
 
 #[test]
 fn a_staged_deny_all_reports_every_flow_it_would_drop_bpf() {
-    staged_deny_all("stgbpf", Backend::Bpf, 19460);
+    staged_case("stgbpf", Backend::Bpf, 19460, &DENY_ALL);
 }
 
 #[test]
 fn a_staged_deny_all_reports_every_flow_it_would_drop_iptables() {
-    staged_deny_all("stgipt", Backend::Iptables, 19461);
+    staged_case("stgipt", Backend::Iptables, 19461, &DENY_ALL);
+}
+
+#[test]
+fn a_staged_admin_deny_reports_every_flow_it_would_drop_bpf() {
+    staged_case("stgcnpb", Backend::Bpf, 19462, &ADMIN_DENY);
+}
+
+#[test]
+fn a_staged_admin_deny_reports_every_flow_it_would_drop_iptables() {
+    staged_case("stgcnpi", Backend::Iptables, 19463, &ADMIN_DENY);
 }
