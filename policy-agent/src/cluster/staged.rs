@@ -76,51 +76,47 @@ impl std::fmt::Display for StagedPolicy {
     }
 }
 
-/// What one change means for the enforcing compiler: the change itself,
-/// or (for a staged policy) its deletion; and which staged policy it
-/// adds (`Some(true)`) or removes (`Some(false)`).
-pub fn enforced_change(change: &Change) -> (Change, Option<(StagedPolicy, bool)>) {
+/// Which policy a change is about, and whether it stages it (`true`: an
+/// upsert with the annotation) or not (an upsert without it, or a
+/// deletion). None for changes of other objects.
+pub fn staging_of(change: &Change) -> Option<(StagedPolicy, bool)> {
     match change {
-        Change::UpsertPolicy(key, np) => {
-            let staged = StagedPolicy::NetworkPolicy {
+        Change::UpsertPolicy(key, np) => Some((
+            StagedPolicy::NetworkPolicy {
                 namespace: key.namespace.clone(),
                 name: key.name.clone(),
-            };
-            if is_staged(&np.metadata) {
-                (Change::DeletePolicy(key.clone()), Some((staged, true)))
-            } else {
-                (change.clone(), Some((staged, false)))
+            },
+            is_staged(&np.metadata),
+        )),
+        Change::DeletePolicy(key) => Some((
+            StagedPolicy::NetworkPolicy {
+                namespace: key.namespace.clone(),
+                name: key.name.clone(),
+            },
+            false,
+        )),
+        Change::UpsertClusterPolicy(name, cnp) => Some((
+            StagedPolicy::ClusterNetworkPolicy { name: name.clone() },
+            is_staged(&cnp.metadata),
+        )),
+        Change::DeleteClusterPolicy(name) => Some((
+            StagedPolicy::ClusterNetworkPolicy { name: name.clone() },
+            false,
+        )),
+        _ => None,
+    }
+}
+
+impl StagedPolicy {
+    /// What the enforcing compiler gets instead of staging this policy:
+    /// its deletion.
+    pub fn deletion(&self) -> Change {
+        match self {
+            Self::NetworkPolicy { namespace, name } => {
+                Change::DeletePolicy(super::ObjectRef::new(namespace.clone(), name.clone()))
             }
+            Self::ClusterNetworkPolicy { name } => Change::DeleteClusterPolicy(name.clone()),
         }
-        Change::DeletePolicy(key) => (
-            change.clone(),
-            Some((
-                StagedPolicy::NetworkPolicy {
-                    namespace: key.namespace.clone(),
-                    name: key.name.clone(),
-                },
-                false,
-            )),
-        ),
-        Change::UpsertClusterPolicy(name, cnp) => {
-            let staged = StagedPolicy::ClusterNetworkPolicy { name: name.clone() };
-            if is_staged(&cnp.metadata) {
-                (
-                    Change::DeleteClusterPolicy(name.clone()),
-                    Some((staged, true)),
-                )
-            } else {
-                (change.clone(), Some((staged, false)))
-            }
-        }
-        Change::DeleteClusterPolicy(name) => (
-            change.clone(),
-            Some((
-                StagedPolicy::ClusterNetworkPolicy { name: name.clone() },
-                false,
-            )),
-        ),
-        other => (other.clone(), None),
     }
 }
 
@@ -184,16 +180,16 @@ mod tests {
     fn a_staged_upsert_is_a_deletion_to_the_enforcer() {
         let key = ObjectRef::new("ns", "p");
         let staged = Change::UpsertPolicy(key.clone(), Box::new(policy(Some("true"))));
-        let (enforced, what) = enforced_change(&staged);
-        assert!(matches!(enforced, Change::DeletePolicy(k) if k == key));
-        assert_eq!(
-            what.map(|(p, s)| (p.to_string(), s)),
-            Some(("NetworkPolicy ns/p".into(), true))
-        );
+        let (p, stages) = staging_of(&staged).unwrap();
+        assert_eq!((p.to_string(), stages), ("NetworkPolicy ns/p".into(), true));
+        assert!(matches!(p.deletion(), Change::DeletePolicy(k) if k == key));
         let unstaged = Change::UpsertPolicy(key.clone(), Box::new(policy(None)));
-        let (enforced, what) = enforced_change(&unstaged);
-        assert!(matches!(enforced, Change::UpsertPolicy(k, _) if k == key));
-        assert_eq!(what.map(|(_, s)| s), Some(false));
+        assert_eq!(staging_of(&unstaged).map(|(_, s)| s), Some(false));
+        assert_eq!(
+            staging_of(&Change::DeletePolicy(key)).map(|(_, s)| s),
+            Some(false)
+        );
+        assert!(staging_of(&Change::DeleteNamespace("ns".into())).is_none());
     }
 
     #[test]

@@ -13,7 +13,7 @@ use tracing::info;
 use crate::{
     cluster::{
         Change, ObjectKind, ObjectRef, PodRef, Problem,
-        staged::{StagedPolicy, enforced_change},
+        staged::{StagedPolicy, staging_of},
     },
     identity::IdentityAllocator,
     mapstate::StagedView,
@@ -45,34 +45,38 @@ impl Staging {
     /// deleted one to it), and the changes as written when the staged
     /// compiler already exists (it follows them after the enforcing one).
     pub fn split(&mut self, changes: Vec<Change>) -> (Vec<Change>, Option<Vec<Change>>) {
+        // Copied only while the staged compiler exists: nothing is staged
+        // most of the time, and a first batch holds the whole cluster.
+        let raw = self.shadow.is_some().then(|| changes.clone());
         let mut enforced = Vec::with_capacity(changes.len());
-        for change in &changes {
-            let (to_enforce, staged) = enforced_change(change);
-            match staged {
+        for change in changes {
+            match staging_of(&change) {
                 Some((policy, true)) => {
-                    let since = self
-                        .staged
-                        .get(&policy)
-                        .map_or_else(SystemTime::now, |s| s.since);
-                    if !self.staged.contains_key(&policy) {
-                        info!(policy = %policy, "staged: evaluated and reported, not enforced");
-                    }
+                    let since = match self.staged.get(&policy) {
+                        Some(s) => s.since,
+                        None => {
+                            info!(policy = %policy, "staged: evaluated and reported, not enforced");
+                            SystemTime::now()
+                        }
+                    };
+                    enforced.push(policy.deletion());
                     self.staged.insert(
                         policy,
                         Staged {
                             since,
-                            upsert: change.clone(),
+                            upsert: change,
                         },
                     );
                 }
-                Some((policy, false)) if self.staged.remove(&policy).is_some() => {
-                    info!(policy = %policy, "no longer staged");
+                Some((policy, false)) => {
+                    if self.staged.remove(&policy).is_some() {
+                        info!(policy = %policy, "no longer staged");
+                    }
+                    enforced.push(change);
                 }
-                Some((_, false)) | None => {}
+                None => enforced.push(change),
             }
-            enforced.push(to_enforce);
         }
-        let raw = self.shadow.is_some().then_some(changes);
         (enforced, raw)
     }
 

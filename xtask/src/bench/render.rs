@@ -249,9 +249,17 @@ pub fn render(datapath: Option<&Value>, system: Option<&Value>, control: Option<
             c["pods"], c["policies"], c["namespaces"], c["local_pods"], c["samples"], c["samples"]
         );
         let _ = writeln!(out, "| figure | value | goal |\n|---|---:|---:|");
+        let polled_before = if c.get("initial_ready_spawned_poll_ms").is_some() {
+            format!(
+                " (polled as this bench did before, by a process spawned every 0.5 ms: {:.0} ms)",
+                f(c, "initial_ready_spawned_poll_ms")
+            )
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             out,
-            "| start → ready, first install with netlink clsact filters, the default (program load + initial full sync) | {:.0} ms | < 2 s |",
+            "| start → ready, first install with netlink clsact filters, the default (program load + initial full sync; readiness polled from a thread every 2 ms){polled_before} | {:.0} ms | < 2 s |",
             f(c, "initial_ready_ms")
         );
         let _ = writeln!(
