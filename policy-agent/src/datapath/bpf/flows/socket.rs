@@ -112,7 +112,7 @@ fn request(stream: &UnixStream) -> io::Result<String> {
     Ok(String::from_utf8_lossy(&line).trim().to_owned())
 }
 
-fn accept(mut stream: UnixStream, hub: &Hub, stats: &FlowStats) {
+fn accept(stream: UnixStream, hub: &Arc<Hub>, stats: &Arc<FlowStats>) {
     match peer_uid(&stream) {
         Ok(0) => {}
         Ok(uid) => {
@@ -124,6 +124,19 @@ fn accept(mut stream: UnixStream, hub: &Hub, stats: &FlowStats) {
             return;
         }
     }
+    // The request is read on the client's own thread: a client slow to
+    // send it holds up no other.
+    let (hub, stats) = (hub.clone(), stats.clone());
+    let spawned = std::thread::Builder::new()
+        .name("flow-subscriber".into())
+        .spawn(move || serve_client(stream, &hub, &stats));
+    if let Err(e) = spawned {
+        warn!(error = %e, "starting a flow subscriber's thread");
+    }
+}
+
+/// Answers one client: the staged report, or its subscription.
+fn serve_client(mut stream: UnixStream, hub: &Hub, stats: &FlowStats) {
     match request(&stream).as_deref() {
         Ok(SUBSCRIBE) => {}
         Ok(STAGED_REPORT) => {
@@ -137,6 +150,12 @@ fn accept(mut stream: UnixStream, hub: &Hub, stats: &FlowStats) {
             let _ = writeln!(stream, "{{\"error\":\"unknown request {other:?}\"}}");
             return;
         }
+        // A client that says nothing (an older `flows`) subscribes.
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) => {}
         Err(e) => {
             debug!(error = %e, "flow client sent no request");
             return;
@@ -148,30 +167,23 @@ fn accept(mut stream: UnixStream, hub: &Hub, stats: &FlowStats) {
     };
     // A subscriber stopped for this long is let go, freeing its place.
     let _ = stream.set_write_timeout(Some(Duration::from_secs(30)));
-    let spawned = std::thread::Builder::new()
-        .name("flow-subscriber".into())
-        .spawn(move || {
-            loop {
-                match queue.recv_timeout(Duration::from_secs(1)) {
-                    Ok(line) => {
-                        let mut buf = Vec::with_capacity(line.len() + 1);
-                        buf.extend_from_slice(line.as_bytes());
-                        buf.push(b'\n');
-                        if stream.write_all(&buf).is_err() {
-                            return;
-                        }
-                    }
-                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                        if hung_up(&stream) {
-                            return;
-                        }
-                    }
-                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+    loop {
+        match queue.recv_timeout(Duration::from_secs(1)) {
+            Ok(line) => {
+                let mut buf = Vec::with_capacity(line.len() + 1);
+                buf.extend_from_slice(line.as_bytes());
+                buf.push(b'\n');
+                if stream.write_all(&buf).is_err() {
+                    return;
                 }
             }
-        });
-    if let Err(e) = spawned {
-        warn!(error = %e, "starting a flow subscriber's thread");
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                if hung_up(&stream) {
+                    return;
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+        }
     }
 }
 
