@@ -14,8 +14,10 @@
 //! (`policy_common::model`) and printed.
 //!
 //! Then flow records: a denied new flow with records off, on and read,
-//! on with the ring full, and on with the budget spent (`records`); and
-//! what a staged policy costs an endpoint it touches (`staged`).
+//! on with the ring full, and on with the budget spent (`records`); what
+//! a staged policy costs an endpoint it touches (`staged`); and the paths
+//! the table leaves out, with the catch-all on: the reply direction, an
+//! allowed new flow, a revision bump (`paths`).
 //!
 //! Then ClusterNetworkPolicy: 100 of them in both tiers over 10,000 pods,
 //! compiled, beside the NetworkPolicy state of 10,000 entries, a denied new
@@ -33,6 +35,8 @@
 //! emulated 6.1 guest (far slower, its target directory read-only there).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[path = "datapath/paths.rs"]
+mod paths;
 #[path = "datapath/records.rs"]
 mod records;
 #[path = "datapath/staged.rs"]
@@ -327,11 +331,12 @@ fn main() {
         rounds,
     );
     let staged = staged::staged(&mut floors, repeat, rounds);
+    let paths = paths::paths(&mut floors, repeat, rounds);
     let json = serde_json::json!({
         "ipcache_entries": IPCACHE_ENTRIES, "repeat": repeat, "rounds": rounds,
         "typical_probes": typical_probes, "worst_probes": worst_probes,
         "floor_empty_ns": empty, "floor_one_lookup_ns": one_lookup, "rows": rows,
-        "tiers": tiers, "records": records, "staged": staged,
+        "tiers": tiers, "records": records, "staged": staged, "paths": paths,
     });
     let out = std::env::var_os("POLICY_AGENT_BENCH_OUT").map_or_else(
         || {

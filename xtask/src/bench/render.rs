@@ -132,6 +132,23 @@ pub fn render(datapath: Option<&Value>, system: Option<&Value>, control: Option<
             f(rec, "default_budget_core_share") * 100.0,
         );
     }
+    if let Some(p) = datapath.map(|d| &d["paths"]).filter(|r| r.is_object()) {
+        let _ = writeln!(
+            out,
+            "The paths the table leaves out, 1,000 policy entries, with the catch-all on (the node's pod range in `POD_RANGES`, the pod's address in `ENFORCED`, as cluster mode runs) and the record ring read, over the one-lookup floor. One run per call where each packet must be a new flow or follow a bump, over the floor run the same way ({:.0} ns, a single run's timing included).\n",
+            f(p, "floor_one_lookup_once_ns"),
+        );
+        let _ = writeln!(
+            out,
+            "| path | over the floor |\n|---|---:|\n| established, the opener's direction | {:.2}x |\n| established, the reply direction (forward lookup misses, reply lookup hits) | {:.2}x |\n| new flow allowed (conntrack misses, insert, record), one run | {:.2}x |\n| new flow denied (its record), one run | {:.2}x |\n| established, one run | {:.2}x |\n| established right after its endpoint's revision moved (judged again), one run | {:.2}x |\n",
+            f(p, "established_over_floor"),
+            f(p, "reply_over_floor"),
+            f(p, "new_allowed_over_floor_once"),
+            f(p, "new_denied_over_floor_once"),
+            f(p, "established_over_floor_once"),
+            f(p, "revision_bumped_over_floor_once"),
+        );
+    }
     if let Some(st) = datapath.map(|d| &d["staged"]).filter(|r| r.is_object()) {
         let _ = writeln!(
             out,
@@ -286,6 +303,21 @@ pub fn render(datapath: Option<&Value>, system: Option<&Value>, control: Option<
             f(c, "relabel_p99_ms"),
             f(c, "relabel_max_ms")
         );
+        for (what, key) in [
+            ("one policy added", "policy_add"),
+            ("one pod relabelled", "relabel"),
+            ("one ClusterNetworkPolicy added", "cluster_policy"),
+        ] {
+            if c.get(format!("{key}_last_write_p99_ms")).is_some() {
+                let _ = writeln!(
+                    out,
+                    "| {what} → its last write (the end of the sync that carried it, from the agent's log), p50 / p99 / max | {:.1} / {:.1} / {:.1} ms | reported |",
+                    f(c, &format!("{key}_last_write_p50_ms")),
+                    f(c, &format!("{key}_last_write_p99_ms")),
+                    f(c, &format!("{key}_last_write_max_ms"))
+                );
+            }
+        }
         if c.get("cluster_policy_p99_ms").is_some() {
             let _ = writeln!(
                 out,

@@ -20,7 +20,7 @@ pub mod name_tables;
 pub mod object;
 mod observe;
 pub mod pins;
-mod pod_range_guard;
+pub mod pod_range_guard;
 pub mod reset;
 pub mod sizing;
 mod standing_problems;
