@@ -5,6 +5,12 @@
 //! holding the change (p50, p99 and the maximum; 200 samples leave two
 //! above the p99), and the agent's peak RSS. Needs root.
 //!
+//! Two ends for each change: its endpoint entry changed (read from the
+//! pins; the change's later writes, such as old allows removed and
+//! revision bumps, may still be landing), and its last write (the end of
+//! the sync that carried it, read from the agent's log, which says when
+//! each sync ended).
+//!
 //! `cargo bench -p policy-testbed --bench control_plane` (figures printed and
 //! written to target/bench-results/control_plane.json).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -14,14 +20,14 @@ use std::{
     net::IpAddr,
     path::{Path, PathBuf},
     process::{Child, Stdio},
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
 use policy_agent::datapath::bpf::{maps::BpfMaps, pins::PinLayout};
 use policy_common::endpoint::{
     ENDPOINT_INGRESS_ISOLATED, ENDPOINT_INGRESS_TIERED, ENDPOINT_INGRESS_UPDATING,
 };
-use policy_testbed::{SimNode, SimPod, cleanup_prefix};
+use policy_testbed::{SimNode, SimPod, cleanup_prefix, fixtures::flow_reader::parse_rfc3339};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 const PREFIX: &str = "bcp";
@@ -135,13 +141,76 @@ fn wait_until(what: &str, mut ok: impl FnMut() -> bool) -> Duration {
     start.elapsed()
 }
 
-/// The agent's log goes to BENCH_AGENT_LOG_FILE when set (for profiling).
-fn agent_log() -> Stdio {
-    match std::env::var("BENCH_AGENT_LOG_FILE") {
-        Ok(path) => std::fs::File::create(path)
-            .map(Stdio::from)
-            .unwrap_or_else(|_| Stdio::null()),
-        Err(_) => Stdio::null(),
+/// Where the agent's log goes: BENCH_AGENT_LOG_FILE when set, else a
+/// file beside the manifests. Its sync lines say when each change's last
+/// write landed.
+fn agent_log_path(dir: &Path) -> PathBuf {
+    std::env::var_os("BENCH_AGENT_LOG_FILE")
+        .map_or_else(|| dir.with_extension("agent.log"), PathBuf::from)
+}
+
+/// The agent's log level: the lines the sync log reads, warnings else.
+const AGENT_LOG: &str =
+    "warn,policy_agent::worker::reconcile=info,policy_agent::source::manifests::watch=info";
+
+/// The agent's log, read as it grows: the end of the sync that carried
+/// a manifest change.
+struct SyncLog {
+    path: PathBuf,
+    offset: usize,
+    /// When the manifest watcher read the change being waited for.
+    changed: Option<SystemTime>,
+}
+
+impl SyncLog {
+    fn new(path: PathBuf) -> Self {
+        Self {
+            path,
+            offset: 0,
+            changed: None,
+        }
+    }
+
+    /// The end of the first sync after the first manifest change read at
+    /// or after `t0` (None: not in the log yet).
+    fn end_after(&mut self, t0: SystemTime) -> Option<SystemTime> {
+        let text = std::fs::read(&self.path).ok()?;
+        let new = text.get(self.offset..)?;
+        // Whole lines only; a partial last line is read next time.
+        let upto = new.iter().rposition(|b| *b == b'\n')? + 1;
+        let lines = String::from_utf8_lossy(&new[..upto]).into_owned();
+        for line in lines.lines() {
+            self.offset += line.len() + 1;
+            let Some(t) = line.split_whitespace().next().and_then(parse_rfc3339) else {
+                continue;
+            };
+            if t < t0 {
+                continue;
+            }
+            if line.contains("manifests changed") && self.changed.is_none() {
+                self.changed = Some(t);
+            } else if line.contains(" synced ") && self.changed.is_some_and(|c| t >= c) {
+                self.changed = None;
+                return Some(t);
+            }
+        }
+        None
+    }
+
+    /// Waits (30 s at most) for [`Self::end_after`]; the time from `t0`.
+    fn wait_end(&mut self, t0: SystemTime) -> Duration {
+        let start = Instant::now();
+        loop {
+            if let Some(end) = self.end_after(t0) {
+                return end.duration_since(t0).unwrap_or_default();
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "no sync ended after the change in {}",
+                self.path.display()
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 }
 
@@ -196,6 +265,7 @@ fn main() {
     let layout = PinLayout::new("/sys/fs/bpf/policy-agent-bench-cp");
     let pins = layout.root().to_str().unwrap().to_owned();
 
+    let log_path = agent_log_path(&dir);
     let start = |extra: &[&str], poll: Poll| -> (Daemon, u32, Duration) {
         let t = Instant::now();
         let child = node
@@ -219,10 +289,10 @@ fn main() {
             .args(extra)
             .env(
                 "RUST_LOG",
-                std::env::var("BENCH_AGENT_LOG").unwrap_or_else(|_| "warn".into()),
+                std::env::var("BENCH_AGENT_LOG").unwrap_or_else(|_| AGENT_LOG.into()),
             )
             .stdout(Stdio::null())
-            .stderr(agent_log())
+            .stderr(std::fs::File::create(&log_path).unwrap())
             .spawn()
             .unwrap();
         let pid = child.id();
@@ -268,6 +338,10 @@ fn main() {
     let mut add = Vec::new();
     let mut relabel = Vec::new();
     let mut cluster_policy = Vec::new();
+    // The same changes to their last write.
+    let mut log = SyncLog::new(log_path.clone());
+    let (mut add_last, mut relabel_last, mut cluster_policy_last) =
+        (Vec::new(), Vec::new(), Vec::new());
     let extra = dir.join("zz-extra.yaml");
     for round in 0..ROUNDS {
         let marker = format!("extra{round}");
@@ -276,19 +350,22 @@ fn main() {
             20000 + round
         );
         let before = endpoint(p0).unwrap();
-        let t = Instant::now();
+        let (t0, t) = (SystemTime::now(), Instant::now());
         write_atomically(&extra, &text);
         wait_until("policy add", || {
             endpoint(p0).is_some_and(|e| e.flags & ENDPOINT_INGRESS_ISOLATED != 0 && e != before)
         });
         add.push(t.elapsed());
+        add_last.push(log.wait_end(t0));
+        let t0 = SystemTime::now();
         std::fs::remove_file(&extra).unwrap();
         wait_until("policy removal", || {
             endpoint(p0).is_some_and(|e| e.flags & ENDPOINT_INGRESS_ISOLATED == 0)
         });
+        log.wait_end(t0);
 
         let before = endpoint(p1).unwrap().identity;
-        let t = Instant::now();
+        let (t0, t) = (SystemTime::now(), Instant::now());
         write_atomically(
             &dir.join("ns000.yaml"),
             &namespace_file(
@@ -304,12 +381,13 @@ fn main() {
             endpoint(p1).is_some_and(|e| e.identity != before)
         });
         relabel.push(t.elapsed());
+        relabel_last.push(log.wait_end(t0));
 
         // A ClusterNetworkPolicy over p000 (compiled in full, with every
         // other): enforced once its endpoint is tiered and no longer held
         // closed (the change's last endpoint write).
         let before = endpoint(p0).unwrap();
-        let t = Instant::now();
+        let (t0, t) = (SystemTime::now(), Instant::now());
         write_atomically(
             &extra,
             &format!(
@@ -325,10 +403,13 @@ fn main() {
             })
         });
         cluster_policy.push(t.elapsed());
+        cluster_policy_last.push(log.wait_end(t0));
+        let t0 = SystemTime::now();
         std::fs::remove_file(&extra).unwrap();
         wait_until("cluster policy removal", || {
             endpoint(p0).is_some_and(|e| e.flags & ENDPOINT_INGRESS_TIERED == 0)
         });
+        log.wait_end(t0);
     }
     let rss = rss_peak_kib(pid);
     // The order checks that ran meanwhile (every 5 s, over the local
@@ -356,11 +437,21 @@ fn main() {
     reset();
     drop(node);
     cleanup_prefix(PREFIX);
+    if std::env::var_os("BENCH_AGENT_LOG_FILE").is_none() {
+        let _ = std::fs::remove_file(&log_path);
+    }
     let _ = std::fs::remove_dir_all(&dir);
 
-    add.sort();
-    relabel.sort();
-    cluster_policy.sort();
+    for v in [
+        &mut add,
+        &mut relabel,
+        &mut cluster_policy,
+        &mut add_last,
+        &mut relabel_last,
+        &mut cluster_policy_last,
+    ] {
+        v.sort();
+    }
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     println!(
         "control plane: {} pods, {} policies, {} namespaces, {LOCAL} local",
@@ -394,6 +485,18 @@ fn main() {
         ms(percentile(&cluster_policy, 0.99)),
         max(&cluster_policy)
     );
+    for (what, v) in [
+        ("policy added", &add_last),
+        ("pod relabelled", &relabel_last),
+        ("ClusterNetworkPolicy added", &cluster_policy_last),
+    ] {
+        println!(
+            "  {what} -> its last write (the sync's end): p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+            ms(percentile(v, 0.5)),
+            ms(percentile(v, 0.99)),
+            max(v)
+        );
+    }
     println!(
         "  order check between full passes ({checks} during the changes): mean {check_mean_ms:.2} ms, max {check_max_ms:.2} ms"
     );
@@ -408,6 +511,9 @@ fn main() {
         "policy_add_p50_ms": ms(percentile(&add, 0.5)), "policy_add_p99_ms": ms(percentile(&add, 0.99)), "policy_add_max_ms": max(&add),
         "relabel_p50_ms": ms(percentile(&relabel, 0.5)), "relabel_p99_ms": ms(percentile(&relabel, 0.99)), "relabel_max_ms": max(&relabel),
         "cluster_policy_p50_ms": ms(percentile(&cluster_policy, 0.5)), "cluster_policy_p99_ms": ms(percentile(&cluster_policy, 0.99)), "cluster_policy_max_ms": max(&cluster_policy),
+        "policy_add_last_write_p50_ms": ms(percentile(&add_last, 0.5)), "policy_add_last_write_p99_ms": ms(percentile(&add_last, 0.99)), "policy_add_last_write_max_ms": max(&add_last),
+        "relabel_last_write_p50_ms": ms(percentile(&relabel_last, 0.5)), "relabel_last_write_p99_ms": ms(percentile(&relabel_last, 0.99)), "relabel_last_write_max_ms": max(&relabel_last),
+        "cluster_policy_last_write_p50_ms": ms(percentile(&cluster_policy_last, 0.5)), "cluster_policy_last_write_p99_ms": ms(percentile(&cluster_policy_last, 0.99)), "cluster_policy_last_write_max_ms": max(&cluster_policy_last),
         "peak_rss_mib": rss as f64 / 1024.0,
         "order_checks": checks as u64, "order_check_mean_ms": check_mean_ms, "order_check_max_ms": check_max_ms,
     });
