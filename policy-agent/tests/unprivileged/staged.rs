@@ -133,7 +133,7 @@ fn judged(judge: &StagedJudge, peer: &str, pod: Option<&str>, port: u16) -> Flow
 #[test]
 fn a_record_is_judged_against_the_staged_view_and_named_from_it() {
     let mut judge = StagedJudge::default();
-    judge.update(Some(view().into()));
+    judge.update(Some(view().into()), 0);
     // Would be dropped: not web, or not 5432.
     for (peer, pod, port) in [
         ("10.1.0.99", None, 5432),
@@ -181,9 +181,17 @@ fn a_record_is_judged_against_the_staged_view_and_named_from_it() {
         judge.judge(&record, &mut flow);
         assert_eq!(flow.staged, None, "{reason:?}");
     }
-    // Nothing staged: nothing judged.
-    judge.update(None);
-    assert_eq!(judged(&judge, "10.1.0.99", None, 5432).staged, None);
+    // Un-staged at 1 ms: a record stamped before is judged against the
+    // view it was made under, one stamped after against none.
+    judge.update(None, 1_000_000);
+    let (mut record, mut flow) = flow_to_db("10.1.0.99", None, 5432, Reason::AllowNotIsolated);
+    record.timestamp_ns = 999_999;
+    judge.judge(&record, &mut flow);
+    assert!(flow.staged.is_some(), "made under the staged view");
+    record.timestamp_ns = 1_000_000;
+    flow.staged = None;
+    judge.judge(&record, &mut flow);
+    assert_eq!(flow.staged, None, "made after it was un-staged");
 }
 
 #[test]
@@ -192,7 +200,7 @@ fn tallies_count_per_staged_policy_while_it_is_staged() {
     let view = view();
     stats.staged.follow(Some(&view));
     let mut judge = StagedJudge::default();
-    judge.update(Some(view.clone().into()));
+    judge.update(Some(view.clone().into()), 0);
     for port in [80, 81, 82] {
         stats
             .staged
@@ -243,7 +251,7 @@ fn tallies_count_per_staged_policy_while_it_is_staged() {
 #[test]
 fn the_staged_filter_keeps_flows_with_a_staged_verdict() {
     let mut judge = StagedJudge::default();
-    judge.update(Some(view().into()));
+    judge.update(Some(view().into()), 0);
     let changed = judged(&judge, "10.1.0.99", None, 5432);
     let same = judged(&judge, "10.1.0.10", Some("shop/web"), 5432);
     let filter = FlowFilter {

@@ -159,7 +159,7 @@ fn judge_ns_per_record(s: &MapState<u32>) -> f64 {
         .into(),
     );
     let mut judge = StagedJudge::default();
-    judge.update(Some(view.into()));
+    judge.update(Some(view.into()), 0);
     let record = |i: u32| FlowRecord {
         ifindex: 7,
         src: [10, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],

@@ -192,8 +192,11 @@ impl Datapath for BpfDriver {
         desired: &Desired<'_>,
         ops: &[MapOp<PodRef>],
     ) -> Result<SyncReport, datapath::Error> {
+        let report = self.sync_bpf(desired, ops)?;
+        // After the writes: records of flows the kernel judged before
+        // stay judged against the view before.
         self.flows.set_staged(desired.staged);
-        Ok(self.sync_bpf(desired, ops)?)
+        Ok(report)
     }
 
     /// Makes the next sync read the maps back from the kernel and look the

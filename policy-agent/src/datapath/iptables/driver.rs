@@ -199,7 +199,6 @@ impl Datapath for IptablesDriver {
         desired: &Desired<'_>,
         _ops: &[MapOp<PodRef>],
     ) -> Result<SyncReport, datapath::Error> {
-        self.flows.set_staged(desired.staged);
         if let Some(ranges) = desired.pod_ranges
             && ranges != self.pod_ranges.as_slice()
         {
@@ -250,6 +249,9 @@ impl Datapath for IptablesDriver {
                 ),
             ));
         }
+        // After the rules: records of flows judged before stay judged
+        // against the view before.
+        self.flows.set_staged(desired.staged);
         Ok(SyncReport {
             writes: applied.sets_written + applied.chains_written + applied.chains_removed,
             endpoints,

@@ -25,6 +25,17 @@ use super::{
 };
 use crate::{datapath::bpf::pins::PinLayout, mapstate::StagedView};
 
+/// CLOCK_MONOTONIC now, in ns (what records are stamped with).
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec to write into; the clock always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 /// Lines the flow log writes a second at most (the rest are counted).
 const FLOW_LOG_PER_SECOND: usize = 20;
 /// How often the per-policy series are checked against the names.
@@ -82,16 +93,18 @@ impl FlowObserver {
         }
     }
 
-    /// The staged view records are judged against from now on.
+    /// The staged view records are judged against from now on (called
+    /// once a sync's writes landed: records stamped before stay judged
+    /// against the view before).
     pub fn set_staged(&self, view: Option<&Arc<StagedView>>) {
         if let Ok(mut v) = self.staged.lock() {
-            let same = match (&*v, view) {
+            let same = match (&v.0, view) {
                 (Some(a), Some(b)) => Arc::ptr_eq(a, b),
                 (None, None) => true,
                 _ => false,
             };
             if !same {
-                *v = view.cloned();
+                *v = (view.cloned(), monotonic_ns());
             }
         }
     }
@@ -207,7 +220,9 @@ where
             loop {
                 let batch = ring.next_batch(Duration::from_secs(1));
                 namer.tick();
-                judge.update(staged.lock().ok().and_then(|v| v.clone()));
+                if let Ok(v) = staged.lock() {
+                    judge.update(v.0.clone(), v.1);
+                }
                 stats.staged.follow(judge.view().map(|v| &**v));
                 if pruned.elapsed() >= PRUNE_EVERY {
                     stats.retain(namer.live_labels());

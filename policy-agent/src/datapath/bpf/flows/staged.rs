@@ -20,34 +20,51 @@ use super::{
 };
 use crate::{datapath::bpf::name_tables::NameTables, mapstate::StagedView};
 
-/// The view the daemon's flow thread judges against, replaced by each
-/// sync (None: nothing is staged).
-pub type SharedView = Arc<Mutex<Option<Arc<StagedView>>>>;
+/// The view the daemon's flow thread judges against, replaced after each
+/// sync's writes (None: nothing is staged), with when it was replaced
+/// (CLOCK_MONOTONIC ns, the clock records are stamped with).
+pub type SharedView = Arc<Mutex<(Option<Arc<StagedView>>, u64)>>;
 
-/// Judges records against the current staged view.
+type Held = Option<(Arc<StagedView>, NameTables)>;
+
+/// Judges records against the staged view they were made under: a record
+/// stamped before the view was replaced is judged against the one before
+/// (a policy un-staged a moment ago is still reported for the flows the
+/// kernel judged before its enforcement landed).
 #[derive(Default)]
 pub struct StagedJudge {
-    current: Option<(Arc<StagedView>, NameTables)>,
+    current: Held,
+    previous: Held,
+    /// When `current` replaced `previous`.
+    since_ns: u64,
+}
+
+fn held(view: Option<Arc<StagedView>>) -> Held {
+    view.map(|v| {
+        let tables = NameTables {
+            identities: v.identities.clone(),
+            endpoints: BTreeMap::new(),
+            rules: v.rule_names.clone(),
+        };
+        (v, tables)
+    })
 }
 
 impl StagedJudge {
-    /// Takes `view` if it is not the one held.
-    pub fn update(&mut self, view: Option<Arc<StagedView>>) {
-        match (view, &self.current) {
-            (None, _) => self.current = None,
-            (Some(v), Some((held, _))) if Arc::ptr_eq(&v, held) => {}
-            (Some(v), _) => {
-                let tables = NameTables {
-                    identities: v.identities.clone(),
-                    endpoints: BTreeMap::new(),
-                    rules: v.rule_names.clone(),
-                };
-                self.current = Some((v, tables));
-            }
+    /// Takes `view`, in place since `since_ns`, if it is not the one held.
+    pub fn update(&mut self, view: Option<Arc<StagedView>>, since_ns: u64) {
+        let same = match (&view, &self.current) {
+            (Some(v), Some((held, _))) => Arc::ptr_eq(v, held),
+            (None, None) => true,
+            _ => false,
+        };
+        if !same {
+            self.previous = std::mem::replace(&mut self.current, held(view));
+            self.since_ns = since_ns;
         }
     }
 
-    /// The view held.
+    /// The view held now.
     pub fn view(&self) -> Option<&Arc<StagedView>> {
         self.current.as_ref().map(|(v, _)| v)
     }
@@ -56,7 +73,12 @@ impl StagedJudge {
     /// new flow of `record` passes. Only verdicts of policy are judged
     /// again (not a flow refused while its tier entries were landing).
     pub fn judge(&self, record: &FlowRecord, flow: &mut Flow) {
-        let Some((view, tables)) = &self.current else {
+        let at = if record.timestamp_ns < self.since_ns {
+            &self.previous
+        } else {
+            &self.current
+        };
+        let Some((view, tables)) = at else {
             return;
         };
         let Some(reason) = Reason::from_u8(record.reason) else {
