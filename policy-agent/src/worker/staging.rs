@@ -129,24 +129,16 @@ impl Staging {
         let Some(shadow) = &self.shadow else {
             return BTreeSet::new();
         };
-        let judged = |flags: u32| {
-            use policy_common::endpoint::*;
-            flags
-                & (ENDPOINT_INGRESS_ISOLATED
-                    | ENDPOINT_EGRESS_ISOLATED
-                    | ENDPOINT_INGRESS_TIERED
-                    | ENDPOINT_EGRESS_TIERED)
-                != 0
-        };
+        use policy_common::{direction, endpoint::EndpointInfo};
+        let judged =
+            |ep: &EndpointInfo| ep.judged(direction::INGRESS) || ep.judged(direction::EGRESS);
         let enforced = &enforcing.maps().endpoints;
         shadow
             .compiler
             .maps()
             .endpoints
             .iter()
-            .filter(|(pod, ep)| {
-                judged(ep.flags) && !enforced.get(*pod).is_some_and(|e| judged(e.flags))
-            })
+            .filter(|(pod, ep)| judged(ep) && !enforced.get(*pod).is_some_and(judged))
             .map(|(pod, _)| pod.clone())
             .collect()
     }
