@@ -199,6 +199,20 @@ fn run_once(prog: &mut aya::programs::SchedClassifier, frame: &[u8], repeat: u32
     r.duration.as_nanos() as f64
 }
 
+/// The median per-run time of `frames`, each run once (one call each).
+fn once_each(prog: &mut aya::programs::SchedClassifier, frames: &[Vec<u8>]) -> f64 {
+    median(frames.iter().map(|f| run_once(prog, f, 1)).collect())
+}
+
+/// Empties a record ring; how many records it held.
+fn drain_ring(ring: &mut aya::maps::RingBuf<aya::maps::MapData>) -> usize {
+    let mut n = 0;
+    while ring.next().is_some() {
+        n += 1;
+    }
+    n
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]

@@ -30,18 +30,10 @@ use policy_agent::{
 use policy_common::{event::FlowBudget, maps as names};
 use policy_testbed::packet::{Packet, TCP_ACK, TCP_SYN};
 
-use super::{median, records::set_budget, run_once, state};
+use super::{drain_ring, median, once_each, records::set_budget, run_once, state};
 
 /// One-run samples per round.
 const ONCE: u16 = 1_000;
-
-fn drain(ring: &mut RingBuf<aya::maps::MapData>) {
-    while ring.next().is_some() {}
-}
-
-fn once_each(prog: &mut aya::programs::SchedClassifier, frames: &[Vec<u8>]) -> f64 {
-    median(frames.iter().map(|f| run_once(prog, f, 1)).collect())
-}
 
 pub fn paths(floors: &mut Unpinned, repeat: u32, rounds: usize) -> serde_json::Value {
     let pod = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 200));
@@ -95,11 +87,11 @@ pub fn paths(floors: &mut Unpinned, repeat: u32, rounds: usize) -> serde_json::V
             &allowed_syns,
         );
         floors_once.push(floor_once);
-        drain(&mut ring);
+        drain_ring(&mut ring);
         new_allowed.push(once_each(dp.program(Hook::Egress).unwrap(), &allowed_syns) / floor_once);
-        drain(&mut ring);
+        drain_ring(&mut ring);
         new_denied.push(once_each(dp.program(Hook::Egress).unwrap(), &denied_syns) / floor_once);
-        drain(&mut ring);
+        drain_ring(&mut ring);
 
         // The same established packet once per call, with and without a
         // revision bump before it.
@@ -113,7 +105,7 @@ pub fn paths(floors: &mut Unpinned, repeat: u32, rounds: usize) -> serde_json::V
         }
         est_once.push(median(plain) / floor_once);
         bumped_once.push(median(bumped) / floor_once);
-        drain(&mut ring);
+        drain_ring(&mut ring);
     }
     let [
         fwd,

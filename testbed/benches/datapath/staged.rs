@@ -35,7 +35,7 @@ use policy_common::{
 };
 use policy_testbed::packet::{Packet, TCP_ACK, TCP_SYN};
 
-use super::{median, records::set_budget, run_once, state};
+use super::{drain_ring, median, once_each, records::set_budget, run_once, state};
 
 /// New flows measured per round (one SYN each).
 const NEW_FLOWS: u16 = 1_000;
@@ -57,19 +57,6 @@ fn loaded(s: &MapState<u32>) -> (Unpinned, RingBuf<aya::maps::MapData>) {
     set_budget(&mut dp, FlowBudget::new(0, 0));
     let ring = RingBuf::try_from(dp.ebpf.take_map(names::DROP_EVENTS).unwrap()).unwrap();
     (dp, ring)
-}
-
-fn drain(ring: &mut RingBuf<aya::maps::MapData>) -> usize {
-    let mut n = 0;
-    while ring.next().is_some() {
-        n += 1;
-    }
-    n
-}
-
-/// The median per-run time of `frames`, each run once.
-fn once_each(prog: &mut aya::programs::SchedClassifier, frames: &[Vec<u8>]) -> f64 {
-    median(frames.iter().map(|f| run_once(prog, f, 1)).collect())
 }
 
 pub fn staged(floors: &mut Unpinned, repeat: u32, rounds: usize) -> serde_json::Value {
@@ -105,12 +92,12 @@ pub fn staged(floors: &mut Unpinned, repeat: u32, rounds: usize) -> serde_json::
             .collect();
         let floor_once = once_each(floors.extra_program("floor_one_lookup").unwrap(), &syns);
         floors_once.push(floor_once);
-        drain(&mut plain_ring);
-        drain(&mut staged_ring);
+        drain_ring(&mut plain_ring);
+        drain_ring(&mut staged_ring);
         new_plain.push(once_each(plain.program(Hook::Egress).unwrap(), &syns) / floor_once);
         new_staged.push(once_each(staged.program(Hook::Egress).unwrap(), &syns) / floor_once);
-        recorded += drain(&mut staged_ring);
-        drain(&mut plain_ring);
+        recorded += drain_ring(&mut staged_ring);
+        drain_ring(&mut plain_ring);
     }
     assert!(
         recorded >= rounds * usize::from(NEW_FLOWS) * 9 / 10,
