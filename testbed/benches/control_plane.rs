@@ -1,245 +1,92 @@
-//! Control-plane latency of `policy-agent run`: 10,000 pods, 1,000
-//! policies, 100 namespaces (seeded), 50 of the pods local to a simulated
-//! node. Measures the initial sync, then, 200 times each, the time from a
-//! changed manifest (a policy added, a pod relabelled) to the pinned maps
-//! holding the change (p50, p99 and the maximum; 200 samples leave two
-//! above the p99), and the agent's peak RSS. Needs root.
+//! Control-plane latency and memory of `policy-agent run`: 10,000 pods,
+//! 1,000 policies, 100 namespaces (seeded), 50 of the pods local to a
+//! simulated node. Needs root.
 //!
-//! Two ends for each change: its endpoint entry changed (read from the
-//! pins; the change's later writes, such as old allows removed and
-//! revision bumps, may still be landing), and its last write (the end of
-//! the sync that carried it, read from the agent's log, which says when
-//! each sync ended).
+//! - Start → ready: first install (netlink filters, and TCX), and a
+//!   restart over the pinned state.
+//! - Change → enforced, with manifests: 1,000 samples each of a policy
+//!   added and a pod relabelled (and 200 of a ClusterNetworkPolicy added,
+//!   each a full compile), p50, p99 and the maximum. Two ends for each:
+//!   its endpoint entry changed (read from the pins; the change's later
+//!   writes, such as old allows removed and revision bumps, may still be
+//!   landing), and its last write (the end of the sync that carried it,
+//!   read from the agent's log, which says when each sync began and
+//!   ended).
+//! - Churn: 100 policies added within one second (rollout-like), each
+//!   timed to the end of the sync that carried it.
+//! - Change → enforced in cluster mode: the same cluster served by the
+//!   fake API server; 1,000 policies applied one at a time, each timed
+//!   from the API write to its endpoint entry and to its last write.
+//! - Memory: the agent's peak RSS (VmHWM), and what its own memory cgroup
+//!   was charged (BPF maps included); the RSS and cgroup growth from a
+//!   cluster of 1,000 pods to one of 10,000 gives the bytes per remote pod.
 //!
 //! `cargo bench -p policy-testbed --bench control_plane` (figures printed and
 //! written to target/bench-results/control_plane.json).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[path = "control_plane/measure.rs"]
+mod measure;
+#[path = "control_plane/workload.rs"]
+mod workload;
+
 use std::{
-    fmt::Write as _,
-    net::IpAddr,
+    os::unix::process::CommandExt as _,
     path::{Path, PathBuf},
-    process::{Child, Stdio},
+    process::Stdio,
     time::{Duration, Instant, SystemTime},
 };
 
+use measure::{
+    AGENT_LOG, Daemon, MemoryCgroup, SyncLog, agent_log_path, percentile, proc_status_kib,
+    wait_until,
+};
 use policy_agent::datapath::bpf::{maps::BpfMaps, pins::PinLayout};
 use policy_common::endpoint::{
     ENDPOINT_INGRESS_ISOLATED, ENDPOINT_INGRESS_TIERED, ENDPOINT_INGRESS_UPDATING,
 };
-use policy_testbed::{SimNode, SimPod, cleanup_prefix, fixtures::flow_reader::parse_rfc3339};
-use rand::{Rng, SeedableRng, rngs::StdRng};
+use policy_testbed::{
+    SimNode, SimPod, cleanup_prefix,
+    fixtures::fake_apiserver::{self, FakeApi},
+};
+use rand::{SeedableRng, rngs::StdRng};
+use workload::{
+    LOCAL, NAMESPACES, PODS_PER_NS, POLICIES_PER_NS, namespace_file, pod_ip, policy_file,
+};
 
 const PREFIX: &str = "bcp";
-const NAMESPACES: usize = 100;
-const PODS_PER_NS: usize = 100;
-const POLICIES_PER_NS: usize = 10;
-const LOCAL: usize = 50;
-/// Samples of each change. A p99 needs at least two samples above it to
-/// be more than the maximum: 200 samples put two there.
-const ROUNDS: usize = 200;
+/// Samples of a policy added and of a pod relabelled: 1,000 put ten above
+/// the p99, so it is not the third largest.
+const SAMPLES: usize = 1000;
+/// Samples of a ClusterNetworkPolicy added (each a full compile).
+const CLUSTER_POLICY_SAMPLES: usize = 200;
+/// Changes of the churn, spread over one second.
+const CHURN: usize = 100;
+/// Namespaces of the small cluster the per-pod memory is measured against.
+const SMALL_NAMESPACES: usize = 10;
 const PORT: u16 = 19490;
 
-fn pod_ip(ns: usize, i: usize) -> IpAddr {
-    let n = (ns * PODS_PER_NS + i) as u32;
-    if n < LOCAL as u32 {
-        IpAddr::from([10, 244, 0, 10 + n as u8])
-    } else {
-        IpAddr::V4(std::net::Ipv4Addr::from(0x0a64_0000u32 + n))
-    }
+/// Where the agent reads the cluster.
+enum Source<'a> {
+    Manifests(&'a Path),
+    /// The fake API server, through this kubeconfig.
+    Cluster(&'a Path),
 }
 
-fn namespace_file(ns: usize, relabel: Option<usize>) -> String {
-    let mut out = format!(
-        "apiVersion: v1\nkind: Namespace\nmetadata: {{name: ns{ns:03}, labels: {{team: t{}, env: {}}}}}\n",
-        ns % 10,
-        if ns.is_multiple_of(3) { "prod" } else { "dev" }
-    );
-    for i in 0..PODS_PER_NS {
-        let node = if ns * PODS_PER_NS + i < LOCAL {
-            "node-1".to_owned()
-        } else {
-            format!("node-{}", 2 + (ns * PODS_PER_NS + i) % 19)
-        };
-        let app = if relabel == Some(i) {
-            "relabelled".to_owned()
-        } else {
-            format!("app{}", i % 10)
-        };
-        let _ = write!(
-            out,
-            "---\napiVersion: v1\nkind: Pod\nmetadata: {{name: p{i:03}, namespace: ns{ns:03}, labels: {{app: {app}, tier: {}, version: v{}}}}}\nspec: {{nodeName: {node}, containers: [{{name: c, image: x, ports: [{{name: http, containerPort: {}}}, {{name: metrics, containerPort: 9100}}]}}]}}\nstatus: {{phase: Running, podIPs: [{{ip: {}}}]}}\n",
-            if i.is_multiple_of(3) { "front" } else { "back" },
-            i % 2,
-            if i.is_multiple_of(2) { 80 } else { 8080 },
-            pod_ip(ns, i)
-        );
-    }
-    out
+/// A NetworkPolicy over p000 (app0, version v0) opening `port`: isolates
+/// p000 for ingress.
+fn extra_policy(name: &str, port: u32) -> String {
+    format!(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: {name}, namespace: ns000}}\nspec:\n  podSelector: {{matchLabels: {{version: v0, app: app0}}}}\n  ingress: [{{ports: [{{port: {port}}}]}}]\n"
+    )
 }
 
-fn policy_file(ns: usize, rng: &mut StdRng) -> String {
-    let mut out = String::new();
-    for k in 0..POLICIES_PER_NS {
-        let target = rng.random_range(0..10);
-        let peer = rng.random_range(0..10);
-        let spec = match k % 5 {
-            0 => format!(
-                "podSelector: {{matchLabels: {{app: app{target}}}}}\n  ingress:\n    - from: [{{podSelector: {{matchLabels: {{app: app{peer}}}}}}}]\n      ports: [{{port: http}}]"
-            ),
-            1 => format!(
-                "podSelector: {{matchLabels: {{app: app{target}}}}}\n  ingress:\n    - from: [{{namespaceSelector: {{matchLabels: {{team: t{}}}}}, podSelector: {{matchLabels: {{tier: front}}}}}}]\n      ports: [{{port: 8000, endPort: 8100}}]",
-                peer
-            ),
-            2 => format!(
-                "podSelector: {{matchExpressions: [{{key: app, operator: In, values: [app{target}, app{peer}]}}]}}\n  ingress:\n    - from: [{{ipBlock: {{cidr: 10.100.0.0/16, except: [10.100.{}.0/24]}}}}]",
-                rng.random_range(0..40)
-            ),
-            3 => format!(
-                "podSelector: {{matchLabels: {{app: app{target}}}}}\n  policyTypes: [Egress]\n  egress:\n    - to: [{{namespaceSelector: {{matchLabels: {{env: prod}}}}}}]\n      ports: [{{port: metrics}}, {{protocol: UDP, port: 53}}]"
-            ),
-            _ => format!(
-                "podSelector: {{matchLabels: {{tier: back}}}}\n  ingress:\n    - from: [{{namespaceSelector: {{}}, podSelector: {{matchLabels: {{app: app{peer}}}}}}}]"
-            ),
-        };
-        let _ = write!(
-            out,
-            "---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: pol{k:02}, namespace: ns{ns:03}}}\nspec:\n  {spec}\n"
-        );
-    }
-    out
-}
-
-/// The nearest-rank percentile of sorted samples; refuses a percentile
-/// the samples cannot tell apart from the maximum (fewer than two samples
-/// above it).
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    let above = (sorted.len() as f64 * (1.0 - p)).floor();
-    assert!(
-        above >= 2.0,
-        "{} samples cannot give a p{}: it would be the maximum",
-        sorted.len(),
-        p * 100.0
-    );
-    sorted[((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1]
-}
-
-fn ifindex(node: &SimNode, host_if: &str) -> u32 {
-    let out = node.node.ip(&["-o", "link", "show", host_if]).unwrap();
-    out.split(':').next().unwrap().trim().parse().unwrap()
-}
-
-fn wait_until(what: &str, mut ok: impl FnMut() -> bool) -> Duration {
-    let start = Instant::now();
-    while !ok() {
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "{what} never happened"
-        );
-        std::thread::sleep(Duration::from_micros(500));
-    }
-    start.elapsed()
-}
-
-/// Where the agent's log goes: BENCH_AGENT_LOG_FILE when set, else a
-/// file beside the manifests. Its sync lines say when each change's last
-/// write landed.
-fn agent_log_path(dir: &Path) -> PathBuf {
-    std::env::var_os("BENCH_AGENT_LOG_FILE")
-        .map_or_else(|| dir.with_extension("agent.log"), PathBuf::from)
-}
-
-/// The agent's log level: the lines the sync log reads, warnings else.
-const AGENT_LOG: &str =
-    "warn,policy_agent::worker::reconcile=info,policy_agent::source::manifests::watch=info";
-
-/// The agent's log, read as it grows: the end of the sync that carried
-/// a manifest change.
-struct SyncLog {
-    path: PathBuf,
-    offset: usize,
-    /// When the manifest watcher read the change being waited for.
-    changed: Option<SystemTime>,
-}
-
-impl SyncLog {
-    fn new(path: PathBuf) -> Self {
-        Self {
-            path,
-            offset: 0,
-            changed: None,
-        }
-    }
-
-    /// The end of the first sync after the first manifest change read at
-    /// or after `t0` (None: not in the log yet).
-    fn end_after(&mut self, t0: SystemTime) -> Option<SystemTime> {
-        let text = std::fs::read(&self.path).ok()?;
-        let new = text.get(self.offset..)?;
-        // Whole lines only; a partial last line is read next time.
-        let upto = new.iter().rposition(|b| *b == b'\n')? + 1;
-        let lines = String::from_utf8_lossy(&new[..upto]).into_owned();
-        for line in lines.lines() {
-            self.offset += line.len() + 1;
-            let Some(t) = line.split_whitespace().next().and_then(parse_rfc3339) else {
-                continue;
-            };
-            if t < t0 {
-                continue;
-            }
-            if line.contains("manifests changed") && self.changed.is_none() {
-                self.changed = Some(t);
-            } else if line.contains(" synced ") && self.changed.is_some_and(|c| t >= c) {
-                self.changed = None;
-                return Some(t);
-            }
-        }
-        None
-    }
-
-    /// Waits (30 s at most) for [`Self::end_after`]; the time from `t0`.
-    fn wait_end(&mut self, t0: SystemTime) -> Duration {
-        let start = Instant::now();
-        loop {
-            if let Some(end) = self.end_after(t0) {
-                return end.duration_since(t0).unwrap_or_default();
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "no sync ended after the change in {}",
-                self.path.display()
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-}
-
-struct Daemon(Child);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn rss_peak_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
-fn main() {
-    let dir = std::env::temp_dir().join("policy-agent-bench-control-plane");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+/// Writes the cluster's manifests (its first `namespaces` namespaces).
+fn write_cluster(dir: &Path, namespaces: usize) {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).unwrap();
     let mut rng = StdRng::seed_from_u64(42);
-    for ns in 0..NAMESPACES {
+    for ns in 0..namespaces {
         std::fs::write(
             dir.join(format!("ns{ns:03}.yaml")),
             namespace_file(ns, None),
@@ -251,6 +98,45 @@ fn main() {
         )
         .unwrap();
     }
+}
+
+/// Samples sorted, as p50 / p99 / max in ms.
+struct Figures {
+    p50: f64,
+    p99: f64,
+    max: f64,
+}
+
+impl Figures {
+    fn of(mut v: Vec<Duration>) -> Self {
+        v.sort();
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        Self {
+            p50: ms(percentile(&v, 0.5)),
+            p99: ms(percentile(&v, 0.99)),
+            max: ms(*v.last().unwrap()),
+        }
+    }
+
+    fn json(&self, key: &str, out: &mut serde_json::Map<String, serde_json::Value>) {
+        out.insert(format!("{key}_p50_ms"), self.p50.into());
+        out.insert(format!("{key}_p99_ms"), self.p99.into());
+        out.insert(format!("{key}_max_ms"), self.max.into());
+    }
+
+    fn line(&self, what: &str) {
+        println!(
+            "  {what}: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+            self.p50, self.p99, self.max
+        );
+    }
+}
+
+fn main() {
+    let dir = std::env::temp_dir().join("policy-agent-bench-control-plane");
+    let small_dir = std::env::temp_dir().join("policy-agent-bench-control-plane-small");
+    write_cluster(&dir, NAMESPACES);
+    write_cluster(&small_dir, SMALL_NAMESPACES);
     cleanup_prefix(PREFIX);
     let local: Vec<SimPod> = (0..LOCAL)
         .map(|i| SimPod {
@@ -266,20 +152,23 @@ fn main() {
     let pins = layout.root().to_str().unwrap().to_owned();
 
     let log_path = agent_log_path(&dir);
-    let start = |extra: &[&str], poll: Poll| -> (Daemon, u32, Duration) {
+    let start = |source: Source,
+                 extra: &[&str],
+                 poll: Poll,
+                 cgroup: Option<&MemoryCgroup>|
+     -> (Daemon, u32, Duration) {
         let t = Instant::now();
-        let child = node
-            .node
-            .command(policy_testbed::fixtures::agent())
-            .args([
-                "run",
-                "--manifests",
-                dir.to_str().unwrap(),
-                "--node",
-                "node-1",
-                "--pin-dir",
-                &pins,
-            ])
+        let mut command = node.node.command(policy_testbed::fixtures::agent());
+        command.args(["run", "--node", "node-1", "--pin-dir", &pins]);
+        match source {
+            Source::Manifests(dir) => {
+                command.args(["--manifests", dir.to_str().unwrap()]);
+            }
+            Source::Cluster(kubeconfig) => {
+                command.env("KUBECONFIG", kubeconfig);
+            }
+        }
+        command
             .args([
                 "--listen",
                 &format!("127.0.0.1:{PORT}"),
@@ -292,9 +181,17 @@ fn main() {
                 std::env::var("BENCH_AGENT_LOG").unwrap_or_else(|_| AGENT_LOG.into()),
             )
             .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log_path).unwrap())
-            .spawn()
-            .unwrap();
+            .stderr(std::fs::File::create(&log_path).unwrap());
+        if let Some(cgroup) = cgroup {
+            // Joined before exec, so every map the agent makes is charged
+            // to the group.
+            let procs = cgroup.procs();
+            // SAFETY: only a write(2) to a path made before the fork.
+            unsafe {
+                command.pre_exec(move || std::fs::write(&procs, "0"));
+            }
+        }
+        let child = command.spawn().unwrap();
         let pid = child.id();
         let daemon = Daemon(child);
         match poll {
@@ -307,8 +204,6 @@ fn main() {
         }
         (daemon, pid, t.elapsed())
     };
-    // TCX first, for its start-up only (each attach waits for an RCU grace
-    // period); the rest runs on the default, netlink filters.
     let reset = || {
         let _ = node
             .node
@@ -316,15 +211,40 @@ fn main() {
             .args(["reset", "--pin-dir", &pins])
             .output();
     };
-    let (tcx_daemon, _, initial_tcx) = start(&["--attach", "tcx"], Poll::Thread);
+    // TCX first, for its start-up only (each attach waits for an RCU grace
+    // period); the rest runs on the default, netlink filters.
+    let (tcx_daemon, _, initial_tcx) = start(
+        Source::Manifests(&dir),
+        &["--attach", "tcx"],
+        Poll::Thread,
+        None,
+    );
     drop(tcx_daemon);
     reset();
     // The start as this bench measured it before: polled by a process
     // spawned every 0.5 ms, which took CPU from the start it timed.
-    let (old_daemon, _, initial_spawned_poll) = start(&[], Poll::Spawned);
+    let (old_daemon, _, initial_spawned_poll) =
+        start(Source::Manifests(&dir), &[], Poll::Spawned, None);
     drop(old_daemon);
     reset();
-    let (daemon, pid, initial) = start(&[], Poll::Thread);
+    // The small cluster, for the memory a remote pod costs.
+    let small_cgroup = MemoryCgroup::create("policy-agent-bench-cp-small");
+    let (small_daemon, small_pid, _) = start(
+        Source::Manifests(&small_dir),
+        &[],
+        Poll::Thread,
+        small_cgroup.as_ref(),
+    );
+    let small_rss = proc_status_kib(small_pid, "VmRSS:");
+    let small_charged = small_cgroup.as_ref().and_then(MemoryCgroup::current);
+    drop(small_daemon);
+    reset();
+    drop(small_cgroup);
+
+    let cgroup = MemoryCgroup::create("policy-agent-bench-cp");
+    let (daemon, pid, initial) = start(Source::Manifests(&dir), &[], Poll::Thread, cgroup.as_ref());
+    let ready_rss = proc_status_kib(pid, "VmRSS:");
+    let ready_charged = cgroup.as_ref().and_then(MemoryCgroup::current);
 
     let p0 = ifindex(&node, &node.pods[0].host_if);
     let p1 = ifindex(&node, &node.pods[1].host_if);
@@ -337,18 +257,12 @@ fn main() {
     // once it carries that label. Policy add/remove: isolate p000.
     let mut add = Vec::new();
     let mut relabel = Vec::new();
-    let mut cluster_policy = Vec::new();
     // The same changes to their last write.
     let mut log = SyncLog::new(log_path.clone());
-    let (mut add_last, mut relabel_last, mut cluster_policy_last) =
-        (Vec::new(), Vec::new(), Vec::new());
+    let (mut add_last, mut relabel_last) = (Vec::new(), Vec::new());
     let extra = dir.join("zz-extra.yaml");
-    for round in 0..ROUNDS {
-        let marker = format!("extra{round}");
-        let text = format!(
-            "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: {marker}, namespace: ns000}}\nspec:\n  podSelector: {{matchLabels: {{version: v0, app: app0}}}}\n  ingress: [{{ports: [{{port: {}}}]}}]\n",
-            20000 + round
-        );
+    for round in 0..SAMPLES {
+        let text = extra_policy(&format!("extra{round}"), 20000 + round as u32);
         let before = endpoint(p0).unwrap();
         let (t0, t) = (SystemTime::now(), Instant::now());
         write_atomically(&extra, &text);
@@ -356,36 +270,57 @@ fn main() {
             endpoint(p0).is_some_and(|e| e.flags & ENDPOINT_INGRESS_ISOLATED != 0 && e != before)
         });
         add.push(t.elapsed());
-        add_last.push(log.wait_end(t0));
+        add_last.push(log.wait_end(t0, true));
         let t0 = SystemTime::now();
         std::fs::remove_file(&extra).unwrap();
         wait_until("policy removal", || {
             endpoint(p0).is_some_and(|e| e.flags & ENDPOINT_INGRESS_ISOLATED == 0)
         });
-        log.wait_end(t0);
+        log.wait_end(t0, true);
 
         let before = endpoint(p1).unwrap().identity;
         let (t0, t) = (SystemTime::now(), Instant::now());
         write_atomically(
             &dir.join("ns000.yaml"),
-            &namespace_file(
-                0,
-                if round.is_multiple_of(2) {
-                    Some(1)
-                } else {
-                    None
-                },
-            ),
+            &namespace_file(0, round.is_multiple_of(2).then_some(1)),
         );
         wait_until("relabel", || {
             endpoint(p1).is_some_and(|e| e.identity != before)
         });
         relabel.push(t.elapsed());
-        relabel_last.push(log.wait_end(t0));
+        relabel_last.push(log.wait_end(t0, true));
+    }
+    // The churn: CHURN new policies, one every 10 ms, each timed to the
+    // end of the sync that carried it.
+    let mut churn = Vec::new();
+    let mut written = Vec::new();
+    let t = Instant::now();
+    for i in 0..CHURN {
+        let due = Duration::from_secs(1) * i as u32 / CHURN as u32;
+        std::thread::sleep(due.saturating_sub(t.elapsed()));
+        let t0 = SystemTime::now();
+        write_atomically(
+            &dir.join(format!("zz-churn{i:03}.yaml")),
+            &extra_policy(&format!("churn{i}"), 21000 + i as u32),
+        );
+        written.push(t0);
+    }
+    for t0 in written {
+        churn.push(log.wait_end(t0, true));
+    }
+    for i in 0..CHURN {
+        std::fs::remove_file(dir.join(format!("zz-churn{i:03}.yaml"))).unwrap();
+    }
+    wait_until("churn removed", || {
+        endpoint(p0).is_some_and(|e| e.flags & ENDPOINT_INGRESS_ISOLATED == 0)
+    });
 
-        // A ClusterNetworkPolicy over p000 (compiled in full, with every
-        // other): enforced once its endpoint is tiered and no longer held
-        // closed (the change's last endpoint write).
+    // A ClusterNetworkPolicy over p000 (compiled in full, with every
+    // other): enforced once its endpoint is tiered and no longer held
+    // closed (the change's last endpoint write).
+    let mut cluster_policy = Vec::new();
+    let mut cluster_policy_last = Vec::new();
+    for round in 0..CLUSTER_POLICY_SAMPLES {
         let before = endpoint(p0).unwrap();
         let (t0, t) = (SystemTime::now(), Instant::now());
         write_atomically(
@@ -403,15 +338,16 @@ fn main() {
             })
         });
         cluster_policy.push(t.elapsed());
-        cluster_policy_last.push(log.wait_end(t0));
+        cluster_policy_last.push(log.wait_end(t0, true));
         let t0 = SystemTime::now();
         std::fs::remove_file(&extra).unwrap();
         wait_until("cluster policy removal", || {
             endpoint(p0).is_some_and(|e| e.flags & ENDPOINT_INGRESS_TIERED == 0)
         });
-        log.wait_end(t0);
+        log.wait_end(t0, true);
     }
-    let rss = rss_peak_kib(pid);
+    let rss = proc_status_kib(pid, "VmHWM:");
+    let charged_peak = cgroup.as_ref().and_then(MemoryCgroup::peak);
     // The order checks that ran meanwhile (every 5 s, over the local
     // pods' interfaces and the uplink).
     let metrics = http_get(&node, "/metrics");
@@ -431,8 +367,46 @@ fn main() {
     let check_max_ms = metric("policy_agent_order_check_max_seconds") * 1000.0;
     drop(daemon);
     // A restart adopts the pinned maps, programs and links.
-    let (daemon, _, restart) = start(&[], Poll::Thread);
+    let (daemon, _, restart) = start(Source::Manifests(&dir), &[], Poll::Thread, None);
     drop(daemon);
+    reset();
+    drop(cgroup);
+
+    // Cluster mode: the same objects from the fake API server.
+    let mut objects = vec![fake_apiserver::node("node-1", &["10.244.0.0/24"])];
+    for ns in 0..NAMESPACES {
+        for file in [format!("ns{ns:03}.yaml"), format!("pol{ns:03}.yaml")] {
+            objects.extend(workload::objects(
+                &std::fs::read_to_string(dir.join(file)).unwrap(),
+            ));
+        }
+    }
+    let api = FakeApi::start(&node.node, objects);
+    let kubeconfig = dir.with_extension("kubeconfig");
+    api.kubeconfig(&kubeconfig);
+    let (daemon, _, cluster_initial) = start(Source::Cluster(&kubeconfig), &[], Poll::Thread, None);
+    let mut log = SyncLog::new(log_path.clone());
+    let (mut api_add, mut api_add_last) = (Vec::new(), Vec::new());
+    for round in 0..SAMPLES {
+        let name = format!("api{round}");
+        let policy = workload::objects(&extra_policy(&name, 22000 + round as u32)).remove(0);
+        let before = endpoint(p0).unwrap();
+        let (t0, t) = (SystemTime::now(), Instant::now());
+        api.apply(policy);
+        wait_until("policy add (cluster)", || {
+            endpoint(p0).is_some_and(|e| e.flags & ENDPOINT_INGRESS_ISOLATED != 0 && e != before)
+        });
+        api_add.push(t.elapsed());
+        api_add_last.push(log.wait_end(t0, false));
+        let t0 = SystemTime::now();
+        api.delete("networkpolicies", "ns000", &name);
+        wait_until("policy removal (cluster)", || {
+            endpoint(p0).is_some_and(|e| e.flags & ENDPOINT_INGRESS_ISOLATED == 0)
+        });
+        log.wait_end(t0, false);
+    }
+    drop(daemon);
+    drop(api);
     drop(maps);
     reset();
     drop(node);
@@ -440,84 +414,123 @@ fn main() {
     if std::env::var_os("BENCH_AGENT_LOG_FILE").is_none() {
         let _ = std::fs::remove_file(&log_path);
     }
+    let _ = std::fs::remove_file(&kubeconfig);
     let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&small_dir);
 
-    for v in [
-        &mut add,
-        &mut relabel,
-        &mut cluster_policy,
-        &mut add_last,
-        &mut relabel_last,
-        &mut cluster_policy_last,
-    ] {
-        v.sort();
-    }
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    let pods = NAMESPACES * PODS_PER_NS;
+    let remote_pods_added = ((NAMESPACES - SMALL_NAMESPACES) * PODS_PER_NS) as f64;
+    let per_remote_pod_rss = (ready_rss as f64 - small_rss as f64) * 1024.0 / remote_pods_added;
+    let per_remote_pod_charged = ready_charged
+        .zip(small_charged)
+        .map(|(big, small)| (big as f64 - small as f64) / remote_pods_added);
     println!(
-        "control plane: {} pods, {} policies, {} namespaces, {LOCAL} local",
-        NAMESPACES * PODS_PER_NS,
+        "control plane: {pods} pods, {} policies, {NAMESPACES} namespaces, {LOCAL} local",
         NAMESPACES * POLICIES_PER_NS,
-        NAMESPACES
     );
     println!(
-        "  start to ready (load + initial sync): netlink clsact (default) {:.0} ms (polled as before, by a process spawned every 0.5 ms: {:.0} ms), TCX {:.0} ms; restart over pinned state {:.0} ms",
+        "  start to ready (load + initial sync): netlink clsact (default) {:.0} ms (polled as before, by a process spawned every 0.5 ms: {:.0} ms), TCX {:.0} ms; restart over pinned state {:.0} ms; cluster mode (fake API server) {:.0} ms",
         ms(initial),
         ms(initial_spawned_poll),
         ms(initial_tcx),
-        ms(restart)
+        ms(restart),
+        ms(cluster_initial)
     );
-    let max = |v: &[Duration]| ms(*v.last().unwrap());
-    println!(
-        "  policy added -> enforced ({ROUNDS} samples): p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
-        ms(percentile(&add, 0.5)),
-        ms(percentile(&add, 0.99)),
-        max(&add)
-    );
-    println!(
-        "  pod relabelled -> enforced ({ROUNDS} samples): p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
-        ms(percentile(&relabel, 0.5)),
-        ms(percentile(&relabel, 0.99)),
-        max(&relabel)
-    );
-    println!(
-        "  ClusterNetworkPolicy added -> enforced ({ROUNDS} samples, each a full compile): p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
-        ms(percentile(&cluster_policy, 0.5)),
-        ms(percentile(&cluster_policy, 0.99)),
-        max(&cluster_policy)
-    );
-    for (what, v) in [
-        ("policy added", &add_last),
-        ("pod relabelled", &relabel_last),
-        ("ClusterNetworkPolicy added", &cluster_policy_last),
-    ] {
-        println!(
-            "  {what} -> its last write (the sync's end): p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
-            ms(percentile(v, 0.5)),
-            ms(percentile(v, 0.99)),
-            max(v)
-        );
+    let figures = [
+        (
+            "policy_add",
+            "policy added -> its endpoint entry",
+            Figures::of(add),
+        ),
+        (
+            "policy_add_last_write",
+            "policy added -> its last write",
+            Figures::of(add_last),
+        ),
+        (
+            "relabel",
+            "pod relabelled -> its endpoint entry",
+            Figures::of(relabel),
+        ),
+        (
+            "relabel_last_write",
+            "pod relabelled -> its last write",
+            Figures::of(relabel_last),
+        ),
+        (
+            "churn_last_write",
+            "churn (100 policies within 1 s) -> each one's last write",
+            Figures::of(churn),
+        ),
+        (
+            "cluster_policy",
+            "ClusterNetworkPolicy added -> its endpoint entry (a full compile)",
+            Figures::of(cluster_policy),
+        ),
+        (
+            "cluster_policy_last_write",
+            "ClusterNetworkPolicy added -> its last write",
+            Figures::of(cluster_policy_last),
+        ),
+        (
+            "api_policy_add",
+            "cluster mode: policy written to the API -> its endpoint entry",
+            Figures::of(api_add),
+        ),
+        (
+            "api_policy_add_last_write",
+            "cluster mode: policy written to the API -> its last write",
+            Figures::of(api_add_last),
+        ),
+    ];
+    for (_, what, f) in &figures {
+        f.line(what);
     }
     println!(
         "  order check between full passes ({checks} during the changes): mean {check_mean_ms:.2} ms, max {check_max_ms:.2} ms"
     );
-    println!("  agent peak RSS: {:.1} MiB", rss as f64 / 1024.0);
-    let json = serde_json::json!({
-        "pods": NAMESPACES * PODS_PER_NS, "policies": NAMESPACES * POLICIES_PER_NS, "namespaces": NAMESPACES, "local_pods": LOCAL,
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    println!(
+        "  agent peak RSS: {:.1} MiB; its cgroup's peak charge (BPF maps included): {}",
+        rss as f64 / 1024.0,
+        charged_peak.map_or("not measurable here".into(), |b| format!(
+            "{:.1} MiB",
+            mib(b)
+        ))
+    );
+    println!(
+        "  per remote pod ({} -> {pods} pods, at ready): RSS {per_remote_pod_rss:.0} B, cgroup charge {}",
+        SMALL_NAMESPACES * PODS_PER_NS,
+        per_remote_pod_charged.map_or("not measurable here".into(), |b| format!("{b:.0} B"))
+    );
+    let mut json = serde_json::json!({
+        "pods": pods, "policies": NAMESPACES * POLICIES_PER_NS, "namespaces": NAMESPACES, "local_pods": LOCAL,
         "initial_ready_ms": ms(initial),
         "initial_ready_spawned_poll_ms": ms(initial_spawned_poll),
         "initial_ready_tcx_ms": ms(initial_tcx),
         "restart_ready_ms": ms(restart),
-        "samples": ROUNDS,
-        "policy_add_p50_ms": ms(percentile(&add, 0.5)), "policy_add_p99_ms": ms(percentile(&add, 0.99)), "policy_add_max_ms": max(&add),
-        "relabel_p50_ms": ms(percentile(&relabel, 0.5)), "relabel_p99_ms": ms(percentile(&relabel, 0.99)), "relabel_max_ms": max(&relabel),
-        "cluster_policy_p50_ms": ms(percentile(&cluster_policy, 0.5)), "cluster_policy_p99_ms": ms(percentile(&cluster_policy, 0.99)), "cluster_policy_max_ms": max(&cluster_policy),
-        "policy_add_last_write_p50_ms": ms(percentile(&add_last, 0.5)), "policy_add_last_write_p99_ms": ms(percentile(&add_last, 0.99)), "policy_add_last_write_max_ms": max(&add_last),
-        "relabel_last_write_p50_ms": ms(percentile(&relabel_last, 0.5)), "relabel_last_write_p99_ms": ms(percentile(&relabel_last, 0.99)), "relabel_last_write_max_ms": max(&relabel_last),
-        "cluster_policy_last_write_p50_ms": ms(percentile(&cluster_policy_last, 0.5)), "cluster_policy_last_write_p99_ms": ms(percentile(&cluster_policy_last, 0.99)), "cluster_policy_last_write_max_ms": max(&cluster_policy_last),
+        "cluster_initial_ready_ms": ms(cluster_initial),
+        "samples": SAMPLES,
+        "cluster_policy_samples": CLUSTER_POLICY_SAMPLES,
+        "churn": CHURN,
         "peak_rss_mib": rss as f64 / 1024.0,
+        "cgroup_peak_mib": charged_peak.map(mib),
+        "small_cluster_pods": SMALL_NAMESPACES * PODS_PER_NS,
+        "per_remote_pod_rss_bytes": per_remote_pod_rss,
+        "per_remote_pod_cgroup_bytes": per_remote_pod_charged,
         "order_checks": checks as u64, "order_check_mean_ms": check_mean_ms, "order_check_max_ms": check_max_ms,
     });
+    let out = json.as_object_mut().unwrap();
+    for (key, _, f) in &figures {
+        f.json(key, out);
+    }
     write_result("control_plane", &json);
+}
+
+fn ifindex(node: &SimNode, host_if: &str) -> u32 {
+    let out = node.node.ip(&["-o", "link", "show", host_if]).unwrap();
+    out.split(':').next().unwrap().trim().parse().unwrap()
 }
 
 /// How readiness is polled.

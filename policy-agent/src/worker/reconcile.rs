@@ -313,6 +313,7 @@ fn record(ctx: &Context, state: &mut State, result: &Result<SyncReport, Error>, 
                     attached = ?report.attached,
                     detached = ?report.detached,
                     took_ms = took.as_millis() as u64,
+                    took_us = took.as_micros() as u64,
                     "synced"
                 );
             }

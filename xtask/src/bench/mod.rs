@@ -7,6 +7,7 @@
 //! bench on the host and in the 6.1 guest ([`guest`]).
 mod guest;
 mod render;
+mod render_control;
 
 use render::{machine, render, render_cni, render_compile, render_services};
 
@@ -246,7 +247,9 @@ mod tests {
             "rows": [{"policies": 10, "new_flow_ns": 300.0, "established_ns": 120.0, "new_flow_ratio_to_10": 1.0, "established_ratio_to_10": 1.0, "established_over_floor": 1.2,
                 "new_flow_worst_ns": 900.0, "new_flow_worst_ratio_to_10": 1.0, "new_flow_worst_over_floor": 9.0}]});
         let c = serde_json::json!({"pods": 10000, "policies": 1000, "namespaces": 100, "local_pods": 50, "samples": 200, "initial_ready_ms": 900.0,
-            "policy_add_p50_ms": 40.0, "policy_add_p99_ms": 60.0, "policy_add_max_ms": 65.0, "relabel_p50_ms": 41.0, "relabel_p99_ms": 70.0, "relabel_max_ms": 90.0, "peak_rss_mib": 80.0});
+            "policy_add_p50_ms": 40.0, "policy_add_p99_ms": 60.0, "policy_add_max_ms": 65.0, "relabel_p50_ms": 41.0, "relabel_p99_ms": 70.0, "relabel_max_ms": 90.0, "peak_rss_mib": 80.0,
+            "churn_last_write_p50_ms": 12.0, "churn_last_write_p99_ms": 30.0, "churn_last_write_max_ms": 31.0,
+            "small_cluster_pods": 1000, "per_remote_pod_rss_bytes": 1500.0, "per_remote_pod_cgroup_bytes": null});
         let s = serde_json::json!({"rounds": 5, "connects": 1500, "warm_connects": 200, "iperf_seconds": 2.0,
             "none": {"connect_mean_us": 100.0, "connect_p99_us": 200.0, "iperf_gbps": 10.0, "iperf_runs": 10},
             "bpf_1000": {"apply_ms": 900.0, "connect_mean_us": 110.0, "connect_p99_us": 210.0, "connect_ratio_to_none": 1.07, "iperf_gbps": 9.5, "iperf_ratio_to_none": 0.96, "iperf_runs": 5},
@@ -276,11 +279,19 @@ mod tests {
         );
         assert!(
             text.contains(
-                "| one pod relabelled → enforced, p50 / p99 / max | 41.0 / 70.0 / 90.0 ms |"
+                "| one pod relabelled → its endpoint entry, p50 / p99 / max | 41.0 / 70.0 / 90.0 ms |"
             ),
             "{text}"
         );
         assert!(text.contains("200 samples of each change"), "{text}");
+        assert!(
+            text.contains("| churn: 100 policies within one second → each one's last write, p50 / p99 / max | 12.0 / 30.0 / 31.0 ms | p99 < 250 ms |"),
+            "{text}"
+        );
+        assert!(
+            text.contains("| 1500 B / not measurable | < 2 KiB |"),
+            "a cgroup this machine cannot make is said, not guessed: {text}"
+        );
     }
 
     #[test]

@@ -10,7 +10,7 @@ use super::{
 
 /// The load line of one section of the shared block: sections come from
 /// different runs.
-fn section_load(out: &mut String, v: &Value) {
+pub(super) fn section_load(out: &mut String, v: &Value) {
     if let Some(load) = v["load"].as_str() {
         let _ = writeln!(out, "Run at {load}.\n");
     }
@@ -258,91 +258,7 @@ pub fn render(datapath: Option<&Value>, system: Option<&Value>, control: Option<
         );
     }
     if let Some(c) = control {
-        let _ = writeln!(out, "### Control plane (`run` mode)\n");
-        section_load(&mut out, c);
-        let _ = writeln!(
-            out,
-            "{} pods, {} policies, {} namespaces ({} pods local, the rest fill the ipcache); a manifest rewritten (temporary file and rename) until the pinned maps hold the change, {} samples of each change (nearest-rank percentiles; {} samples leave two above the p99).\n",
-            c["pods"], c["policies"], c["namespaces"], c["local_pods"], c["samples"], c["samples"]
-        );
-        let _ = writeln!(out, "| figure | value | goal |\n|---|---:|---:|");
-        let polled_before = if c.get("initial_ready_spawned_poll_ms").is_some() {
-            format!(
-                " (polled as this bench did before, by a process spawned every 0.5 ms: {:.0} ms)",
-                f(c, "initial_ready_spawned_poll_ms")
-            )
-        } else {
-            String::new()
-        };
-        let _ = writeln!(
-            out,
-            "| start → ready, first install with netlink clsact filters, the default (program load + initial full sync; readiness polled from a thread every 2 ms){polled_before} | {:.0} ms | < 2 s |",
-            f(c, "initial_ready_ms")
-        );
-        let _ = writeln!(
-            out,
-            "| start → ready, first install with TCX links (`--attach tcx`) | {:.0} ms | < 2 s |",
-            f(c, "initial_ready_tcx_ms")
-        );
-        let _ = writeln!(
-            out,
-            "| restart → ready over the pinned state (maps, programs and links adopted) | {:.0} ms | |",
-            f(c, "restart_ready_ms")
-        );
-        let _ = writeln!(
-            out,
-            "| one policy added → enforced, p50 / p99 / max | {:.1} / {:.1} / {:.1} ms | p99 < 100 ms |",
-            f(c, "policy_add_p50_ms"),
-            f(c, "policy_add_p99_ms"),
-            f(c, "policy_add_max_ms")
-        );
-        let _ = writeln!(
-            out,
-            "| one pod relabelled → enforced, p50 / p99 / max | {:.1} / {:.1} / {:.1} ms | p99 < 100 ms |",
-            f(c, "relabel_p50_ms"),
-            f(c, "relabel_p99_ms"),
-            f(c, "relabel_max_ms")
-        );
-        for (what, key) in [
-            ("one policy added", "policy_add"),
-            ("one pod relabelled", "relabel"),
-            ("one ClusterNetworkPolicy added", "cluster_policy"),
-        ] {
-            if c.get(format!("{key}_last_write_p99_ms")).is_some() {
-                let _ = writeln!(
-                    out,
-                    "| {what} → its last write (the end of the sync that carried it, from the agent's log), p50 / p99 / max | {:.1} / {:.1} / {:.1} ms | reported |",
-                    f(c, &format!("{key}_last_write_p50_ms")),
-                    f(c, &format!("{key}_last_write_p99_ms")),
-                    f(c, &format!("{key}_last_write_max_ms"))
-                );
-            }
-        }
-        if c.get("cluster_policy_p99_ms").is_some() {
-            let _ = writeln!(
-                out,
-                "| one ClusterNetworkPolicy added → enforced (a full compile each), p50 / p99 / max | {:.1} / {:.1} / {:.1} ms | reported |",
-                f(c, "cluster_policy_p50_ms"),
-                f(c, "cluster_policy_p99_ms"),
-                f(c, "cluster_policy_max_ms")
-            );
-        }
-        let _ = writeln!(
-            out,
-            "| agent peak RSS | {:.1} MiB | < 150 MiB |",
-            f(c, "peak_rss_mib")
-        );
-        if c.get("order_checks").is_some() {
-            let _ = writeln!(
-                out,
-                "| order check between full passes (every 5 s, {} local pods' interfaces and the uplink; {} during the changes), mean / max | {:.2} / {:.2} ms | |",
-                c["local_pods"],
-                c["order_checks"],
-                f(c, "order_check_mean_ms"),
-                f(c, "order_check_max_ms")
-            );
-        }
-        out.push('\n');
+        super::render_control::control_plane(&mut out, c);
     }
     let _ = writeln!(out, "{END}");
     out
