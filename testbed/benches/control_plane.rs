@@ -270,13 +270,13 @@ fn main() {
             endpoint(p0).is_some_and(|e| e.flags & ENDPOINT_INGRESS_ISOLATED != 0 && e != before)
         });
         add.push(t.elapsed());
-        add_last.push(log.wait_end(t0, true));
+        add_last.push(log.wait_end(t0));
         let t0 = SystemTime::now();
         std::fs::remove_file(&extra).unwrap();
         wait_until("policy removal", || {
             endpoint(p0).is_some_and(|e| e.flags & ENDPOINT_INGRESS_ISOLATED == 0)
         });
-        log.wait_end(t0, true);
+        log.wait_end(t0);
 
         let before = endpoint(p1).unwrap().identity;
         let (t0, t) = (SystemTime::now(), Instant::now());
@@ -288,7 +288,7 @@ fn main() {
             endpoint(p1).is_some_and(|e| e.identity != before)
         });
         relabel.push(t.elapsed());
-        relabel_last.push(log.wait_end(t0, true));
+        relabel_last.push(log.wait_end(t0));
     }
     // The churn: CHURN new policies, one every 10 ms, each timed to the
     // end of the sync that carried it.
@@ -306,7 +306,7 @@ fn main() {
         written.push(t0);
     }
     for t0 in written {
-        churn.push(log.wait_end(t0, true));
+        churn.push(log.wait_end(t0));
     }
     for i in 0..CHURN {
         std::fs::remove_file(dir.join(format!("zz-churn{i:03}.yaml"))).unwrap();
@@ -338,13 +338,13 @@ fn main() {
             })
         });
         cluster_policy.push(t.elapsed());
-        cluster_policy_last.push(log.wait_end(t0, true));
+        cluster_policy_last.push(log.wait_end(t0));
         let t0 = SystemTime::now();
         std::fs::remove_file(&extra).unwrap();
         wait_until("cluster policy removal", || {
             endpoint(p0).is_some_and(|e| e.flags & ENDPOINT_INGRESS_TIERED == 0)
         });
-        log.wait_end(t0, true);
+        log.wait_end(t0);
     }
     let rss = proc_status_kib(pid, "VmHWM:");
     let charged_peak = cgroup.as_ref().and_then(MemoryCgroup::peak);
@@ -397,13 +397,13 @@ fn main() {
             endpoint(p0).is_some_and(|e| e.flags & ENDPOINT_INGRESS_ISOLATED != 0 && e != before)
         });
         api_add.push(t.elapsed());
-        api_add_last.push(log.wait_end(t0, false));
+        api_add_last.push(log.wait_end(t0));
         let t0 = SystemTime::now();
         api.delete("networkpolicies", "ns000", &name);
         wait_until("policy removal (cluster)", || {
             endpoint(p0).is_some_and(|e| e.flags & ENDPOINT_INGRESS_ISOLATED == 0)
         });
-        log.wait_end(t0, false);
+        log.wait_end(t0);
     }
     drop(daemon);
     drop(api);

@@ -121,6 +121,7 @@ fn run(ctx: &Context, inbox: &Inbox) {
             state.handoffs.confirm(None);
             continue;
         }
+        let reconciling = Instant::now();
         let result = reconcile(ctx, &mut state);
         retry_at = match &result {
             // What was written stands; what could not be done (a conntrack
@@ -132,7 +133,13 @@ fn run(ctx: &Context, inbox: &Inbox) {
             Ok(_) => None,
             Err(e) => Some(Instant::now() + error_policy(e, &mut state)),
         };
-        record(ctx, &mut state, &result, started.elapsed());
+        record(
+            ctx,
+            &mut state,
+            &result,
+            started.elapsed(),
+            reconciling.elapsed(),
+        );
     }
 }
 
@@ -278,8 +285,16 @@ fn error_policy(error: &Error, state: &mut State) -> Duration {
     }
 }
 
-/// Logs, metrics and Events for one reconcile, in one place.
-fn record(ctx: &Context, state: &mut State, result: &Result<SyncReport, Error>, took: Duration) {
+/// Logs, metrics and Events for one reconcile, in one place. `took`
+/// counts from the burst's first trigger, `reconciled` from the
+/// reconcile's start (what arrived before then is in it).
+fn record(
+    ctx: &Context,
+    state: &mut State,
+    result: &Result<SyncReport, Error>,
+    took: Duration,
+    reconciled: Duration,
+) {
     match result {
         Ok(report) => {
             let mut problems: Vec<Problem> =
@@ -314,6 +329,7 @@ fn record(ctx: &Context, state: &mut State, result: &Result<SyncReport, Error>, 
                     detached = ?report.detached,
                     took_ms = took.as_millis() as u64,
                     took_us = took.as_micros() as u64,
+                    reconcile_us = reconciled.as_micros() as u64,
                     "synced"
                 );
             }

@@ -9,8 +9,7 @@ use std::{
 use policy_testbed::fixtures::flow_reader::parse_rfc3339;
 
 /// The agent's log level: the lines the sync log reads, warnings else.
-pub const AGENT_LOG: &str =
-    "warn,policy_agent::worker::reconcile=info,policy_agent::source::manifests::watch=info";
+pub const AGENT_LOG: &str = "warn,policy_agent::worker::reconcile=info,policy_agent::source::manifests::watch=info,policy_agent::source::kube=debug";
 
 /// Where the agent's log goes: BENCH_AGENT_LOG_FILE when set, else a
 /// file beside the manifests. Its sync lines say when each change's last
@@ -20,15 +19,17 @@ pub fn agent_log_path(dir: &Path) -> PathBuf {
         .map_or_else(|| dir.with_extension("agent.log"), PathBuf::from)
 }
 
-/// The agent's log, read as it grows: when the manifest watcher read the
-/// directory, and when each sync began and ended.
+/// The agent's log, read as it grows: when a source read a change and
+/// sent it to the worker, and when each sync's reconcile began and ended.
 pub struct SyncLog {
     path: PathBuf,
     offset: usize,
-    /// Each directory read: (its start, when it was logged; the update
-    /// is sent right after).
+    /// Each update a source sent: (when its read began, when it was sent;
+    /// the line is logged once it is). The manifest watcher's read begins
+    /// `read_us` before; the API watch's publication reads nothing more.
     reads: Vec<(SystemTime, SystemTime)>,
-    /// Each sync: (its start, the first trigger it took; its end).
+    /// Each sync: (its reconcile's start, after which it takes nothing
+    /// more; its end).
     syncs: Vec<(SystemTime, SystemTime)>,
 }
 
@@ -69,38 +70,35 @@ impl SyncLog {
             if line.contains("manifests changed") {
                 let took = micros(line, "read_us").unwrap_or_default();
                 self.reads.push((t - took, t));
+            } else if line.contains("cluster changes published") {
+                self.reads.push((t, t));
             } else if line.contains(" synced ") {
-                let took = micros(line, "took_us").unwrap_or_default();
+                let took = micros(line, "reconcile_us").expect("a sync line says reconcile_us");
                 self.syncs.push((t - took, t));
             }
         }
     }
 
-    /// The end of the sync that carried a change made at `t0`. With
-    /// manifests: the first directory read that began at or after `t0`
-    /// (a read that began earlier may have missed the file: counting from
-    /// the next one never flatters), then the first sync that began after
-    /// that read was sent. In cluster mode (no reads): the first sync that
-    /// began at or after `t0`, exact when one change is in flight.
-    fn carried(&self, t0: SystemTime, manifests: bool) -> Option<SystemTime> {
-        let from = if manifests {
-            self.reads.iter().find(|(start, _)| *start >= t0)?.1
-        } else {
-            t0
-        };
+    /// The end of the sync that carried a change made at `t0`: the first
+    /// update a source began to read at or after `t0` (a read that began
+    /// earlier may have missed it: counting from the next one never
+    /// flatters), then the first sync whose reconcile began after that
+    /// update was sent.
+    fn carried(&self, t0: SystemTime) -> Option<SystemTime> {
+        let sent = self.reads.iter().find(|(start, _)| *start >= t0)?.1;
         self.syncs
             .iter()
-            .find(|(start, _)| *start >= from)
+            .find(|(start, _)| *start >= sent)
             .map(|(_, end)| *end)
     }
 
     /// Waits (30 s at most) for the sync that carried a change made at
     /// `t0`; the time from `t0` to its end.
-    pub fn wait_end(&mut self, t0: SystemTime, manifests: bool) -> Duration {
+    pub fn wait_end(&mut self, t0: SystemTime) -> Duration {
         let start = Instant::now();
         loop {
             self.poll();
-            if let Some(end) = self.carried(t0, manifests) {
+            if let Some(end) = self.carried(t0) {
                 return end.duration_since(t0).unwrap_or_default();
             }
             assert!(

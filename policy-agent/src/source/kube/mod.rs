@@ -276,13 +276,16 @@ pub async fn watch(client: Client, settle: Duration, sink: Sink, service_cidrs: 
                     continue;
                 }
                 published = Some(problems.clone());
-                debug!(changes = changes.len(), "publishing cluster changes");
+                let count = changes.len();
                 let update = SourceUpdate {
                     source: SourceId::Kube,
                     changes: std::mem::take(&mut changes),
                     problems,
                 };
-                if !sink.send(update) {
+                let sent = sink.send(update);
+                // Logged once sent: a sync that began after this line has it.
+                debug!(changes = count, "cluster changes published");
+                if !sent {
                     return;
                 }
             }
