@@ -251,6 +251,19 @@ fn main() {
     // Opened once: each poll is one map lookup (opening every pin per
     // poll took CPU from the agent being timed).
     let maps = BpfMaps::from_pins(&layout).unwrap();
+    // BENCH_PROFILE=<file>: `perf record -g` of the agent through the
+    // changes (its figures then include perf's overhead).
+    let profile = std::env::var_os("BENCH_PROFILE").map(|out| {
+        let child = std::process::Command::new("perf")
+            .args(["record", "-g", "-F", "999", "-p", &pid.to_string(), "-o"])
+            .arg(out)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("perf");
+        std::thread::sleep(Duration::from_millis(500));
+        child
+    });
     let endpoint = |ifindex: u32| maps.endpoint(ifindex).ok().flatten();
 
     // p000 runs app0; an extra policy on app "relabelled" isolates p001
@@ -346,6 +359,11 @@ fn main() {
         });
         log.wait_end(t0);
     }
+    if let Some(mut perf) = profile {
+        // SAFETY: a signal to the child this bench spawned.
+        unsafe { libc::kill(perf.id() as i32, libc::SIGINT) };
+        let _ = perf.wait();
+    }
     let rss = proc_status_kib(pid, "VmHWM:");
     let charged_peak = cgroup.as_ref().and_then(MemoryCgroup::peak);
     // The order checks that ran meanwhile (every 5 s, over the local
@@ -369,6 +387,8 @@ fn main() {
     // A restart adopts the pinned maps, programs and links.
     let (daemon, _, restart) = start(Source::Manifests(&dir), &[], Poll::Thread, None);
     drop(daemon);
+    // The maps go with the reset: the next agent makes its own.
+    drop(maps);
     reset();
     drop(cgroup);
 
@@ -385,6 +405,8 @@ fn main() {
     let kubeconfig = dir.with_extension("kubeconfig");
     api.kubeconfig(&kubeconfig);
     let (daemon, _, cluster_initial) = start(Source::Cluster(&kubeconfig), &[], Poll::Thread, None);
+    let maps = BpfMaps::from_pins(&layout).unwrap();
+    let endpoint = |ifindex: u32| maps.endpoint(ifindex).ok().flatten();
     let mut log = SyncLog::new(log_path.clone());
     let (mut api_add, mut api_add_last) = (Vec::new(), Vec::new());
     for round in 0..SAMPLES {
