@@ -13,7 +13,7 @@
 //!   read from the agent's log, which says when each sync began and
 //!   ended).
 //! - Churn: 100 policies added within one second (rollout-like), each
-//!   timed to the end of the sync that carried it.
+//!   timed to the end of the sync that carried it; five such bursts.
 //! - Change → enforced in cluster mode: the same cluster served by the
 //!   fake API server; 1,000 policies applied one at a time, each timed
 //!   from the API write to its endpoint entry and to its last write.
@@ -38,7 +38,7 @@ use std::{
 };
 
 use measure::{
-    AGENT_LOG, Daemon, MemoryCgroup, SyncLog, agent_log_path, percentile, proc_status_kib,
+    AGENT_LOG, Carried, Daemon, MemoryCgroup, SyncLog, agent_log_path, percentile, proc_status_kib,
     wait_until,
 };
 use policy_agent::datapath::bpf::{maps::BpfMaps, pins::PinLayout};
@@ -60,8 +60,10 @@ const PREFIX: &str = "bcp";
 const SAMPLES: usize = 1000;
 /// Samples of a ClusterNetworkPolicy added (each a full compile).
 const CLUSTER_POLICY_SAMPLES: usize = 200;
-/// Changes of the churn, spread over one second.
+/// Changes of a churn burst, spread over one second.
 const CHURN: usize = 100;
+/// Churn bursts: five put five samples above the p99.
+const CHURN_BURSTS: usize = 5;
 /// Namespaces of the small cluster the per-pod memory is measured against.
 const SMALL_NAMESPACES: usize = 10;
 const PORT: u16 = 19490;
@@ -100,21 +102,42 @@ fn write_cluster(dir: &Path, namespaces: usize) {
     }
 }
 
-/// Samples sorted, as p50 / p99 / max in ms.
+/// Samples sorted, as p50 / p99 / max in ms; for changes timed to the
+/// sync that carried them, the medians of the source's read and of the
+/// reconcile too.
 struct Figures {
     p50: f64,
     p99: f64,
     max: f64,
+    parts: Option<(f64, f64)>,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
 }
 
 impl Figures {
     fn of(mut v: Vec<Duration>) -> Self {
         v.sort();
-        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
         Self {
             p50: ms(percentile(&v, 0.5)),
             p99: ms(percentile(&v, 0.99)),
             max: ms(*v.last().unwrap()),
+            parts: None,
+        }
+    }
+
+    fn of_carried(v: &[Carried]) -> Self {
+        let median = |mut d: Vec<Duration>| {
+            d.sort();
+            ms(d[d.len() / 2])
+        };
+        Self {
+            parts: Some((
+                median(v.iter().map(|c| c.read).collect()),
+                median(v.iter().map(|c| c.reconcile).collect()),
+            )),
+            ..Self::of(v.iter().map(|c| c.total).collect())
         }
     }
 
@@ -122,11 +145,18 @@ impl Figures {
         out.insert(format!("{key}_p50_ms"), self.p50.into());
         out.insert(format!("{key}_p99_ms"), self.p99.into());
         out.insert(format!("{key}_max_ms"), self.max.into());
+        if let Some((read, reconcile)) = self.parts {
+            out.insert(format!("{key}_read_p50_ms"), read.into());
+            out.insert(format!("{key}_reconcile_p50_ms"), reconcile.into());
+        }
     }
 
     fn line(&self, what: &str) {
+        let parts = self.parts.map_or(String::new(), |(read, reconcile)| {
+            format!(" (medians: source read {read:.1} ms, reconcile {reconcile:.1} ms)")
+        });
         println!(
-            "  {what}: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+            "  {what}: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms{parts}",
             self.p50, self.p99, self.max
         );
     }
@@ -151,8 +181,8 @@ fn main() {
     let layout = PinLayout::new("/sys/fs/bpf/policy-agent-bench-cp");
     let pins = layout.root().to_str().unwrap().to_owned();
 
-    let log_path = agent_log_path(&dir);
-    let start = |source: Source,
+    let start = |phase: &str,
+                 source: Source,
                  extra: &[&str],
                  poll: Poll,
                  cgroup: Option<&MemoryCgroup>|
@@ -181,7 +211,7 @@ fn main() {
                 std::env::var("BENCH_AGENT_LOG").unwrap_or_else(|_| AGENT_LOG.into()),
             )
             .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log_path).unwrap());
+            .stderr(std::fs::File::create(agent_log_path(&dir, phase)).unwrap());
         if let Some(cgroup) = cgroup {
             // Joined before exec, so every map the agent makes is charged
             // to the group.
@@ -213,23 +243,36 @@ fn main() {
     };
     // TCX first, for its start-up only (each attach waits for an RCU grace
     // period); the rest runs on the default, netlink filters.
-    let (tcx_daemon, _, initial_tcx) = start(
-        Source::Manifests(&dir),
-        &["--attach", "tcx"],
-        Poll::Thread,
-        None,
-    );
-    drop(tcx_daemon);
-    reset();
+    // BENCH_SKIP_TCX=1 leaves it out (while iterating: it can take minutes).
+    let initial_tcx = if std::env::var_os("BENCH_SKIP_TCX").is_some() {
+        None
+    } else {
+        let (tcx_daemon, _, initial_tcx) = start(
+            "tcx",
+            Source::Manifests(&dir),
+            &["--attach", "tcx"],
+            Poll::Thread,
+            None,
+        );
+        drop(tcx_daemon);
+        reset();
+        Some(initial_tcx)
+    };
     // The start as this bench measured it before: polled by a process
     // spawned every 0.5 ms, which took CPU from the start it timed.
-    let (old_daemon, _, initial_spawned_poll) =
-        start(Source::Manifests(&dir), &[], Poll::Spawned, None);
+    let (old_daemon, _, initial_spawned_poll) = start(
+        "spawned-poll",
+        Source::Manifests(&dir),
+        &[],
+        Poll::Spawned,
+        None,
+    );
     drop(old_daemon);
     reset();
     // The small cluster, for the memory a remote pod costs.
     let small_cgroup = MemoryCgroup::create("policy-agent-bench-cp-small");
     let (small_daemon, small_pid, _) = start(
+        "small",
         Source::Manifests(&small_dir),
         &[],
         Poll::Thread,
@@ -242,7 +285,13 @@ fn main() {
     drop(small_cgroup);
 
     let cgroup = MemoryCgroup::create("policy-agent-bench-cp");
-    let (daemon, pid, initial) = start(Source::Manifests(&dir), &[], Poll::Thread, cgroup.as_ref());
+    let (daemon, pid, initial) = start(
+        "changes",
+        Source::Manifests(&dir),
+        &[],
+        Poll::Thread,
+        cgroup.as_ref(),
+    );
     let ready_rss = proc_status_kib(pid, "VmRSS:");
     let ready_charged = cgroup.as_ref().and_then(MemoryCgroup::current);
 
@@ -271,7 +320,7 @@ fn main() {
     let mut add = Vec::new();
     let mut relabel = Vec::new();
     // The same changes to their last write.
-    let mut log = SyncLog::new(log_path.clone());
+    let mut log = SyncLog::new(agent_log_path(&dir, "changes"));
     let (mut add_last, mut relabel_last) = (Vec::new(), Vec::new());
     let extra = dir.join("zz-extra.yaml");
     for round in 0..SAMPLES {
@@ -303,30 +352,33 @@ fn main() {
         relabel.push(t.elapsed());
         relabel_last.push(log.wait_end(t0));
     }
-    // The churn: CHURN new policies, one every 10 ms, each timed to the
-    // end of the sync that carried it.
+    // The churn: bursts of CHURN new policies, one every 10 ms, each timed
+    // to the end of the sync that carried it; removed between bursts.
     let mut churn = Vec::new();
-    let mut written = Vec::new();
-    let t = Instant::now();
-    for i in 0..CHURN {
-        let due = Duration::from_secs(1) * i as u32 / CHURN as u32;
-        std::thread::sleep(due.saturating_sub(t.elapsed()));
-        let t0 = SystemTime::now();
-        write_atomically(
-            &dir.join(format!("zz-churn{i:03}.yaml")),
-            &extra_policy(&format!("churn{i}"), 21000 + i as u32),
-        );
-        written.push(t0);
+    for burst in 0..CHURN_BURSTS {
+        let file = |i: usize| dir.join(format!("zz-churn{burst}-{i:03}.yaml"));
+        let mut written = Vec::new();
+        let t = Instant::now();
+        for i in 0..CHURN {
+            let due = Duration::from_secs(1) * i as u32 / CHURN as u32;
+            std::thread::sleep(due.saturating_sub(t.elapsed()));
+            let t0 = SystemTime::now();
+            write_atomically(
+                &file(i),
+                &extra_policy(&format!("churn{burst}-{i}"), 21000 + i as u32),
+            );
+            written.push(t0);
+        }
+        for t0 in written {
+            churn.push(log.wait_end(t0));
+        }
+        for i in 0..CHURN {
+            std::fs::remove_file(file(i)).unwrap();
+        }
+        wait_until("churn removed", || {
+            endpoint(p0).is_some_and(|e| e.flags & ENDPOINT_INGRESS_ISOLATED == 0)
+        });
     }
-    for t0 in written {
-        churn.push(log.wait_end(t0));
-    }
-    for i in 0..CHURN {
-        std::fs::remove_file(dir.join(format!("zz-churn{i:03}.yaml"))).unwrap();
-    }
-    wait_until("churn removed", || {
-        endpoint(p0).is_some_and(|e| e.flags & ENDPOINT_INGRESS_ISOLATED == 0)
-    });
 
     // A ClusterNetworkPolicy over p000 (compiled in full, with every
     // other): enforced once its endpoint is tiered and no longer held
@@ -385,7 +437,7 @@ fn main() {
     let check_max_ms = metric("policy_agent_order_check_max_seconds") * 1000.0;
     drop(daemon);
     // A restart adopts the pinned maps, programs and links.
-    let (daemon, _, restart) = start(Source::Manifests(&dir), &[], Poll::Thread, None);
+    let (daemon, _, restart) = start("restart", Source::Manifests(&dir), &[], Poll::Thread, None);
     drop(daemon);
     // The maps go with the reset: the next agent makes its own.
     drop(maps);
@@ -404,10 +456,16 @@ fn main() {
     let api = FakeApi::start(&node.node, objects);
     let kubeconfig = dir.with_extension("kubeconfig");
     api.kubeconfig(&kubeconfig);
-    let (daemon, _, cluster_initial) = start(Source::Cluster(&kubeconfig), &[], Poll::Thread, None);
+    let (daemon, _, cluster_initial) = start(
+        "cluster",
+        Source::Cluster(&kubeconfig),
+        &[],
+        Poll::Thread,
+        None,
+    );
     let maps = BpfMaps::from_pins(&layout).unwrap();
     let endpoint = |ifindex: u32| maps.endpoint(ifindex).ok().flatten();
-    let mut log = SyncLog::new(log_path.clone());
+    let mut log = SyncLog::new(agent_log_path(&dir, "cluster"));
     let (mut api_add, mut api_add_last) = (Vec::new(), Vec::new());
     for round in 0..SAMPLES {
         let name = format!("api{round}");
@@ -433,14 +491,22 @@ fn main() {
     reset();
     drop(node);
     cleanup_prefix(PREFIX);
-    if std::env::var_os("BENCH_AGENT_LOG_FILE").is_none() {
-        let _ = std::fs::remove_file(&log_path);
+    if std::env::var_os("BENCH_AGENT_LOG_DIR").is_none() {
+        for phase in [
+            "tcx",
+            "spawned-poll",
+            "small",
+            "changes",
+            "restart",
+            "cluster",
+        ] {
+            let _ = std::fs::remove_file(agent_log_path(&dir, phase));
+        }
     }
     let _ = std::fs::remove_file(&kubeconfig);
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&small_dir);
 
-    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     let pods = NAMESPACES * PODS_PER_NS;
     let remote_pods_added = ((NAMESPACES - SMALL_NAMESPACES) * PODS_PER_NS) as f64;
     let per_remote_pod_rss = (ready_rss as f64 - small_rss as f64) * 1024.0 / remote_pods_added;
@@ -455,7 +521,7 @@ fn main() {
         "  start to ready (load + initial sync): netlink clsact (default) {:.0} ms (polled as before, by a process spawned every 0.5 ms: {:.0} ms), TCX {:.0} ms; restart over pinned state {:.0} ms; cluster mode (fake API server) {:.0} ms",
         ms(initial),
         ms(initial_spawned_poll),
-        ms(initial_tcx),
+        initial_tcx.map_or(f64::NAN, ms),
         ms(restart),
         ms(cluster_initial)
     );
@@ -468,7 +534,7 @@ fn main() {
         (
             "policy_add_last_write",
             "policy added -> its last write",
-            Figures::of(add_last),
+            Figures::of_carried(&add_last),
         ),
         (
             "relabel",
@@ -478,12 +544,12 @@ fn main() {
         (
             "relabel_last_write",
             "pod relabelled -> its last write",
-            Figures::of(relabel_last),
+            Figures::of_carried(&relabel_last),
         ),
         (
             "churn_last_write",
             "churn (100 policies within 1 s) -> each one's last write",
-            Figures::of(churn),
+            Figures::of_carried(&churn),
         ),
         (
             "cluster_policy",
@@ -493,7 +559,7 @@ fn main() {
         (
             "cluster_policy_last_write",
             "ClusterNetworkPolicy added -> its last write",
-            Figures::of(cluster_policy_last),
+            Figures::of_carried(&cluster_policy_last),
         ),
         (
             "api_policy_add",
@@ -503,7 +569,7 @@ fn main() {
         (
             "api_policy_add_last_write",
             "cluster mode: policy written to the API -> its last write",
-            Figures::of(api_add_last),
+            Figures::of_carried(&api_add_last),
         ),
     ];
     for (_, what, f) in &figures {
@@ -530,12 +596,13 @@ fn main() {
         "pods": pods, "policies": NAMESPACES * POLICIES_PER_NS, "namespaces": NAMESPACES, "local_pods": LOCAL,
         "initial_ready_ms": ms(initial),
         "initial_ready_spawned_poll_ms": ms(initial_spawned_poll),
-        "initial_ready_tcx_ms": ms(initial_tcx),
+        "initial_ready_tcx_ms": initial_tcx.map(ms),
         "restart_ready_ms": ms(restart),
         "cluster_initial_ready_ms": ms(cluster_initial),
         "samples": SAMPLES,
         "cluster_policy_samples": CLUSTER_POLICY_SAMPLES,
         "churn": CHURN,
+        "churn_bursts": CHURN_BURSTS,
         "peak_rss_mib": rss as f64 / 1024.0,
         "cgroup_peak_mib": charged_peak.map(mib),
         "small_cluster_pods": SMALL_NAMESPACES * PODS_PER_NS,

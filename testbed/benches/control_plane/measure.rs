@@ -11,12 +11,15 @@ use policy_testbed::fixtures::flow_reader::parse_rfc3339;
 /// The agent's log level: the lines the sync log reads, warnings else.
 pub const AGENT_LOG: &str = "warn,policy_agent::worker::reconcile=info,policy_agent::source::manifests::watch=info,policy_agent::source::kube=debug";
 
-/// Where the agent's log goes: BENCH_AGENT_LOG_FILE when set, else a
-/// file beside the manifests. Its sync lines say when each change's last
-/// write landed.
-pub fn agent_log_path(dir: &Path) -> PathBuf {
-    std::env::var_os("BENCH_AGENT_LOG_FILE")
-        .map_or_else(|| dir.with_extension("agent.log"), PathBuf::from)
+/// Where the log of the agent started for `phase` goes: in
+/// BENCH_AGENT_LOG_DIR when set (kept), else beside the manifests. Its
+/// sync lines say when each change's last write landed.
+pub fn agent_log_path(dir: &Path, phase: &str) -> PathBuf {
+    let name = format!("agent-{phase}.log");
+    std::env::var_os("BENCH_AGENT_LOG_DIR").map_or_else(
+        || dir.with_extension(&name),
+        |keep| PathBuf::from(keep).join(&name),
+    )
 }
 
 /// The agent's log, read as it grows: when a source read a change and
@@ -31,6 +34,18 @@ pub struct SyncLog {
     /// Each sync: (its reconcile's start, after which it takes nothing
     /// more; its end).
     syncs: Vec<(SystemTime, SystemTime)>,
+}
+
+/// Where one change's time went.
+#[derive(Clone, Copy)]
+pub struct Carried {
+    /// From the change to the end of the sync that carried it.
+    pub total: Duration,
+    /// The source's read of it (the directory re-read; zero for the API
+    /// watch, which logs no read time).
+    pub read: Duration,
+    /// The reconcile that carried it: compile and writes.
+    pub reconcile: Duration,
 }
 
 /// A `key=<micros>` field of a log line.
@@ -79,27 +94,29 @@ impl SyncLog {
         }
     }
 
-    /// The end of the sync that carried a change made at `t0`: the first
-    /// update a source began to read at or after `t0` (a read that began
-    /// earlier may have missed it: counting from the next one never
-    /// flatters), then the first sync whose reconcile began after that
-    /// update was sent.
-    fn carried(&self, t0: SystemTime) -> Option<SystemTime> {
-        let sent = self.reads.iter().find(|(start, _)| *start >= t0)?.1;
-        self.syncs
-            .iter()
-            .find(|(start, _)| *start >= sent)
-            .map(|(_, end)| *end)
+    /// The sync that carried a change made at `t0`: the first update a
+    /// source began to read at or after `t0` (a read that began earlier
+    /// may have missed it: counting from the next one never flatters),
+    /// then the first sync whose reconcile began after that update was
+    /// sent.
+    fn carried(&self, t0: SystemTime) -> Option<Carried> {
+        let (read_start, sent) = *self.reads.iter().find(|(start, _)| *start >= t0)?;
+        let (reconcile_start, end) = *self.syncs.iter().find(|(start, _)| *start >= sent)?;
+        Some(Carried {
+            total: end.duration_since(t0).unwrap_or_default(),
+            read: sent.duration_since(read_start).unwrap_or_default(),
+            reconcile: end.duration_since(reconcile_start).unwrap_or_default(),
+        })
     }
 
     /// Waits (30 s at most) for the sync that carried a change made at
-    /// `t0`; the time from `t0` to its end.
-    pub fn wait_end(&mut self, t0: SystemTime) -> Duration {
+    /// `t0`.
+    pub fn wait_end(&mut self, t0: SystemTime) -> Carried {
         let start = Instant::now();
         loop {
             self.poll();
-            if let Some(end) = self.carried(t0) {
-                return end.duration_since(t0).unwrap_or_default();
+            if let Some(carried) = self.carried(t0) {
+                return carried;
             }
             assert!(
                 start.elapsed() < Duration::from_secs(30),

@@ -13,9 +13,20 @@ fn latency_row(out: &mut String, c: &Value, what: &str, key: &str, goal: &str) {
     if c.get(format!("{key}_p99_ms")).is_none() {
         return;
     }
+    let parts = match (
+        c[format!("{key}_read_p50_ms")].as_f64(),
+        c[format!("{key}_reconcile_p50_ms")].as_f64(),
+    ) {
+        (Some(read), Some(reconcile)) => {
+            format!(
+                " (medians of its parts: the source's read {read:.1} ms, the reconcile {reconcile:.1} ms)"
+            )
+        }
+        _ => String::new(),
+    };
     let _ = writeln!(
         out,
-        "| {what}, p50 / p99 / max | {:.1} / {:.1} / {:.1} ms | {goal} |",
+        "| {what}, p50 / p99 / max{parts} | {:.1} / {:.1} / {:.1} ms | {goal} |",
         f(c, &format!("{key}_p50_ms")),
         f(c, &format!("{key}_p99_ms")),
         f(c, &format!("{key}_max_ms"))
@@ -27,7 +38,7 @@ pub(super) fn control_plane(out: &mut String, c: &Value) {
     section_load(out, c);
     let _ = writeln!(
         out,
-        "{} pods, {} policies, {} namespaces ({} pods local, the rest fill the ipcache). With manifests, a file rewritten (temporary file and rename); in cluster mode, an object written to the fake API server, which the agent watches. {} samples of each change ({} of a ClusterNetworkPolicy, each a full compile); nearest-rank percentiles. Each change has two ends: its endpoint entry changed (read from the pins; the change's later writes may still be landing), and its last write (the end of the sync that carried it, from the agent's log; with manifests, counted from the first directory read that began after the write, which never flatters). The churn writes {} new policies within one second, one every 10 ms, and times each to the end of the sync that carried it.\n",
+        "{} pods, {} policies, {} namespaces ({} pods local, the rest fill the ipcache). With manifests, a file rewritten (temporary file and rename); in cluster mode, an object written to the fake API server, which the agent watches. {} samples of each change ({} of a ClusterNetworkPolicy, each a full compile); nearest-rank percentiles. Each change has two ends: its endpoint entry changed (read from the pins; the change's later writes may still be landing), and its last write (the end of the sync that carried it, from the agent's log; with manifests, counted from the first directory read that began after the write, which never flatters). The churn writes {} new policies within one second, one every 10 ms ({} such bursts, removed between them), and times each to the end of the sync that carried it.\n",
         c["pods"],
         c["policies"],
         c["namespaces"],
@@ -35,6 +46,7 @@ pub(super) fn control_plane(out: &mut String, c: &Value) {
         c["samples"],
         c["cluster_policy_samples"].as_u64().unwrap_or(200),
         c["churn"].as_u64().unwrap_or(100),
+        c["churn_bursts"].as_u64().unwrap_or(1),
     );
     let _ = writeln!(out, "| figure | value | goal |\n|---|---:|---:|");
     let polled_before = if c.get("initial_ready_spawned_poll_ms").is_some() {
@@ -50,11 +62,12 @@ pub(super) fn control_plane(out: &mut String, c: &Value) {
         "| start → ready, first install with netlink clsact filters, the default (program load + initial full sync; readiness polled from a thread every 2 ms){polled_before} | {:.0} ms | < 1 s |",
         f(c, "initial_ready_ms")
     );
-    let _ = writeln!(
-        out,
-        "| start → ready, first install with TCX links (`--attach tcx`) | {:.0} ms | reported |",
-        f(c, "initial_ready_tcx_ms")
-    );
+    if let Some(tcx) = c["initial_ready_tcx_ms"].as_f64() {
+        let _ = writeln!(
+            out,
+            "| start → ready, first install with TCX links (`--attach tcx`) | {tcx:.0} ms | reported |"
+        );
+    }
     let _ = writeln!(
         out,
         "| restart → ready over the pinned state (maps, programs and links adopted) | {:.0} ms | < 0.5 s |",
