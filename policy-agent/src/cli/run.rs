@@ -31,8 +31,9 @@ pub struct Args {
     pub metrics_listen: Option<SocketAddr>,
     #[command(flatten)]
     pub enforce: EnforceArgs,
-    /// Quiet time (ms) that ends a burst of changes.
-    #[arg(long, default_value_t = 20)]
+    /// Quiet time (ms) that ends a burst of changes. 0: sync as soon as a
+    /// change arrives; what arrives during a sync goes into the next one.
+    #[arg(long, default_value_t = 0)]
     pub debounce_ms: u64,
     /// Accept pods from the chained CNI plugin (`policy-cni`) on this unix
     /// socket: a new pod is enforced before its CNI ADD returns. The

@@ -3,8 +3,9 @@
 //! node's own addresses) publish changes; netlink link and pod-route
 //! events, CNI hand-offs and the timers are triggers too; each sends
 //! straight into the one inbox of the sync worker thread, which owns the
-//! [`Enforcer`] (the compiler and the datapath) and reconciles after each
-//! settled burst; an HTTP server exposes metrics and health.
+//! [`Enforcer`] (the compiler and the datapath) and reconciles as soon as
+//! a change arrives, folding what arrives during a sync into the next one;
+//! an HTTP server exposes metrics and health.
 mod enforcer;
 mod handoff;
 mod inbox;
@@ -46,7 +47,9 @@ pub struct Config {
     pub metrics_listen: Option<SocketAddr>,
     /// Bounds of each HTTP listener.
     pub http_limits: metrics::Limits,
-    /// Quiet time that ends a burst of changes (then one sync).
+    /// Quiet time that ends a burst of changes (then one sync). Zero: a
+    /// sync starts as soon as a change arrives, taking what has arrived by
+    /// then; what arrives during a sync goes into the next one.
     pub debounce: Duration,
     /// Longest a burst may delay a sync.
     pub max_delay: Duration,
@@ -99,7 +102,7 @@ impl Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 9402)),
             metrics_listen: None,
             http_limits: metrics::Limits::default(),
-            debounce: Duration::from_millis(20),
+            debounce: Duration::ZERO,
             max_delay: Duration::from_millis(250),
             settle: Duration::from_millis(20),
             poll: Duration::from_millis(500),

@@ -1,5 +1,6 @@
 //! The sync worker, shaped like a kube-rs controller: triggers are
-//! coalesced (debounced) into one [`reconcile`] per burst; a failure goes
+//! coalesced into one [`reconcile`] (on the leading edge: what has arrived
+//! when the worker is free, or after a quiet time where one is set); a failure goes
 //! through [`error_policy`], which decides when to try again; every
 //! outcome is recorded in one place ([`record`]). One thread owns the
 //! enforcer (compiler and datapath).
@@ -156,9 +157,10 @@ enum Collected {
     Sync { started: Instant },
 }
 
-/// Waits for a trigger (or the pending retry at `retry_at`), then lets the
-/// burst settle: until `debounce` passes quietly, at most `max_delay`. A
-/// CNI hand-off does not wait for quiet: a pod's start waits on it, so
+/// Waits for a trigger (or the pending retry at `retry_at`), then takes
+/// what has arrived meanwhile; with a `debounce` set, lets the burst
+/// settle: until `debounce` passes quietly, at most `max_delay`. A CNI
+/// hand-off does not wait for quiet: a pod's start waits on it, so
 /// what has arrived by then is taken and the sync runs at once.
 fn collect(
     ctx: &Context,
@@ -414,6 +416,30 @@ mod tests {
             collect(&ctx, &inbox, &mut state, None),
             Collected::Stop
         ));
+    }
+
+    #[test]
+    fn without_a_debounce_a_sync_takes_what_has_arrived_and_starts_at_once() {
+        let ctx = context(Duration::ZERO, Duration::from_secs(5));
+        let mut state = State::new(&ctx.config);
+        let (inbox, sink) = inbox::new();
+        sink.send(node_update());
+        sink.send(Trigger::Links);
+        assert!(matches!(
+            collect(&ctx, &inbox, &mut state, None),
+            Collected::Sync { .. }
+        ));
+        assert!(
+            state.heard.contains(&SourceId::Node) && state.links,
+            "both queued triggers are in this sync"
+        );
+        // Nothing queued: the next trigger is the next sync's.
+        sink.send(Trigger::Resync);
+        assert!(matches!(
+            collect(&ctx, &inbox, &mut state, None),
+            Collected::Sync { .. }
+        ));
+        assert!(state.resync);
     }
 
     #[test]

@@ -153,7 +153,8 @@ fn node_entry(n: &Node) -> Option<(String, NodeInfo)> {
 }
 
 /// Watches the cluster and publishes every object once each kind is
-/// listed, then what changed after each settled burst, until `sink` is
+/// listed, then what changed once the watches have nothing more ready
+/// (and `settle` passed quietly, where it is not zero), until `sink` is
 /// closed. With `service_cidrs`, the Service ranges too (without:
 /// `--service-cidr` gives them).
 pub async fn watch(client: Client, settle: Duration, sink: Sink, service_cidrs: bool) {
