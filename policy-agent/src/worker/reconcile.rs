@@ -12,7 +12,7 @@ use std::{
 };
 
 use tokio::sync::mpsc::UnboundedSender;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::{
     Config, Enforcer,
@@ -105,6 +105,12 @@ pub fn spawn(ctx: Context, inbox: Inbox) -> std::io::Result<JoinHandle<()>> {
 
 fn run(ctx: &Context, inbox: &Inbox) {
     let mut state = State::new(&ctx.config);
+    // Opened at once, while the sources read the cluster: the first sync
+    // then waits for the slower of the two, not for both in turn. A
+    // failure here is the first reconcile's to retry and report.
+    if let Err(e) = open(ctx, &mut state) {
+        debug!(error = %e, "the datapath did not open at start; the first sync tries again");
+    }
     let mut retry_at: Option<Instant> = None;
     loop {
         let wake = match (retry_at, state.handoffs.next_deadline()) {
@@ -235,16 +241,22 @@ fn collect(
     }
 }
 
-/// Opens the datapath if need be and enforces every pending change.
-fn reconcile(ctx: &Context, state: &mut State) -> Result<SyncReport, Error> {
+/// Opens the datapath unless it is open. Changes wait (uncompiled) until
+/// it is, so the compiler starts from the identity numbers it already
+/// uses.
+fn open(ctx: &Context, state: &mut State) -> Result<(), Error> {
     if state.enforcer.is_none() {
-        // Changes wait (uncompiled) until the datapath opens, so the
-        // compiler starts from the identity numbers it already uses.
         let enforcer =
             Enforcer::open(&ctx.config.datapath, ctx.config.compile).map_err(Error::Open)?;
         ctx.metrics.set_datapath(enforcer.metrics());
         state.enforcer = Some(enforcer);
     }
+    Ok(())
+}
+
+/// Opens the datapath if need be and enforces every pending change.
+fn reconcile(ctx: &Context, state: &mut State) -> Result<SyncReport, Error> {
+    open(ctx, state)?;
     let Some(enforcer) = state.enforcer.as_mut() else {
         unreachable!("opened above");
     };
