@@ -248,6 +248,36 @@ pub struct Directory {
 /// The changes of one kind of object after `touched` files changed (each
 /// with its old content): for every key those files held before or hold
 /// now, its winner before (in `merged`) against its winner now.
+/// A problem on each file that defines an object of `kind` a file before
+/// it (in name order) already defined.
+fn duplicates<K: std::hash::Hash + Eq + std::fmt::Display, V>(
+    files: &BTreeMap<PathBuf, FileContent>,
+    kind: &str,
+    field: impl Fn(&FileContent) -> &BTreeMap<K, V>,
+    out: &mut Vec<Problem>,
+) {
+    let mut seen: std::collections::HashMap<&K, &Path> = std::collections::HashMap::new();
+    for (path, f) in files {
+        for key in field(f).keys() {
+            match seen.entry(key) {
+                std::collections::hash_map::Entry::Occupied(first) => out.push(Problem::new(
+                    Subject::Document {
+                        file: path.clone(),
+                        document: None,
+                    },
+                    format!(
+                        "{kind} {key} is defined again (first in {}); the first definition is used",
+                        first.get().display()
+                    ),
+                )),
+                std::collections::hash_map::Entry::Vacant(slot) => {
+                    slot.insert(path);
+                }
+            }
+        }
+    }
+}
+
 fn merge_keys<V: Keyed>(
     files: &BTreeMap<PathBuf, FileContent>,
     touched: &[(PathBuf, FileContent)],
@@ -392,41 +422,21 @@ impl Directory {
     fn problems(&self) -> Vec<Problem> {
         let mut out: Vec<Problem> = self.listing.iter().cloned().collect();
         out.extend(self.files.values().flat_map(|f| f.problems.iter().cloned()));
-        // Objects defined in more than one file.
-        let mut seen: BTreeMap<String, &Path> = BTreeMap::new();
-        for (path, f) in &self.files {
-            let keys = f
-                .namespaces
-                .keys()
-                .map(|k| format!("Namespace {k}"))
-                .chain(f.pods.keys().map(|k| format!("Pod {k}")))
-                .chain(f.policies.keys().map(|k| format!("NetworkPolicy {k}")))
-                .chain(
-                    f.cluster_policies
-                        .keys()
-                        .map(|k| format!("ClusterNetworkPolicy {k}")),
-                )
-                .chain(f.nodes.keys().map(|k| format!("Node {k}")))
-                .chain(f.services.keys().map(|k| format!("Service {k}")))
-                .chain(f.slices.keys().map(|k| format!("EndpointSlice {k}")));
-            for key in keys {
-                match seen.get(&key) {
-                    Some(first) => out.push(Problem::new(
-                        Subject::Document {
-                            file: path.clone(),
-                            document: None,
-                        },
-                        format!(
-                            "{key} is defined again (first in {}); the first definition is used",
-                            first.display()
-                        ),
-                    )),
-                    None => {
-                        seen.insert(key, path);
-                    }
-                }
-            }
-        }
+        // Objects defined in more than one file, kind by kind; keys are
+        // only formatted for a duplicate (this runs on every re-read).
+        let files = &self.files;
+        duplicates(files, "Namespace", |f| &f.namespaces, &mut out);
+        duplicates(files, "Pod", |f| &f.pods, &mut out);
+        duplicates(files, "NetworkPolicy", |f| &f.policies, &mut out);
+        duplicates(
+            files,
+            "ClusterNetworkPolicy",
+            |f| &f.cluster_policies,
+            &mut out,
+        );
+        duplicates(files, "Node", |f| &f.nodes, &mut out);
+        duplicates(files, "Service", |f| &f.services, &mut out);
+        duplicates(files, "EndpointSlice", |f| &f.slices, &mut out);
         out
     }
 }
