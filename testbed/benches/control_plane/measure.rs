@@ -28,8 +28,9 @@ pub struct SyncLog {
     path: PathBuf,
     offset: usize,
     /// Each update a source sent: (when its read began, when it was sent;
-    /// the line is logged once it is). The manifest watcher's read begins
-    /// `read_us` before; the API watch's publication reads nothing more.
+    /// the line is logged right before). The manifest watcher's read
+    /// begins `read_us` before; the API watch's publication reads nothing
+    /// more.
     reads: Vec<(SystemTime, SystemTime)>,
     /// Each sync: (its reconcile's start, after which it takes nothing
     /// more; its end).

@@ -277,16 +277,15 @@ pub async fn watch(client: Client, settle: Duration, sink: Sink, service_cidrs: 
                     continue;
                 }
                 published = Some(problems.clone());
-                let count = changes.len();
+                // Logged before it is sent: the sync worker may take it
+                // (and finish) before this task runs again.
+                debug!(changes = changes.len(), "cluster changes published");
                 let update = SourceUpdate {
                     source: SourceId::Kube,
                     changes: std::mem::take(&mut changes),
                     problems,
                 };
-                let sent = sink.send(update);
-                // Logged once sent: a sync that began after this line has it.
-                debug!(changes = count, "cluster changes published");
-                if !sent {
+                if !sink.send(update) {
                     return;
                 }
             }

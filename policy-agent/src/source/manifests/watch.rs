@@ -157,15 +157,14 @@ pub async fn watch(dir: PathBuf, settle: Duration, poll: Duration, sink: Sink) {
         }
         let t = std::time::Instant::now();
         if let Some((changes, problems)) = directory.refresh(&dir) {
-            let (count, read_us) = (changes.len(), t.elapsed().as_micros() as u64);
-            let sent = sink.send(SourceUpdate {
+            // Logged before it is sent: the sync worker may take it (and
+            // finish) before this thread runs again.
+            info!(dir = %dir.display(), changes = changes.len(), read_us = t.elapsed().as_micros() as u64, "manifests changed");
+            if !sink.send(SourceUpdate {
                 source: SourceId::Manifests,
                 changes,
                 problems,
-            });
-            // Logged once sent: a sync that began after this line has it.
-            info!(dir = %dir.display(), changes = count, read_us, "manifests changed");
-            if !sent {
+            }) {
                 return;
             }
         }
