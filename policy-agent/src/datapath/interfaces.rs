@@ -123,6 +123,14 @@ pub struct InterfaceCache {
 }
 
 impl InterfaceCache {
+    /// An empty cache whose first full sync re-verifies every attachment.
+    pub fn verifying() -> Self {
+        Self {
+            verify: true,
+            ..Self::default()
+        }
+    }
+
     pub fn clear(&mut self) {
         self.found.clear();
         self.verify = true;

@@ -33,6 +33,7 @@ mod netns;
 mod node_addresses;
 mod pod_range_guard_netns;
 mod policy_budget;
+mod restart_verifies;
 mod sctp;
 mod services;
 mod staged;

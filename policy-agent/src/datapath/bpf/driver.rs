@@ -55,7 +55,10 @@ impl BpfDriver {
             dp,
             enforcement,
             last: None,
-            interfaces: InterfaceCache::default(),
+            // The first sync checks every attachment the pins record: while
+            // no agent ran, an interface may have lost its programs or been
+            // made again under the same index.
+            interfaces: InterfaceCache::verifying(),
             flows: FlowObserver::new(opts.flows.log),
             kernel_log: false,
             conntrack_share: (opts.conntrack_share, false),

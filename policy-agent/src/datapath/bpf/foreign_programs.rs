@@ -105,8 +105,8 @@ impl OrderWatch {
     pub fn changed(&mut self, dp: &mut PinnedClassifier) -> bool {
         match snapshot(dp) {
             Ok(now) => {
-                // Before any verifying full pass (a restarted agent
-                // adopts attachments unchecked), anything ahead counts.
+                // Before the first full pass has looked (it verifies
+                // every attachment), anything ahead counts.
                 let changed = match &self.seen {
                     Some(seen) => *seen != now,
                     None => !now.is_empty(),
