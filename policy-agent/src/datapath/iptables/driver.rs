@@ -43,6 +43,8 @@ pub struct IptablesDriver {
     pub names_file: Option<PathBuf>,
     /// The hash of what the names file last got (None: write it).
     names_written: Option<u64>,
+    /// The names the last sync left in the file.
+    names_last: Option<IptablesNames>,
     /// The daemon's flow thread on the NFLOG group, and the pin root its
     /// subscribers' socket is named after.
     flows: FlowObserver,
@@ -79,6 +81,7 @@ impl IptablesDriver {
             flow_log: None,
             names_file: None,
             names_written: None,
+            names_last: None,
             flows: FlowObserver::new(FlowLog::default()),
             flows_layout: None,
         }
@@ -125,15 +128,14 @@ impl IptablesDriver {
         (ruleset, problems, indexes)
     }
 
-    /// Writes the names file when it is asked for and its content changed
-    /// (a failure is a problem of the node, not of enforcement).
-    fn write_names(
-        &mut self,
+    /// The names the rules of `desired` can record (None: no names file).
+    fn names_for(
+        &self,
         desired: &Desired<'_>,
         interfaces: &BTreeMap<PodRef, u32>,
-    ) -> Option<Problem> {
-        let path = self.names_file.as_ref()?;
-        let names = IptablesNames {
+    ) -> Option<IptablesNames> {
+        self.names_file.as_ref()?;
+        Some(IptablesNames {
             group: self.flow_log.map(|o| o.group),
             rules: desired.maps.rule_names.clone(),
             identities: desired.maps.identities.clone(),
@@ -148,12 +150,18 @@ impl IptablesDriver {
                     (*ifindex, ips)
                 })
                 .collect(),
-        };
+        })
+    }
+
+    /// Writes the names file when it is asked for and its content changed
+    /// (a failure is a problem of the node, not of enforcement).
+    fn write_names(&mut self, names: &IptablesNames) -> Option<Problem> {
+        let path = self.names_file.as_ref()?;
         let hash = fnv1a64(names.to_json().as_bytes());
         if self.names_written == Some(hash) {
             return None;
         }
-        match flow_log::write_names(path, &names) {
+        match flow_log::write_names(path, names) {
             Ok(()) => {
                 self.names_written = Some(hash);
                 None
@@ -223,11 +231,26 @@ impl Datapath for IptablesDriver {
                 first = Some(r);
             }
         }
+        // Names go in before the rules that can record them (with those of
+        // the rules still in place), and what only the old rules named
+        // goes after them: a record is never made with a number the file
+        // does not name yet.
+        let names = self.names_for(desired, &interfaces);
+        if let Some(new) = &names {
+            let both = match &self.names_last {
+                Some(last) => last.union(new),
+                None => new.clone(),
+            };
+            problems.extend(self.write_names(&both));
+        }
         if let Some(r) = &first {
             self.exec.apply(r)?;
         }
         let applied = self.exec.apply(&ruleset)?;
-        problems.extend(self.write_names(desired, &interfaces));
+        if let Some(new) = names {
+            problems.extend(self.write_names(&new));
+            self.names_last = Some(new);
+        }
         self.installed = interfaces;
         if applied.wrote_anything() {
             info!(

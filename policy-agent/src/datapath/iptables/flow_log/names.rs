@@ -48,6 +48,24 @@ pub struct IptablesNames {
     pub pod_addresses: BTreeMap<u32, Vec<IpAddr>>,
 }
 
+impl IptablesNames {
+    /// These names with `newer`'s added (and `newer`'s where both name a
+    /// number): what the rules in place and the rules about to replace
+    /// them can both record.
+    pub fn union(&self, newer: &Self) -> Self {
+        let mut out = self.clone();
+        out.group = newer.group;
+        out.rules.extend(newer.rules.iter().map(|(k, v)| (*k, *v)));
+        out.identities
+            .extend(newer.identities.iter().map(|(k, v)| (*k, *v)));
+        out.pods
+            .extend(newer.pods.iter().map(|(k, v)| (*k, v.clone())));
+        out.pod_addresses
+            .extend(newer.pod_addresses.iter().map(|(k, v)| (*k, v.clone())));
+        out
+    }
+}
+
 #[derive(Serialize, Deserialize)]
 struct File {
     version: u32,
@@ -351,6 +369,29 @@ mod tests {
             vec!["10.244.1.12".parse().unwrap(), "fd00::c".parse().unwrap()],
         );
         n
+    }
+
+    #[test]
+    fn the_union_keeps_the_old_names_and_takes_the_new() {
+        let old = sample();
+        let mut new = IptablesNames {
+            group: Some(10411),
+            ..IptablesNames::default()
+        };
+        new.identities
+            .insert(9, identity_name(1, "k8s:app=web;ns=gamma"));
+        new.identities
+            .insert(7, identity_name(1, "k8s:app=db;ns=beta"));
+        let both = old.union(&new);
+        assert_eq!(both.group, Some(10411));
+        assert_eq!(both.identities.len(), 3, "7 and 8 kept, 9 added");
+        assert_eq!(
+            both.identities[&7], new.identities[&7],
+            "the newer name wins"
+        );
+        assert_eq!(both.identities[&8], old.identities[&8]);
+        assert_eq!(both.rules, old.rules);
+        assert_eq!(both.pods, old.pods);
     }
 
     #[test]
