@@ -249,13 +249,18 @@ pub struct Directory {
 /// with its old content): for every key those files held before or hold
 /// now, its winner before (in `merged`) against its winner now.
 /// A problem on each file that defines an object of `kind` a file before
-/// it (in name order) already defined.
+/// it (in name order) already defined; `distinct` is how many different
+/// objects of the kind the files hold.
 fn duplicates<K: std::hash::Hash + Eq + std::fmt::Display, V>(
     files: &BTreeMap<PathBuf, FileContent>,
     kind: &str,
     field: impl Fn(&FileContent) -> &BTreeMap<K, V>,
+    distinct: usize,
     out: &mut Vec<Problem>,
 ) {
+    if files.values().map(|f| field(f).len()).sum::<usize>() == distinct {
+        return;
+    }
     let mut seen: std::collections::HashMap<&K, &Path> = std::collections::HashMap::new();
     for (path, f) in files {
         for key in field(f).keys() {
@@ -422,21 +427,47 @@ impl Directory {
     fn problems(&self) -> Vec<Problem> {
         let mut out: Vec<Problem> = self.listing.iter().cloned().collect();
         out.extend(self.files.values().flat_map(|f| f.problems.iter().cloned()));
-        // Objects defined in more than one file, kind by kind; keys are
-        // only formatted for a duplicate (this runs on every re-read).
-        let files = &self.files;
-        duplicates(files, "Namespace", |f| &f.namespaces, &mut out);
-        duplicates(files, "Pod", |f| &f.pods, &mut out);
-        duplicates(files, "NetworkPolicy", |f| &f.policies, &mut out);
+        // Objects defined in more than one file, kind by kind. This runs
+        // on every re-read: a kind whose files hold as many objects as the
+        // merge (which has each key once) has none, and is not scanned.
+        let (files, m) = (&self.files, &self.merged);
+        duplicates(
+            files,
+            "Namespace",
+            |f| &f.namespaces,
+            m.namespaces.len(),
+            &mut out,
+        );
+        duplicates(files, "Pod", |f| &f.pods, m.pods.len(), &mut out);
+        duplicates(
+            files,
+            "NetworkPolicy",
+            |f| &f.policies,
+            m.policies.len(),
+            &mut out,
+        );
         duplicates(
             files,
             "ClusterNetworkPolicy",
             |f| &f.cluster_policies,
+            m.cluster_policies.len(),
             &mut out,
         );
-        duplicates(files, "Node", |f| &f.nodes, &mut out);
-        duplicates(files, "Service", |f| &f.services, &mut out);
-        duplicates(files, "EndpointSlice", |f| &f.slices, &mut out);
+        duplicates(files, "Node", |f| &f.nodes, m.nodes.len(), &mut out);
+        duplicates(
+            files,
+            "Service",
+            |f| &f.services,
+            m.services.len(),
+            &mut out,
+        );
+        duplicates(
+            files,
+            "EndpointSlice",
+            |f| &f.slices,
+            m.endpoint_slices.len(),
+            &mut out,
+        );
         out
     }
 }
@@ -479,6 +510,12 @@ mod tests {
         assert_eq!(
             d.merged.pods[&ObjectRef::new("d", "p2")].labels["app"],
             "shadowed"
+        );
+        assert!(
+            !d.problems()
+                .iter()
+                .any(|p| p.reason.contains("defined again")),
+            "each pod in one file again: no duplicate"
         );
         std::fs::remove_file(dir.join("b.yaml")).unwrap();
         let (changes, _) = d.refresh(&dir).unwrap();
