@@ -256,29 +256,21 @@ impl Drop for MemoryCgroup {
     }
 }
 
-/// What the verifier processed for each pinned program in `dir` (bpftool's
-/// `verified_insns`, the kernel's count since 5.16): (name, instructions).
+/// What the verifier processed for each pinned program in `dir` (the
+/// kernel's `verified_insns`, since 5.16): (name, instructions).
 pub fn verified_instructions(dir: &Path) -> Vec<(String, u64)> {
-    let mut out = Vec::new();
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return out;
-    };
-    for entry in entries.flatten() {
-        let Ok(shown) = std::process::Command::new("bpftool")
-            .args(["prog", "show", "pinned"])
-            .arg(entry.path())
-            .arg("-j")
-            .output()
-        else {
-            continue;
-        };
-        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&shown.stdout) else {
-            continue;
-        };
-        if let (Some(name), Some(insns)) = (v["name"].as_str(), v["verified_insns"].as_u64()) {
-            out.push((name.to_owned(), insns));
-        }
-    }
+    let mut out: Vec<(String, u64)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let info = aya::programs::ProgramInfo::from_pin(entry.path()).ok()?;
+            Some((
+                entry.file_name().to_string_lossy().into_owned(),
+                u64::from(info.verified_instruction_count()?),
+            ))
+        })
+        .collect();
     out.sort();
     out
 }

@@ -89,7 +89,10 @@ pub(super) fn control_plane(out: &mut String, c: &Value) {
         all("restart_ready_all_ms"),
         f(c, "restart_ready_ms")
     );
-    if let Some(programs) = c["verified_instructions"].as_array() {
+    if let Some(programs) = c["verified_instructions"]
+        .as_array()
+        .filter(|p| !p.is_empty())
+    {
         let list: Vec<String> = programs
             .iter()
             .map(|p| {
