@@ -111,8 +111,9 @@ async fn next_events(fd: &AsyncFd<OwnedFd>, writing: &mut Writing) {
     }
 }
 
-/// Publishes the directory's state at start and its changes after every
-/// settled burst of file events, until `sink` is closed.
+/// Publishes the directory's state at start and its changes as file events
+/// arrive (once no file they name is still open for writing), until
+/// `sink` is closed.
 pub async fn watch(dir: PathBuf, settle: Duration, poll: Duration, sink: Sink) {
     let mut directory = Directory::default();
     // None: an empty directory, still the source's first word.
