@@ -18,6 +18,11 @@ fn now_ns(clock: libc::clockid_t) -> i128 {
     i128::from(ts.tv_sec) * 1_000_000_000 + i128::from(ts.tv_nsec)
 }
 
+/// CLOCK_MONOTONIC now, in ns: what records are stamped with.
+pub fn monotonic_ns() -> u64 {
+    u64::try_from(now_ns(libc::CLOCK_MONOTONIC)).unwrap_or(0)
+}
+
 impl WallClock {
     pub fn now() -> Self {
         let mono = now_ns(libc::CLOCK_MONOTONIC);

@@ -15,7 +15,7 @@ use tracing::{info, warn};
 
 use super::{
     FlowLog,
-    clock::WallClock,
+    clock::{WallClock, monotonic_ns},
     hub::{Hub, Line},
     naming::{FlowNamer, NameSource},
     record::Verdict,
@@ -24,17 +24,6 @@ use super::{
     stats::FlowStats,
 };
 use crate::{datapath::bpf::pins::PinLayout, mapstate::StagedView};
-
-/// CLOCK_MONOTONIC now, in ns (what records are stamped with).
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a valid timespec to write into; the clock always exists.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
-}
 
 /// Lines the flow log writes a second at most (the rest are counted).
 const FLOW_LOG_PER_SECOND: usize = 20;
