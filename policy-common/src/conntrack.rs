@@ -2,52 +2,72 @@
 //! established flow skip the policy lookups.
 use crate::assert_size;
 
-/// Key of `CONNTRACK`: a flow as its opening packet travelled at one
-/// host-side interface, in one direction.
+/// Key of `CONNTRACK`: one flow at one host-side interface, named from
+/// the pod's side: its `local` address and port, the peer's `remote` ones.
+/// Both directions of a flow thus share one key (what the pod sends:
+/// source local, destination remote; what reaches it: the other way
+/// round), so a packet of either direction costs one lookup, and the
+/// value says which way the flow was opened ([`CtEntry::direction`]): a
+/// packet going the same way continues it, one going the other way
+/// answers it.
 ///
 /// The ifindex is part of the key because one pod-to-pod flow on a node
 /// crosses two interfaces, each judged by its own pod's policy; an entry
-/// made at one must never admit traffic at the other. The direction is
-/// part of it because an entry opened by what the pod sent continues only
-/// with what the pod sends (and is answered only by what it receives), and
-/// the other way round: a hit must be the same hook with the same tuple
-/// (forward) or the other hook with the reversed tuple (reply). IPv4
-/// addresses use the first 4 bytes, the rest zero. Ports are host order;
-/// ICMP echo uses the identifier as both ports so a reply's reversed key
-/// matches.
+/// made at one must never admit traffic at the other. IPv4 addresses use
+/// the first 4 bytes, the rest zero. Ports are host order; ICMP echo uses
+/// the identifier as both ports, and only echo keeps its opener's
+/// direction in the key (`opener`): a request continues only the flow it
+/// opened and a reply answers only a request (see [`ct_lookups`]), so the
+/// two roles must not meet under one key. Every other protocol has
+/// [`CT_OPENER_EITHER`] there.
 #[repr(C)]
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct CtKey {
     pub ifindex: u32,
-    pub src: [u8; 16],
-    pub dst: [u8; 16],
-    pub sport: u16,
-    pub dport: u16,
+    /// The pod's side: the source of what it sends.
+    pub local: [u8; 16],
+    /// The peer's side.
+    pub remote: [u8; 16],
+    pub local_port: u16,
+    pub remote_port: u16,
     pub protocol: u8,
     /// [`crate::family`].
     pub family: u8,
-    /// [`crate::direction`] of the flow's opening packet.
-    pub direction: u8,
+    /// ICMP echo: the [`crate::direction`] its request travelled;
+    /// [`CT_OPENER_EITHER`] for every other protocol.
+    pub opener: u8,
     pub _pad: u8,
 }
 assert_size!(CtKey, 44);
 
+/// [`CtKey::opener`] of every flow but ICMP echo: one key for both ways.
+pub const CT_OPENER_EITHER: u8 = 0xff;
+
+/// [`CtKey::opener`] for a packet of `protocol` travelling `dir` that
+/// opens a flow (`opening`) or looks one up in the role [`ct_lookups`]
+/// gives it: an echo reply looks for the request that went the other way.
+#[inline(always)]
+pub const fn ct_opener(protocol: u8, icmp_type: u8, dir: u8, opening: bool) -> u8 {
+    if !matches!(protocol, crate::proto::ICMP | crate::proto::ICMPV6) {
+        return CT_OPENER_EITHER;
+    }
+    if !opening && ct_lookups(protocol, icmp_type) == CT_LOOKUP_REPLY {
+        crate::direction::opposite(dir)
+    } else {
+        dir
+    }
+}
+
 impl CtKey {
-    /// The key of the flow a reply to this one belongs to: the tuple
-    /// reversed, opened in the other direction.
+    /// The opener's tuple as its first packet travelled: (source, its
+    /// port, destination, its port), given the entry's `direction`.
     #[inline(always)]
-    pub const fn reply(&self) -> Self {
-        Self {
-            ifindex: self.ifindex,
-            src: self.dst,
-            dst: self.src,
-            sport: self.dport,
-            dport: self.sport,
-            protocol: self.protocol,
-            family: self.family,
-            direction: crate::direction::opposite(self.direction),
-            _pad: 0,
+    pub const fn as_opened(&self, direction: u8) -> ([u8; 16], u16, [u8; 16], u16) {
+        if direction == crate::direction::EGRESS {
+            (self.local, self.local_port, self.remote, self.remote_port)
+        } else {
+            (self.remote, self.remote_port, self.local, self.local_port)
         }
     }
 }
@@ -115,8 +135,9 @@ pub struct CtEntry {
     pub last_seen_ns: u64,
     /// The endpoint revision the flow was last judged under.
     pub revision: u32,
-    /// [`crate::direction`] of the packet that opened the flow (as in the
-    /// key; kept here for `dump`).
+    /// [`crate::direction`] of the packet that opened the flow: a packet
+    /// travelling this way continues it, one travelling the other way
+    /// answers it (see [`CtKey`]).
     pub direction: u8,
     /// `CT_FLAG_*`.
     pub flags: u8,

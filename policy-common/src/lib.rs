@@ -29,7 +29,7 @@ pub mod model;
 
 /// The map layout version. Pins live under `<pin root>/v{LAYOUT_VERSION}`, so
 /// an agent never opens a map written with another layout.
-pub const LAYOUT_VERSION: u32 = 3;
+pub const LAYOUT_VERSION: u32 = 4;
 
 /// Direction of a packet relative to the local pod.
 ///

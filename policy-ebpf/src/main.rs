@@ -121,7 +121,13 @@ mod floors {
         if parse(&ctx, &mut s.pkt) == IP {
             // SAFETY: the context pointer is the kernel's __sk_buff for this run.
             let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-            fill_ct_key(&mut s.ct, ifindex, policy_common::direction::EGRESS, &s.pkt);
+            fill_ct_key(
+                &mut s.ct,
+                ifindex,
+                policy_common::direction::EGRESS,
+                &s.pkt,
+                policy_common::conntrack::CT_OPENER_EITHER,
+            );
             if CONNTRACK.get_ptr(&s.ct).is_some() {
                 return TC_ACT_UNSPEC;
             }

@@ -357,7 +357,9 @@ fn parse_l4(ctx: &TcContext, l4: usize, pkt: &mut IpPacket) -> Parsed {
 }
 
 /// Reads the header an ICMP error quotes into `key` (the flow it is
-/// about, as that flow's packets travelled). `None` if it cannot be read:
+/// about, as the quoted packet travelled: `local` its source, `remote`
+/// its destination; the caller turns it to the pod's side). `None` if it
+/// cannot be read:
 /// the error is then judged as an ordinary ICMP packet.
 pub fn quoted_flow(ctx: &TcContext, off: usize, v6: bool, key: &mut CtKey) -> Option<()> {
     // A bound the verifier can see; real quoted headers start far earlier.
@@ -367,8 +369,8 @@ pub fn quoted_flow(ctx: &TcContext, off: usize, v6: bool, key: &mut CtKey) -> Op
     let l4;
     if v6 {
         let ip = read::<Ipv6Hdr>(ctx, off)?;
-        key.src = ip.src_addr;
-        key.dst = ip.dst_addr;
+        key.local = ip.src_addr;
+        key.remote = ip.dst_addr;
         key.protocol = ip.next_hdr;
         l4 = off + Ipv6Hdr::LEN;
     } else {
@@ -377,26 +379,26 @@ pub fn quoted_flow(ctx: &TcContext, off: usize, v6: bool, key: &mut CtKey) -> Op
         if ihl < 5 {
             return None;
         }
-        key.src = v4_to_16(ip.src_addr);
-        key.dst = v4_to_16(ip.dst_addr);
+        key.local = v4_to_16(ip.src_addr);
+        key.remote = v4_to_16(ip.dst_addr);
         key.protocol = ip.proto;
         l4 = off + ihl * 4;
     }
     match key.protocol {
         proto::TCP | proto::UDP | proto::SCTP => {
             let p = read::<Ports>(ctx, l4)?;
-            key.sport = be16(p.src);
-            key.dport = be16(p.dst);
+            key.local_port = be16(p.src);
+            key.remote_port = be16(p.dst);
         }
         proto::ICMP | proto::ICMPV6 => {
             let h = read::<IcmpHdr>(ctx, l4)?;
             let id = be16(h.id);
-            key.sport = id;
-            key.dport = id;
+            key.local_port = id;
+            key.remote_port = id;
         }
         _ => {
-            key.sport = 0;
-            key.dport = 0;
+            key.local_port = 0;
+            key.remote_port = 0;
         }
     }
     Some(())

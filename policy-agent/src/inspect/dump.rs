@@ -274,11 +274,14 @@ pub fn dump(layout: &PinLayout) -> Result<Dump, Error> {
     let mut conntrack = Vec::new();
     for item in maps.conntrack.iter() {
         let (k, v) = item.map_err(Error::map(policy_common::maps::CONNTRACK))?;
+        // The key names the pod's side and the peer's; the row, the
+        // opener's source and destination.
+        let (src, sport, dst, dport) = k.as_opened(v.direction);
         conntrack.push(CtRow {
             endpoint: names.endpoint(k.ifindex),
             protocol: protocol_name(k.protocol),
-            src: endpoint_text(address(k.family, &k.src), k.sport, k.protocol),
-            dst: endpoint_text(address(k.family, &k.dst), k.dport, k.protocol),
+            src: endpoint_text(address(k.family, &src), sport, k.protocol),
+            dst: endpoint_text(address(k.family, &dst), dport, k.protocol),
             opened: policy_common::direction::name(v.direction),
             revision: v.revision,
         });

@@ -46,7 +46,7 @@ impl Flow {
 
     /// The flow a reply to this one belongs to: opened the other way,
     /// with the tuple reversed.
-    fn answered(&self) -> Self {
+    pub(super) fn answered(&self) -> Self {
         Self {
             opened: direction::opposite(self.opened),
             src: self.dst,
@@ -55,6 +55,13 @@ impl Flow {
             dport: self.sport,
             ..*self
         }
+    }
+
+    /// Whether the other way's flow on this tuple is the same connection:
+    /// every protocol but ICMP echo, whose request and reply roles must
+    /// not meet (see [`echo_role`]).
+    pub(super) fn one_key_both_ways(&self) -> bool {
+        !matches!(self.protocol, proto::ICMP | proto::ICMPV6)
     }
 
     /// The far side, as the opener saw it.
@@ -196,6 +203,17 @@ impl Datapath {
         }
         out.judgement = Some(judged);
         out
+    }
+
+    /// Tracks `flow` as opened now. A connection is one flow whichever way
+    /// it was opened: a flow opened the other way on the same tuple (one
+    /// no packet could ride any more, a closing one a new SYN reuses) is
+    /// replaced, as the kernel's one entry for both ways is.
+    pub(super) fn open(&mut self, flow: Flow, state: FlowState) {
+        if flow.one_key_both_ways() {
+            self.flows.remove(&flow.answered());
+        }
+        self.flows.insert(flow, state);
     }
 
     /// The verdict of a pod's hook on one packet.
@@ -359,7 +377,7 @@ impl Datapath {
         let opens = pkt.direction == direction::EGRESS || pod_holds(&ep, pkt.dst);
         let midstream = pkt.protocol == proto::TCP && pkt.tcp_flags & TCP_SYN == 0;
         if allowed && trackable && opens && !midstream && self.share.allows(pkt.ifindex) {
-            self.flows.insert(
+            self.open(
                 Flow::of(pkt),
                 FlowState {
                     peer_of,

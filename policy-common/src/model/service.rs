@@ -163,7 +163,10 @@ impl Datapath {
                 dport: other.frontend_port,
                 ..flow
             };
-            if self.flows.contains_key(&theirs) {
+            // Either way it was opened: the kernel keeps one entry.
+            if self.flows.contains_key(&theirs)
+                || (theirs.one_key_both_ways() && self.flows.contains_key(&theirs.answered()))
+            {
                 return verdict(Reason::DropPolicy);
             }
         }
@@ -171,7 +174,7 @@ impl Datapath {
             // Untracked: judged after DNAT packet by packet.
             return verdict(Reason::PassService);
         }
-        self.flows.insert(
+        self.open(
             flow,
             FlowState {
                 revision: ep.revision,

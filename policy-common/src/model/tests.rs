@@ -623,3 +623,82 @@ fn a_flow_cut_by_a_change_names_what_cut_it() {
     let j = dp.classify(&query).judgement.map(|j| (j.reason, j.rule));
     assert_eq!(j, Some((Reason::DropPolicyChanged, cut)));
 }
+
+/// The kernel keeps one conntrack entry for both ways of a tuple: a
+/// connection opened the other way on a closing flow's tuple replaces it,
+/// so the first flow's packets are answers to the new one from then on.
+/// ICMP echo keeps its roles apart: a request each way is two flows.
+#[test]
+fn a_connection_is_one_flow_whichever_way_it_was_opened() {
+    let mut m = Maps::default();
+    m.policy.insert(
+        PolicyKey::new(300, direction::INGRESS, identity::WORLD, proto::TCP, 16, 80),
+        PolicyEntry::default(),
+    );
+    m.endpoints.insert(7, ep(300, lookups::port_prefix(16)));
+    let mut dp = Datapath::new(m);
+    let peer = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1));
+    let pod = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 5));
+    let tcp = |direction, flags| {
+        let (src, dst, sport, dport) = if direction == direction::INGRESS {
+            (peer, pod, 40000, 80)
+        } else {
+            (pod, peer, 80, 40000)
+        };
+        Packet {
+            ifindex: 7,
+            direction,
+            src,
+            dst,
+            protocol: proto::TCP,
+            sport,
+            dport,
+            tcp_flags: flags,
+            icmp_type: 0,
+            hop_limit: 64,
+            quoted: None,
+            mark: 0,
+            ingress_ifindex: 0,
+        }
+    };
+    assert_eq!(
+        dp.classify(&tcp(direction::INGRESS, TCP_SYN)).reason(),
+        Some(Reason::AllowPolicy)
+    );
+    assert_eq!(
+        dp.classify(&tcp(direction::INGRESS, TCP_FIN | TCP_ACK))
+            .reason(),
+        Some(Reason::AllowEstablished)
+    );
+    // The pod opens a connection on the closing flow's tuple.
+    let opened = dp.classify(&tcp(direction::EGRESS, TCP_SYN)).reason();
+    assert!(opened.is_some_and(|r| !r.is_drop()), "{opened:?}");
+    assert_eq!(dp.flows.len(), 1);
+    assert_eq!(
+        dp.classify(&tcp(direction::INGRESS, TCP_ACK)).reason(),
+        Some(Reason::AllowReply)
+    );
+
+    let echo = |direction, icmp_type| Packet {
+        protocol: proto::ICMP,
+        sport: 9,
+        dport: 9,
+        icmp_type,
+        ..tcp(direction, 0)
+    };
+    dp.maps.policy.insert(
+        PolicyKey::new(300, direction::INGRESS, identity::WORLD, proto::ANY, 0, 0),
+        PolicyEntry::default(),
+    );
+    let mut e = ep(300, lookups::port_prefix(16) | lookups::ANY_PROTOCOL);
+    e.revision = 2;
+    dp.maps.endpoints.insert(7, e);
+    dp.flows.clear();
+    assert!(dp.classify(&echo(direction::EGRESS, 8)).reason().is_some());
+    assert!(dp.classify(&echo(direction::INGRESS, 8)).reason().is_some());
+    assert_eq!(dp.flows.len(), 2);
+    assert_eq!(
+        dp.classify(&echo(direction::INGRESS, 0)).reason(),
+        Some(Reason::AllowReply)
+    );
+}

@@ -5,8 +5,8 @@ use core::intrinsics::{AtomicOrdering, atomic_xadd};
 use policy_common::{
     addr_eq,
     conntrack::{
-        CT_FLAG_CLOSING, CT_FLAG_PENDING, CT_FLAG_SERVICE, CT_FLAG_SYN_ONLY, CT_REFRESH_NS,
-        CtEntry, CtKey, FragKey,
+        CT_FLAG_CLOSING, CT_FLAG_PENDING, CT_FLAG_SERVICE, CT_FLAG_SYN_ONLY, CT_OPENER_EITHER,
+        CT_REFRESH_NS, CtEntry, CtKey, FragKey,
     },
     conntrack_share::{CT_USAGE_OPENED, CT_USAGE_RELEASED, CtUsageKey},
     direction,
@@ -75,8 +75,10 @@ pub(super) fn on_ct_hit(
 }
 
 /// The verdict for a packet of a tracked flow, looked up under `key`
-/// (the packet's own direction when `forward`, else as a reply); None
-/// when no usable entry holds it.
+/// (see [`fill_ct_key`]); None when no usable entry holds it. The entry
+/// says which way the flow was opened: a packet travelling `dir` the same
+/// way continues it, one travelling the other way answers it. An echo
+/// meets only the role its key asked for (the opener is in the key).
 #[inline(always)]
 pub(super) fn tracked(
     key: &CtKey,
@@ -85,7 +87,7 @@ pub(super) fn tracked(
     pkt: &IpPacket,
     peer_addr: &[u8; 16],
     now: u64,
-    forward: bool,
+    dir: u8,
 ) -> Option<(Reason, IpcacheEntry)> {
     let entry = CONNTRACK.get_ptr_mut(key)?;
     // SAFETY: a pointer to the map value, valid for this program run.
@@ -93,6 +95,7 @@ pub(super) fn tracked(
     if !usable(entry, pkt, now) {
         return None;
     }
+    let forward = entry.direction == dir;
     if entry.flags & CT_FLAG_SERVICE != 0 {
         return service_hit(entry, key, flow, ep, pkt, now, forward);
     }
@@ -166,16 +169,25 @@ pub(super) fn share_allows(ifindex: u32, now: u64) -> bool {
     true
 }
 
+/// The key of the flow a packet travelling `dir` belongs to, named from
+/// the pod's side (see `CtKey`); `opener` is [`ct_opener`]'s.
 #[inline(always)]
-pub(crate) fn fill_ct_key(key: &mut CtKey, ifindex: u32, dir: u8, pkt: &IpPacket) {
+pub(crate) fn fill_ct_key(key: &mut CtKey, ifindex: u32, dir: u8, pkt: &IpPacket, opener: u8) {
     key.ifindex = ifindex;
-    key.src = pkt.src;
-    key.dst = pkt.dst;
-    key.sport = pkt.sport;
-    key.dport = pkt.dport;
+    if dir == direction::EGRESS {
+        key.local = pkt.src;
+        key.remote = pkt.dst;
+        key.local_port = pkt.sport;
+        key.remote_port = pkt.dport;
+    } else {
+        key.local = pkt.dst;
+        key.remote = pkt.src;
+        key.local_port = pkt.dport;
+        key.remote_port = pkt.sport;
+    }
     key.protocol = pkt.protocol;
     key.family = pkt.family;
-    key.direction = dir;
+    key.opener = opener;
     key._pad = 0;
 }
 
@@ -209,14 +221,23 @@ pub(super) fn related(
     s.ct.family = s.pkt.family;
     s.ct._pad = 0;
     let v6 = s.pkt.family == family::IPV6;
+    // Read as the quoted packet travelled: local its source, remote its
+    // destination, then turned to the pod's side.
     quoted_flow(ctx, s.pkt.quoted_off as usize, v6, &mut s.ct)?;
-    if !addr_eq(&s.pkt.dst, &s.ct.src) {
+    if !addr_eq(&s.pkt.dst, &s.ct.local) {
         return None;
     }
-    s.ct.direction = direction::opposite(dir);
+    let quoted_dir = direction::opposite(dir);
+    if quoted_dir == direction::INGRESS {
+        core::mem::swap(&mut s.ct.local, &mut s.ct.remote);
+        core::mem::swap(&mut s.ct.local_port, &mut s.ct.remote_port);
+    }
+    // An echo is keyed by its request's way, which may be either.
+    let echo = matches!(s.ct.protocol, proto::ICMP | proto::ICMPV6);
+    s.ct.opener = if echo { quoted_dir } else { CT_OPENER_EITHER };
     let mut found = CONNTRACK.get_ptr_mut(&s.ct);
-    if found.is_none() {
-        s.ct = s.ct.reply();
+    if found.is_none() && echo {
+        s.ct.opener = dir;
         found = CONNTRACK.get_ptr_mut(&s.ct);
     }
     let entry = found?;
@@ -240,13 +261,14 @@ pub(super) fn related(
     if entry.revision != ep.revision {
         // Judged again as the flow's opener was: its direction, its peer,
         // its destination port.
-        let opener = s.ct.direction;
-        let peer = if opener == direction::EGRESS {
-            s.ct.dst
+        let opener = entry.direction;
+        let dport = if opener == direction::EGRESS {
+            s.ct.remote_port
         } else {
-            s.ct.src
+            s.ct.local_port
         };
-        let port = proto::policy_port(s.ct.protocol, s.ct.dport);
+        let port = proto::policy_port(s.ct.protocol, dport);
+        let peer = s.ct.remote;
         let (reason, _) = judge(
             ep,
             opener,

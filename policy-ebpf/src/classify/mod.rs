@@ -25,8 +25,8 @@ use policy_common::{
     addr_eq,
     config::{CONFIG_DEBUG_LOG, CONFIG_NO_DROP_EVENTS},
     conntrack::{
-        CT_FLAG_CLOSING, CT_FLAG_SYN_ONLY, CT_LOOKUP_FORWARD, CT_LOOKUP_REPLY, CtEntry, FragEntry,
-        ORIGIN_FORWARDED, ORIGIN_SOURCE, ct_lookups,
+        CT_FLAG_CLOSING, CT_FLAG_SYN_ONLY, CtEntry, FragEntry, ORIGIN_FORWARDED, ORIGIN_SOURCE,
+        ct_lookups, ct_opener,
     },
     direction,
     endpoint::{ENDPOINT_SLOT_USED, EndpointInfo},
@@ -233,18 +233,14 @@ fn decide(
         &pkt.src
     };
 
+    // One lookup, either way the packet travels (see `CtKey`).
     let lookups = ct_lookups(pkt.protocol, pkt.icmp_type);
-    fill_ct_key(&mut s.ct, ifindex, dir, pkt);
-    if lookups & CT_LOOKUP_FORWARD != 0
-        && let Some(verdict) = tracked(&s.ct, &mut s.flow, ep, pkt, peer_addr, now, true)
-    {
-        return verdict;
-    }
-    s.ct = s.ct.reply();
-    if lookups & CT_LOOKUP_REPLY != 0
-        && let Some(verdict) = tracked(&s.ct, &mut s.flow, ep, pkt, peer_addr, now, false)
-    {
-        return verdict;
+    if lookups != 0 {
+        let opener = ct_opener(pkt.protocol, pkt.icmp_type, dir, false);
+        fill_ct_key(&mut s.ct, ifindex, dir, pkt, opener);
+        if let Some(verdict) = tracked(&s.ct, &mut s.flow, ep, pkt, peer_addr, now, dir) {
+            return verdict;
+        }
     }
     let midstream = pkt.protocol == proto::TCP && pkt.tcp_flags & TCP_SYN == 0;
     if midstream {
@@ -276,7 +272,8 @@ fn decide(
                 flags |= CT_FLAG_CLOSING;
             }
         }
-        fill_ct_key(&mut s.ct, ifindex, dir, pkt);
+        let opener = ct_opener(pkt.protocol, pkt.icmp_type, dir, true);
+        fill_ct_key(&mut s.ct, ifindex, dir, pkt, opener);
         let entry = CtEntry {
             last_seen_ns: now,
             revision: ep.revision,

@@ -4,8 +4,8 @@ use aya_ebpf::{bindings::BPF_ANY, programs::TcContext};
 use policy_common::{
     addr_eq,
     conntrack::{
-        CT_FLAG_CLOSING, CT_FLAG_PENDING, CT_FLAG_SERVICE, CT_FLAG_SYN_ONLY, CT_REFRESH_NS,
-        CtEntry, CtKey, ORIGIN_SOURCE,
+        CT_FLAG_CLOSING, CT_FLAG_PENDING, CT_FLAG_SERVICE, CT_FLAG_SYN_ONLY, CT_OPENER_EITHER,
+        CT_REFRESH_NS, CtEntry, CtKey, ORIGIN_SOURCE,
     },
     direction,
     endpoint::EndpointInfo,
@@ -52,13 +52,13 @@ pub(super) fn service_flow_of(
     key: &CtKey,
 ) -> Option<&'static mut ServiceFlow> {
     flow.ifindex = key.ifindex;
-    flow.src = key.src;
-    flow.sport = key.sport;
+    flow.src = key.local;
+    flow.sport = key.local_port;
     flow.protocol = key.protocol;
     flow.family = key.family;
     // SAFETY: a pointer to the map value, valid for this program run.
     let f = unsafe { &mut *SERVICE_FLOWS.get_ptr_mut(&*flow)? };
-    if addr_eq(&f.frontend, &key.dst) && f.frontend_port == key.dport {
+    if addr_eq(&f.frontend, &key.remote) && f.frontend_port == key.remote_port {
         Some(f)
     } else {
         None
@@ -196,9 +196,9 @@ pub(super) fn defer(s: &mut Scratch, ifindex: u32, ep: &EndpointInfo, now: u64) 
         // SAFETY: a pointer to the map value, valid for this run.
         let f = unsafe { &*f };
         if !(addr_eq(&f.frontend, &pkt.dst) && f.frontend_port == pkt.dport) {
-            fill_ct_key(&mut s.ct, ifindex, direction::EGRESS, pkt);
-            s.ct.dst = f.frontend;
-            s.ct.dport = f.frontend_port;
+            fill_ct_key(&mut s.ct, ifindex, direction::EGRESS, pkt, CT_OPENER_EITHER);
+            s.ct.remote = f.frontend;
+            s.ct.remote_port = f.frontend_port;
             if let Some(other) = CONNTRACK.get_ptr(&s.ct)
                 // SAFETY: as above.
                 && live(unsafe { &*other }, pkt.protocol, now)
@@ -213,7 +213,7 @@ pub(super) fn defer(s: &mut Scratch, ifindex: u32, ep: &EndpointInfo, now: u64) 
         count(Reason::CtShareFull, direction::EGRESS);
         return Reason::PassService;
     }
-    fill_ct_key(&mut s.ct, ifindex, direction::EGRESS, pkt);
+    fill_ct_key(&mut s.ct, ifindex, direction::EGRESS, pkt, CT_OPENER_EITHER);
     let mut flags = CT_FLAG_SERVICE | CT_FLAG_PENDING;
     if syn_only(pkt) {
         flags |= CT_FLAG_SYN_ONLY;
@@ -277,13 +277,13 @@ pub(super) fn judge_service(s: &mut Scratch, client: u32) -> u32 {
         // SAFETY: a pointer to the map value, valid for this run.
         let f = unsafe { &mut *f };
         s.ct.ifindex = client;
-        s.ct.src = pkt.src;
-        s.ct.dst = f.frontend;
-        s.ct.sport = pkt.sport;
-        s.ct.dport = f.frontend_port;
+        s.ct.local = pkt.src;
+        s.ct.remote = f.frontend;
+        s.ct.local_port = pkt.sport;
+        s.ct.remote_port = f.frontend_port;
         s.ct.protocol = pkt.protocol;
         s.ct.family = pkt.family;
-        s.ct.direction = direction::EGRESS;
+        s.ct.opener = CT_OPENER_EITHER;
         s.ct._pad = 0;
         if reason.is_drop() {
             let _ = CONNTRACK.remove(&s.ct);

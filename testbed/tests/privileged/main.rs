@@ -37,3 +37,4 @@ mod restart_verifies;
 mod sctp;
 mod services;
 mod staged;
+mod upgrade;

@@ -44,6 +44,8 @@ pub struct BpfDriver {
     order: OrderWatch,
     /// Problems found and not fixed since (see `standing.rs`).
     standing: StandingProblems,
+    /// An earlier layout's pins are still there (see `earlier_layout`).
+    earlier_pins: bool,
 }
 
 impl BpfDriver {
@@ -64,6 +66,7 @@ impl BpfDriver {
             conntrack_share: (opts.conntrack_share, false),
             order: OrderWatch::default(),
             standing: StandingProblems::default(),
+            earlier_pins: !super::earlier_layout::earlier(layout).is_empty(),
         })
     }
 
@@ -168,6 +171,7 @@ impl BpfDriver {
                 self.flows.retire(gone);
             }
             report.problems = self.standing.replace(&report.problems);
+            self.retire_earlier_layouts(&report);
         }
         debug!(
             total_us = t.elapsed().as_micros() as u64,
@@ -176,6 +180,23 @@ impl BpfDriver {
             "bpf sync"
         );
         Ok(report)
+    }
+}
+
+impl BpfDriver {
+    /// After a full pass without problems, this agent's programs are on
+    /// every interface it enforces: an earlier layout's pins may go. With
+    /// a problem (an interface it could not attach to, say) they stay,
+    /// and that interface keeps the earlier programs rather than none.
+    fn retire_earlier_layouts(&mut self, report: &SyncReport) {
+        if !self.earlier_pins {
+            return;
+        }
+        if !report.problems.is_empty() {
+            debug!("the pins of an earlier layout stay until a full pass without problems");
+            return;
+        }
+        self.earlier_pins = !super::earlier_layout::retire(&self.dp.layout);
     }
 }
 

@@ -292,6 +292,7 @@ impl PinnedClassifier {
         for fallback in kernel.fallbacks() {
             info!(kernel = %kernel.release, "{fallback}");
         }
+        let fresh = !layout.exists();
         layout.create()?;
         let paths: Vec<(&'static str, std::path::PathBuf)> =
             names::ALL.iter().map(|n| (*n, layout.map(n))).collect();
@@ -302,6 +303,9 @@ impl PinnedClassifier {
                 source: Box::new(e),
             })?;
         let mut maps = BpfMaps::from_ebpf(&mut ebpf, Some(layout))?;
+        if fresh {
+            super::earlier_layout::carry_over(layout, &mut maps);
+        }
         let mode = AttachMode::detect(opts.tcx);
 
         let hash = object_hash();

@@ -7,6 +7,7 @@ pub mod attach;
 mod capacity_plan;
 pub mod conntrack_share;
 pub mod driver;
+pub mod earlier_layout;
 pub mod error;
 pub mod events;
 pub mod flows;

@@ -151,13 +151,23 @@ impl PinLayout {
         self.versioned().exists()
     }
 
-    /// Creates the directories (the root must be on a bpf filesystem; the
-    /// standard /sys/fs/bpf is mounted if it is not yet, as Cilium does).
-    pub fn create(&self) -> Result<(), Error> {
+    /// Creates the unversioned root alone (on a bpf filesystem, mounted at
+    /// the standard place if it is not yet).
+    pub fn create_root(&self) -> Result<(), Error> {
         if check_bpffs(&self.root).is_err() && self.root.starts_with(BPFFS) {
             mount_bpffs()?;
         }
         check_bpffs(&self.root)?;
+        std::fs::create_dir_all(&self.root).map_err(|source| Error::PinDir {
+            path: self.root.clone(),
+            source,
+        })
+    }
+
+    /// Creates the directories (the root must be on a bpf filesystem; the
+    /// standard /sys/fs/bpf is mounted if it is not yet, as Cilium does).
+    pub fn create(&self) -> Result<(), Error> {
+        self.create_root()?;
         for dir in [self.maps_dir(), self.progs_dir(), self.links_dir()] {
             std::fs::create_dir_all(&dir).map_err(|source| Error::PinDir {
                 path: dir.clone(),

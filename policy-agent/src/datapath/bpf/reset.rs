@@ -30,6 +30,9 @@ pub struct ResetReport {
 pub fn reset(layout: &PinLayout) -> Result<ResetReport, Vec<Error>> {
     let mut report = ResetReport::default();
     let mut errors = Vec::new();
+    // An earlier layout's pins (an upgrade not finished): their TCX links
+    // detach as their pins go.
+    let _ = super::earlier_layout::retire(layout);
     if !layout.exists() {
         return Ok(report);
     }

@@ -10,7 +10,9 @@ use std::net::IpAddr;
 use aya::maps::{HashMap as BpfHashMap, RingBuf};
 use policy_agent::datapath::bpf::pins::Hook;
 use policy_common::{
-    conntrack::{CT_FLAG_PENDING, CT_FLAG_SERVICE, CT_FLAG_SYN_ONLY, CtEntry, CtKey},
+    conntrack::{
+        CT_FLAG_PENDING, CT_FLAG_SERVICE, CT_FLAG_SYN_ONLY, CT_OPENER_EITHER, CtEntry, CtKey,
+    },
     direction::{EGRESS, INGRESS},
     endpoint::{ENDPOINT_EGRESS_ISOLATED, ENDPOINT_INGRESS_ISOLATED},
     event::FlowRecord,
@@ -136,13 +138,13 @@ impl Node {
     fn ct_to(&self, frontend: &str, sport: u16) -> Option<CtEntry> {
         let key = CtKey {
             ifindex: CLIENT_IF,
-            src: bytes16(CLIENT_IP),
-            dst: bytes16(frontend),
-            sport,
-            dport: 80,
+            local: bytes16(CLIENT_IP),
+            remote: bytes16(frontend),
+            local_port: sport,
+            remote_port: 80,
             protocol: TCP,
             family: family::IPV4,
-            direction: EGRESS,
+            opener: CT_OPENER_EITHER,
             _pad: 0,
         };
         self.h.dp.maps.conntrack.get(&key, 0).ok()

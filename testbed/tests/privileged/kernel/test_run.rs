@@ -17,7 +17,7 @@ use policy_testbed::fixtures::harness::{
     Verdict::{self, Drop, Pass},
     ip,
 };
-use policy_testbed::packet::{Fragment, L4, Packet, TCP_ACK, TCP_SYN, ethernet};
+use policy_testbed::packet::{Fragment, L4, Packet, TCP_ACK, TCP_FIN, TCP_SYN, ethernet};
 
 const CLASS_A: u32 = FIRST_CIDR;
 const CLASS_B: u32 = FIRST_CIDR + 1;
@@ -395,6 +395,33 @@ fn replies_of_an_allowed_flow_pass_both_ways() {
     h.check(&[
         ("the echo reply", Hook::Egress, &rep, (Pass, AllowReply)),
         ("id 98's reply", Hook::Egress, &other, (Drop, DropPolicy)),
+    ]);
+}
+
+/// One conntrack entry holds both ways of a tuple: a connection the pod
+/// opens on the tuple of a closing one the peer opened replaces it, and
+/// the peer's packets are then answers to the pod's connection.
+#[test]
+fn a_connection_opened_the_other_way_replaces_a_closing_one() {
+    let mut h = cluster(BOTH);
+    h.allow(ingress_key(PEER, TCP, 16, 80));
+    h.allow(PolicyKey::new(POD, EGRESS, PEER, ANY_PROTO, 0, 0));
+    h.sync();
+    let (peer, pod) = (ip("10.0.1.20"), ip("10.0.0.10"));
+    let syn = Packet::tcp(peer, 41000, pod, 80, TCP_SYN).frame();
+    let fin = Packet::tcp(peer, 41000, pod, 80, TCP_FIN | TCP_ACK).frame();
+    let pods_syn = Packet::tcp(pod, 80, peer, 41000, TCP_SYN).frame();
+    let ack = Packet::tcp(peer, 41000, pod, 80, TCP_ACK).frame();
+    h.check(&[
+        ("the peer's SYN", Hook::Egress, &syn, (Pass, AllowPolicy)),
+        ("its FIN", Hook::Egress, &fin, (Pass, AllowEstablished)),
+        (
+            "the pod's SYN",
+            Hook::Ingress,
+            &pods_syn,
+            (Pass, AllowPolicy),
+        ),
+        ("the peer's ACK", Hook::Egress, &ack, (Pass, AllowReply)),
     ]);
 }
 
