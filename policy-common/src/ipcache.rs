@@ -1,4 +1,5 @@
-//! The IP → identity cache (two LPM tries, IPv4 and IPv6).
+//! The IP → identity cache: per family, an LPM trie of prefixes and a
+//! hash of full-length ones (see `crate::maps::IPCACHE_HOSTS_V4`).
 use crate::assert_size;
 
 /// LPM key data of `IPCACHE_V4` (after the u32 prefix length).
@@ -6,7 +7,7 @@ pub type Ipv4Bytes = [u8; 4];
 /// LPM key data of `IPCACHE_V6` (after the u32 prefix length).
 pub type Ipv6Bytes = [u8; 16];
 
-/// Value of both ipcache tries.
+/// Value of the ipcache maps.
 #[repr(C)]
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]

@@ -16,6 +16,14 @@ pub const ENDPOINTS: &str = "ENDPOINTS";
 pub const IPCACHE_V4: &str = "IPCACHE_V4";
 /// IPv6 prefix → [`crate::ipcache::IpcacheEntry`] (LPM trie).
 pub const IPCACHE_V6: &str = "IPCACHE_V6";
+/// IPv4 address → [`crate::ipcache::IpcacheEntry`] (hash): the ipcache's
+/// full-length prefixes (every pod's address), looked up before the trie
+/// at the cost of one hash probe. An address has at most one entry, here
+/// or in the trie, and one here is its longest prefix.
+pub const IPCACHE_HOSTS_V4: &str = "IPCACHE_HOSTS_V4";
+/// IPv6 address → [`crate::ipcache::IpcacheEntry`] (hash), as
+/// [`IPCACHE_HOSTS_V4`].
+pub const IPCACHE_HOSTS_V6: &str = "IPCACHE_HOSTS_V6";
 /// [`crate::policy::PolicyKey`] → [`crate::policy::PolicyEntry`] (hash).
 pub const POLICY: &str = "POLICY";
 /// [`crate::conntrack::CtKey`] → [`crate::conntrack::CtEntry`] (LRU hash).
@@ -63,11 +71,13 @@ pub const ENDPOINT_META: &str = "ENDPOINT_META";
 pub const RULE_NAMES: &str = "RULE_NAMES";
 
 /// Every map the agent pins, in the order `dump` prints them.
-pub const ALL: [&str; 20] = [
+pub const ALL: [&str; 22] = [
     CONFIG,
     ENDPOINT_SLOTS,
     ENDPOINTS,
     ENDPOINT_META,
+    IPCACHE_HOSTS_V4,
+    IPCACHE_HOSTS_V6,
     IPCACHE_V4,
     IPCACHE_V6,
     IDENTITY_NAMES,

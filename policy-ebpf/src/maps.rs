@@ -52,6 +52,23 @@ pub static ENDPOINT_SLOTS: Array<EndpointInfo, { capacity::ENDPOINT_SLOTS as usi
 #[btf_map]
 pub static ENDPOINTS: HashMap<u32, EndpointInfo, { capacity::ENDPOINTS as usize }> = HashMap::new();
 
+// Not preallocated: sized for the cluster, filled as pods come.
+#[btf_map]
+pub static IPCACHE_HOSTS_V4: HashMap<
+    Ipv4Bytes,
+    IpcacheEntry,
+    { capacity::IPCACHE as usize },
+    NO_PREALLOC,
+> = HashMap::new();
+
+#[btf_map]
+pub static IPCACHE_HOSTS_V6: HashMap<
+    Ipv6Bytes,
+    IpcacheEntry,
+    { capacity::IPCACHE as usize },
+    NO_PREALLOC,
+> = HashMap::new();
+
 #[btf_map]
 pub static IPCACHE_V4: LpmTrie<Ipv4Bytes, IpcacheEntry, { capacity::IPCACHE as usize }> =
     LpmTrie::new();

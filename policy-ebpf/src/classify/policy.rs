@@ -12,16 +12,32 @@ use policy_common::{
 };
 
 use super::endpoint;
-use crate::maps::{IPCACHE_V4, IPCACHE_V6, POLICY, SCRATCH};
+use crate::maps::{IPCACHE_HOSTS_V4, IPCACHE_HOSTS_V6, IPCACHE_V4, IPCACHE_V6, POLICY, SCRATCH};
 
+/// The identities of `addr`: its own entry (a pod's address: one hash
+/// probe), else the longest prefix holding it (the trie walk, several
+/// times dearer).
 #[inline(always)]
 pub(super) fn ipcache_lookup(fam: u8, addr: &[u8; 16]) -> IpcacheEntry {
     let hit = if fam == family::IPV4 {
-        let key = aya_ebpf::btf_maps::lpm_trie::Key::new(32, [addr[0], addr[1], addr[2], addr[3]]);
-        IPCACHE_V4.get(&key).copied()
+        let host = [addr[0], addr[1], addr[2], addr[3]];
+        match IPCACHE_HOSTS_V4.get_ptr(&host) {
+            // SAFETY: a map value pointer, valid for this program run.
+            Some(e) => Some(unsafe { *e }),
+            None => {
+                let key = aya_ebpf::btf_maps::lpm_trie::Key::new(32, host);
+                IPCACHE_V4.get(&key).copied()
+            }
+        }
     } else {
-        let key = aya_ebpf::btf_maps::lpm_trie::Key::new(128, *addr);
-        IPCACHE_V6.get(&key).copied()
+        match IPCACHE_HOSTS_V6.get_ptr(addr) {
+            // SAFETY: as above.
+            Some(e) => Some(unsafe { *e }),
+            None => {
+                let key = aya_ebpf::btf_maps::lpm_trie::Key::new(128, *addr);
+                IPCACHE_V6.get(&key).copied()
+            }
+        }
     };
     hit.unwrap_or(IpcacheEntry::UNKNOWN)
 }

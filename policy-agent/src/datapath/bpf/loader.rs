@@ -168,6 +168,13 @@ pub(super) fn loader<'a>(
     }
     for (name, entries) in capacities {
         loader.map_max_entries(name, *entries);
+        // A family's full-length prefixes live in its host table: sized
+        // as its trie, so the capacity plan of one holds for both.
+        if *name == names::IPCACHE_V4 {
+            loader.map_max_entries(names::IPCACHE_HOSTS_V4, *entries);
+        } else if *name == names::IPCACHE_V6 {
+            loader.map_max_entries(names::IPCACHE_HOSTS_V6, *entries);
+        }
     }
     loader
 }

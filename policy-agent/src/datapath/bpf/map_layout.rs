@@ -25,6 +25,8 @@ fn expected_sizes(name: &str) -> Option<(usize, usize)> {
         names::CONFIG => (4, size_of::<Config>()),
         names::ENDPOINT_SLOTS | names::ENDPOINTS => (4, size_of::<EndpointInfo>()),
         names::ENDPOINT_META => (4, size_of::<EndpointMeta>()),
+        names::IPCACHE_HOSTS_V4 => (4, size_of::<IpcacheEntry>()),
+        names::IPCACHE_HOSTS_V6 => (16, size_of::<IpcacheEntry>()),
         names::IPCACHE_V4 => (8, size_of::<IpcacheEntry>()),
         names::IPCACHE_V6 => (20, size_of::<IpcacheEntry>()),
         names::POLICY => (size_of::<PolicyKey>(), size_of::<PolicyEntry>()),

@@ -44,6 +44,10 @@ pub struct BpfMaps {
     endpoint_meta: HashMap<MapData, u32, EndpointMeta>,
     pub ipcache_v4: LpmTrie<MapData, [u8; 4], IpcacheEntry>,
     pub ipcache_v6: LpmTrie<MapData, [u8; 16], IpcacheEntry>,
+    /// The full-length prefixes of each family (see
+    /// `policy_common::maps::IPCACHE_HOSTS_V4`).
+    pub ipcache_hosts_v4: HashMap<MapData, [u8; 4], IpcacheEntry>,
+    pub ipcache_hosts_v6: HashMap<MapData, [u8; 16], IpcacheEntry>,
     pub policy: HashMap<MapData, PolicyKey, PolicyEntry>,
     pub identities: HashMap<MapData, u32, IdentityName>,
     /// None only in pins of an older agent, opened by `dump` and the
@@ -94,6 +98,8 @@ impl BpfMaps {
             endpoint_meta: field(names::ENDPOINT_META, layout, &mut source)?,
             ipcache_v4: field(names::IPCACHE_V4, layout, &mut source)?,
             ipcache_v6: field(names::IPCACHE_V6, layout, &mut source)?,
+            ipcache_hosts_v4: field(names::IPCACHE_HOSTS_V4, layout, &mut source)?,
+            ipcache_hosts_v6: field(names::IPCACHE_HOSTS_V6, layout, &mut source)?,
             policy: field(names::POLICY, layout, &mut source)?,
             identities: field(names::IDENTITY_NAMES, layout, &mut source)?,
             rule_names: match field(names::RULE_NAMES, layout, &mut source) {
@@ -200,6 +206,18 @@ impl BpfMaps {
                 state.ipcache.insert(net, v);
             }
         }
+        for item in self.ipcache_hosts_v4.iter() {
+            let (k, v) = item.map_err(Error::map(names::IPCACHE_HOSTS_V4))?;
+            state
+                .ipcache
+                .insert(IpNet::from(IpAddr::V4(Ipv4Addr::from(k))), v);
+        }
+        for item in self.ipcache_hosts_v6.iter() {
+            let (k, v) = item.map_err(Error::map(names::IPCACHE_HOSTS_V6))?;
+            state
+                .ipcache
+                .insert(IpNet::from(IpAddr::V6(Ipv6Addr::from(k))), v);
+        }
         for item in self.policy.iter() {
             let (k, v) = item.map_err(Error::map(names::POLICY))?;
             state.policy.insert(k, v);
@@ -277,8 +295,9 @@ impl BpfMaps {
         }
         super::capacity_plan::Capacities {
             policy: cap(self.policy.map()),
-            ipcache_v4: cap(self.ipcache_v4.map()),
-            ipcache_v6: cap(self.ipcache_v6.map()),
+            // Each family's entries are planned against both its maps.
+            ipcache_v4: cap(self.ipcache_v4.map()).min(cap(self.ipcache_hosts_v4.map())),
+            ipcache_v6: cap(self.ipcache_v6.map()).min(cap(self.ipcache_hosts_v6.map())),
             identities: cap(self.identities.map()),
             rule_names: self.rule_names.as_ref().map_or(0, |m| cap(m.map())),
             endpoints: cap(self.endpoints.map()),
@@ -323,6 +342,16 @@ impl BpfMaps {
                 self.endpoints.map(),
             ),
             MapOp::UpsertIpcache(net, v) => match lpm_key(net) {
+                LpmKey::Host4(a) => insert(
+                    names::IPCACHE_HOSTS_V4,
+                    self.ipcache_hosts_v4.insert(a, v, 0),
+                    self.ipcache_hosts_v4.map(),
+                ),
+                LpmKey::Host6(a) => insert(
+                    names::IPCACHE_HOSTS_V6,
+                    self.ipcache_hosts_v6.insert(a, v, 0),
+                    self.ipcache_hosts_v6.map(),
+                ),
                 LpmKey::V4(k) => insert(
                     names::IPCACHE_V4,
                     self.ipcache_v4.insert(&k, v, 0),
@@ -359,6 +388,12 @@ impl BpfMaps {
                 remove(names::SERVICES, self.services.remove(&service_key(net)))
             }
             MapOp::DeleteIpcache(net) => match lpm_key(net) {
+                LpmKey::Host4(a) => {
+                    remove(names::IPCACHE_HOSTS_V4, self.ipcache_hosts_v4.remove(&a))
+                }
+                LpmKey::Host6(a) => {
+                    remove(names::IPCACHE_HOSTS_V6, self.ipcache_hosts_v6.remove(&a))
+                }
                 LpmKey::V4(k) => remove(names::IPCACHE_V4, self.ipcache_v4.remove(&k)),
                 LpmKey::V6(k) => remove(names::IPCACHE_V6, self.ipcache_v6.remove(&k)),
             },
@@ -432,6 +467,16 @@ impl BpfMaps {
                 cap(self.ipcache_v6.map()),
             ),
             (
+                names::IPCACHE_HOSTS_V4,
+                self.ipcache_hosts_v4.keys().count(),
+                cap(self.ipcache_hosts_v4.map()),
+            ),
+            (
+                names::IPCACHE_HOSTS_V6,
+                self.ipcache_hosts_v6.keys().count(),
+                cap(self.ipcache_hosts_v6.map()),
+            ),
+            (
                 names::POLICY,
                 self.policy.keys().count(),
                 cap(self.policy.map()),
@@ -467,13 +512,19 @@ fn used_slot(slot: EndpointInfo) -> Option<EndpointInfo> {
     })
 }
 
+/// Where an ipcache prefix lives: a full-length one in its family's host
+/// table, any other in the trie.
 enum LpmKey {
+    Host4([u8; 4]),
+    Host6([u8; 16]),
     V4(Key<[u8; 4]>),
     V6(Key<[u8; 16]>),
 }
 
 fn lpm_key(net: &IpNet) -> LpmKey {
     match net.trunc() {
+        IpNet::V4(n) if n.prefix_len() == 32 => LpmKey::Host4(n.addr().octets()),
+        IpNet::V6(n) if n.prefix_len() == 128 => LpmKey::Host6(n.addr().octets()),
         IpNet::V4(n) => LpmKey::V4(Key::new(u32::from(n.prefix_len()), n.addr().octets())),
         IpNet::V6(n) => LpmKey::V6(Key::new(u32::from(n.prefix_len()), n.addr().octets())),
     }
