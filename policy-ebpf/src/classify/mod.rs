@@ -33,6 +33,7 @@ use policy_common::{
     event::{RECORD_NEW_FLOW, RuleRef},
     icmpv6_link_control, icmpv6_link_control_from_pod,
     ipcache::IpcacheEntry,
+    policy::TierSlot,
     proto,
     service::mark,
     verdict::{Reason, counter_index},
@@ -392,10 +393,15 @@ pub(super) fn emit_record(
             _ => RuleRef::default(),
         };
         (*ev).flags = flags;
-        (*ev)._reserved_reason = 0;
-        (*ev)._pad = 0;
-        (*ev)._reserved_rule = RuleRef::default();
-        (*ev)._pad1 = 0;
+        // The zeroes one by one: together LLVM made them a call to
+        // `memset`, a byte loop, on every record.
+        use core::ptr::write_volatile;
+        write_volatile(&raw mut (*ev)._reserved_reason, 0);
+        write_volatile(&raw mut (*ev)._pad, 0);
+        write_volatile(&raw mut (*ev)._reserved_rule.network_policy, 0);
+        write_volatile(&raw mut (*ev)._reserved_rule.admin, TierSlot::NONE);
+        write_volatile(&raw mut (*ev)._reserved_rule.baseline, TierSlot::NONE);
+        write_volatile(&raw mut (*ev)._pad1, 0);
     }
     slot.submit(0);
 }

@@ -6,7 +6,7 @@ use policy_common::{
     endpoint::{EndpointInfo, lookups},
     family, identity,
     ipcache::IpcacheEntry,
-    policy::{ENTRY_TIERS_ONLY, PolicyEntry, PolicyKey, Tiers},
+    policy::{ENTRY_TIERS_ONLY, PolicyEntry, PolicyKey, TierSlot, Tiers},
     proto,
     verdict::Reason,
 };
@@ -42,6 +42,14 @@ pub(super) fn ipcache_lookup(fam: u8, addr: &[u8; 16]) -> IpcacheEntry {
     hit.unwrap_or(IpcacheEntry::UNKNOWN)
 }
 
+/// A key built by [`PolicyKey::words`], as the map takes it.
+#[inline(always)]
+fn as_key(words: &[u64; 2]) -> &PolicyKey {
+    // SAFETY: `PolicyKey` is 16 bytes of plain integers (align 4), and
+    // `words` holds its little-endian bytes (align 8).
+    unsafe { &*words.as_ptr().cast::<PolicyKey>() }
+}
+
 /// Visits the policy entries for one peer identity, in the documented
 /// order: port prefixes present for this endpoint, longest first, then
 /// the any-protocol entry; stops when `hit` says so. `packed` is
@@ -62,8 +70,8 @@ fn visit_peer(
         while len > 0 {
             len -= 1;
             if bits & lookups::port_prefix(len) != 0 {
-                let key = PolicyKey::new(endpoint, dir, peer, protocol, len, port);
-                if let Some(entry) = POLICY.get_ptr(&key) {
+                let key = PolicyKey::words(endpoint, dir, peer, protocol, len, port);
+                if let Some(entry) = POLICY.get_ptr(as_key(&key)) {
                     // SAFETY: a map value pointer stays valid under RCU
                     // for the rest of this program run.
                     if hit(unsafe { &*entry }) {
@@ -74,8 +82,8 @@ fn visit_peer(
         }
     }
     if bits & lookups::ANY_PROTOCOL != 0 {
-        let key = PolicyKey::new(endpoint, dir, peer, proto::ANY, 0, 0);
-        if let Some(entry) = POLICY.get_ptr(&key) {
+        let key = PolicyKey::words(endpoint, dir, peer, proto::ANY, 0, 0);
+        if let Some(entry) = POLICY.get_ptr(as_key(&key)) {
             // SAFETY: as above.
             if hit(unsafe { &*entry }) {
                 return true;
@@ -126,6 +134,22 @@ pub extern "C" fn probe_peer(endpoint: u32, peer: u32, packed: u32, bits: u32) -
         false
     });
     0
+}
+
+/// Zeroes `t` field by field: assigned whole, LLVM made it a call to
+/// `memset`, a byte loop, on every new flow.
+///
+/// # Safety
+/// `t` points to a live `Tiers` only this program run writes.
+#[inline(always)]
+unsafe fn clear_tiers(t: *mut Tiers) {
+    // SAFETY: as the caller promises; volatile keeps the stores apart.
+    unsafe {
+        core::ptr::write_volatile(&raw mut (*t).admin, TierSlot::NONE);
+        core::ptr::write_volatile(&raw mut (*t).baseline, TierSlot::NONE);
+        core::ptr::write_volatile(&raw mut (*t).network_policy, 0);
+        core::ptr::write_volatile(&raw mut (*t).network_policy_rule, 0);
+    }
 }
 
 /// The peer a flow is judged by (see `CtEntry::origin`): the address's
@@ -181,7 +205,7 @@ pub(super) fn judge(
     // What the lookup finds is kept for the flow record: nothing yet.
     if let Some(scratch) = SCRATCH.get_ptr_mut(0) {
         // SAFETY: the per-CPU scratch value, ours for this program run.
-        unsafe { (*scratch).tiers = Tiers::default() };
+        unsafe { clear_tiers(&raw mut (*scratch).tiers) };
     }
     let (mut peer, from_itself) = peer_of(ep, origin, fam, peer_addr);
     let itself = to_itself || from_itself;
