@@ -4,9 +4,9 @@
 //! `ENFORCED`, as cluster mode runs by default) and the record ring read:
 //!
 //! - an established packet in the opener's direction, and its reply (the
-//!   pod answering: the forward conntrack lookup misses, the reply one
-//!   hits);
-//! - an allowed new flow (a SYN of its own per run: the conntrack misses,
+//!   pod answering: the same one conntrack lookup, whose entry says the
+//!   flow was opened the other way);
+//! - an allowed new flow (a SYN of its own per run: a conntrack miss,
 //!   the insert and its record) and a denied one (its record), one run
 //!   per call, over the floor run the same way;
 //! - an established packet right after its endpoint's revision moved (a

@@ -140,7 +140,7 @@ pub fn render(datapath: Option<&Value>, system: Option<&Value>, control: Option<
         );
         let _ = writeln!(
             out,
-            "| path | over the floor |\n|---|---:|\n| established, the opener's direction | {:.2}x |\n| established, the reply direction (forward lookup misses, reply lookup hits) | {:.2}x |\n| new flow allowed (conntrack misses, insert, record), one run | {:.2}x |\n| new flow denied (its record), one run | {:.2}x |\n| established, one run | {:.2}x |\n| established right after its endpoint's revision moved (judged again), one run | {:.2}x |\n",
+            "| path | over the floor |\n|---|---:|\n| established, the opener's direction | {:.2}x |\n| established, the reply direction (the same one lookup: the entry says it was opened the other way) | {:.2}x |\n| new flow allowed (a conntrack miss, the insert, the record), one run | {:.2}x |\n| new flow denied (its record), one run | {:.2}x |\n| established, one run | {:.2}x |\n| established right after its endpoint's revision moved (judged again), one run | {:.2}x |\n",
             f(p, "established_over_floor"),
             f(p, "reply_over_floor"),
             f(p, "new_allowed_over_floor_once"),
@@ -152,7 +152,7 @@ pub fn render(datapath: Option<&Value>, system: Option<&Value>, control: Option<
     if let Some(st) = datapath.map(|d| &d["staged"]).filter(|r| r.is_object()) {
         let _ = writeln!(
             out,
-            "Staged policies, at the endpoints they touch: an endpoint only a staged policy would judge is tracked so each new flow is recorded once; the same endpoint (1,000 policy entries, isolated in no direction) untouched and touched, over the one-lookup floor. *Established*: the same frame every run (touched: a conntrack hit; untouched: judged as not isolated, an ipcache lookup). *New flow*: a SYN of its own per run, one run per call (touched: two conntrack misses, the insert and the record; untouched: the SYN's record), over the floor run the same way ({:.0} ns, a single run's timing included).\n",
+            "Staged policies, at the endpoints they touch: an endpoint only a staged policy would judge is tracked so each new flow is recorded once; the same endpoint (1,000 policy entries, isolated in no direction) untouched and touched, over the one-lookup floor. *Established*: the same frame every run (touched: a conntrack hit; untouched: judged as not isolated, an ipcache lookup). *New flow*: a SYN of its own per run, one run per call (touched: a conntrack miss, the insert and the record; untouched: the SYN's record), over the floor run the same way ({:.0} ns, a single run's timing included).\n",
             f(st, "floor_one_lookup_once_ns"),
         );
         let _ = writeln!(
