@@ -242,9 +242,15 @@ impl Datapath for BpfDriver {
     /// The pod classifiers go on a new veth at once (standby, see
     /// `ATTACH_STANDBY`), outside any sync: the CNI hand-off that follows
     /// within milliseconds then finds them attached. Only where the agent
-    /// attached nothing yet and no endpoint is written.
+    /// attached no pod classifiers yet and no endpoint is written. A sync
+    /// that ran on its peer's event may have given it the uplink
+    /// classifiers already: a standby interface carries those too.
     fn new_veth(&mut self, ifindex: u32, name: &str) {
-        let untouched = self.dp.maps.meta(ifindex).is_none()
+        let untouched = self
+            .dp
+            .maps
+            .meta(ifindex)
+            .is_none_or(|m| m.attach & ATTACH_POD == 0)
             && self
                 .last
                 .as_ref()
