@@ -565,7 +565,9 @@ fn transients_are_safe(
         .collect();
     let is_own = |ep: u32, peer: usize| own_pairs.contains(&(ep, peer));
     // Peers whose entry is held back past the policy removals (diff
-    // order, step 6): one covering them is written after a DeletePolicy.
+    // order, step 6): one covering them is written or removed after a
+    // DeletePolicy (a removal waits when the addresses fall to a covering
+    // class that loses allows).
     let first_removal = ops
         .iter()
         .position(|op| matches!(op, MapOp::DeletePolicy(_)))
@@ -573,7 +575,7 @@ fn transients_are_safe(
     let held_back: BTreeSet<usize> = ops[first_removal..]
         .iter()
         .filter_map(|op| match op {
-            MapOp::UpsertIpcache(net, _) => Some(*net),
+            MapOp::UpsertIpcache(net, _) | MapOp::DeleteIpcache(net) => Some(*net),
             _ => None,
         })
         .flat_map(|net| {
