@@ -297,25 +297,18 @@ impl PolicyKey {
 }
 
 impl PolicyKey {
-    /// [`PolicyKey::new`]'s bytes as two little-endian words, every byte
-    /// written (padding too) by two stores: built field by field, the key
-    /// cost the classifier a call to `memset` (a byte loop) per probe.
+    /// The key's bytes as two little-endian words, so every byte (padding
+    /// too) is written by two stores: built field by field in map-key
+    /// memory, the key cost the classifier a call to `memset` (a byte
+    /// loop) per probe. `PolicyKey::new(..).words()` stays in registers.
     #[inline(always)]
-    pub const fn words(
-        endpoint_identity: u32,
-        direction: u8,
-        peer_identity: u32,
-        protocol: u8,
-        port_prefix_len: u8,
-        port: u16,
-    ) -> [u64; 2] {
-        let port = port & port_mask(port_prefix_len);
+    pub const fn words(&self) -> [u64; 2] {
         [
-            endpoint_identity as u64 | (peer_identity as u64) << 32,
-            direction as u64
-                | (protocol as u64) << 8
-                | (port_prefix_len as u64) << 16
-                | (port as u64) << 32,
+            self.endpoint_identity as u64 | (self.peer_identity as u64) << 32,
+            self.direction as u64
+                | (self.protocol as u64) << 8
+                | (self.port_prefix_len as u64) << 16
+                | (self.port as u64) << 32,
         ]
     }
 }
@@ -332,7 +325,7 @@ mod tests {
     fn a_key_in_words_is_the_key_byte_for_byte() {
         for (len, port) in [(16, 8080), (13, 8007), (0, 443), (1, 65535)] {
             let key = PolicyKey::new(0xdead_beef, 1, 0x1234_5678, 6, len, port);
-            let words = PolicyKey::words(0xdead_beef, 1, 0x1234_5678, 6, len, port);
+            let words = key.words();
             let mut bytes = [0u8; 16];
             bytes[..8].copy_from_slice(&words[0].to_le_bytes());
             bytes[8..].copy_from_slice(&words[1].to_le_bytes());

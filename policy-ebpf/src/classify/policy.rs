@@ -70,7 +70,7 @@ fn visit_peer(
         while len > 0 {
             len -= 1;
             if bits & lookups::port_prefix(len) != 0 {
-                let key = PolicyKey::words(endpoint, dir, peer, protocol, len, port);
+                let key = PolicyKey::new(endpoint, dir, peer, protocol, len, port).words();
                 if let Some(entry) = POLICY.get_ptr(as_key(&key)) {
                     // SAFETY: a map value pointer stays valid under RCU
                     // for the rest of this program run.
@@ -82,7 +82,7 @@ fn visit_peer(
         }
     }
     if bits & lookups::ANY_PROTOCOL != 0 {
-        let key = PolicyKey::words(endpoint, dir, peer, proto::ANY, 0, 0);
+        let key = PolicyKey::new(endpoint, dir, peer, proto::ANY, 0, 0).words();
         if let Some(entry) = POLICY.get_ptr(as_key(&key)) {
             // SAFETY: as above.
             if hit(unsafe { &*entry }) {
