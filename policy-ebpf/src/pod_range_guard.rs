@@ -4,7 +4,9 @@
 //! the hooks that are there: the peer pod's veth and the uplinks.
 //!
 //! Cost: one array load when no range is configured; else one LPM lookup,
-//! and one hash lookup for addresses inside a range.
+//! and one hash lookup for addresses inside a range. A packet of a flow
+//! tracked at its endpoint's current revision does not pay it (see
+//! `classify::decide`).
 //!
 //! `ENFORCED` also says where a local pod's address may enter the node:
 //! only at its own interface ([`held_elsewhere`]).
@@ -57,6 +59,13 @@ fn configured() -> bool {
     CONFIG
         .get(0)
         .is_some_and(|c| c.flags & CONFIG_POD_RANGES != 0)
+}
+
+/// Whether `addr` is in the node's pod ranges without being enforced,
+/// when the guard is on.
+#[inline(always)]
+pub fn addr_unenforced(fam: u8, addr: &[u8; 16]) -> bool {
+    configured() && unenforced(fam, addr)
 }
 
 /// At a pod's hook: whether the packet's peer (the destination of what

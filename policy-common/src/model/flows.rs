@@ -302,20 +302,30 @@ impl Datapath {
                 Some(_) => PeerOf::Pod(pkt.ingress_ifindex),
             }
         };
-        if self.maps.unenforced(pkt.peer()) {
-            return verdict(Reason::DropUnenforced);
-        }
+        // The pod-range guard. A packet of a flow tracked at the current
+        // revision skips it: the agent moves every revision when an
+        // address leaves `ENFORCED` or the ranges change, so such a flow's
+        // peer was enforced when the flow was last judged, and a flow
+        // judged again checks it first ([`Self::judge_again`]).
+        let unenforced = self.maps.unenforced(pkt.peer());
         let port = pkt.policy_port();
         // A pod isolated in no direction needs no tracking.
         if !ep.tracks() {
+            if unenforced {
+                return verdict(Reason::DropUnenforced);
+            }
             return self
                 .maps
                 .judge_as(&ep, pkt.direction, pkt.peer(), pkt.protocol, port, peer_of);
         }
-        if let Some(q) = pkt.quoted
-            && let Some(judged) = self.related(&ep, pkt, &q)
-        {
-            return judged;
+        if let Some(q) = pkt.quoted {
+            // An ICMP error from an unenforced address is never related.
+            if unenforced {
+                return verdict(Reason::DropUnenforced);
+            }
+            if let Some(judged) = self.related(&ep, pkt, &q) {
+                return judged;
+            }
         }
         let trackable = match pkt.protocol {
             proto::ICMP | proto::ICMPV6 => echo_role(pkt).is_some(),
@@ -356,6 +366,9 @@ impl Datapath {
                     return judged;
                 }
             }
+        }
+        if unenforced {
+            return verdict(Reason::DropUnenforced);
         }
         // To a Service frontend: the backend is chosen after this hook.
         if pkt.direction == direction::EGRESS
@@ -425,7 +438,7 @@ impl Datapath {
             if judged.reason.is_drop() {
                 self.flows.remove(&flow);
                 return Some(Judgement {
-                    reason: Reason::DropPolicyChanged,
+                    reason: changed(judged.reason),
                     rule: judged.rule,
                     ..related
                 });
@@ -442,8 +455,18 @@ impl Datapath {
     }
 
     /// A tracked flow judged as if new, as its opener was: its direction,
-    /// its peer, `port` its destination port.
+    /// its peer, `port` its destination port; its peer first checked by
+    /// the pod-range guard, which its packets skip while the revision
+    /// stands.
     fn judge_again(&self, ep: &EndpointInfo, flow: &Flow, port: u16, peer_of: PeerOf) -> Judgement {
+        if self.maps.unenforced(flow.peer()) {
+            return Judgement {
+                reason: Reason::DropUnenforced,
+                matched: None,
+                peer: IpcacheEntry::UNKNOWN,
+                rule: crate::event::RuleRef::default(),
+            };
+        }
         let port = proto::policy_port(flow.protocol, port);
         self.maps
             .judge_as(ep, flow.opened, flow.peer(), flow.protocol, port, peer_of)
@@ -474,7 +497,7 @@ impl Datapath {
             out.rule = judged.rule;
             if judged.reason.is_drop() {
                 self.flows.remove(&flow);
-                out.reason = Reason::DropPolicyChanged;
+                out.reason = changed(judged.reason);
                 return out;
             }
             st.revision = ep.revision;
@@ -482,5 +505,15 @@ impl Datapath {
         st.closing |= closing;
         self.flows.insert(flow, st);
         out
+    }
+}
+
+/// The reason a tracked flow is cut with when judged again: its peer no
+/// longer enforced says so; any other denial is a policy change.
+fn changed(judged: Reason) -> Reason {
+    if judged == Reason::DropUnenforced {
+        Reason::DropUnenforced
+    } else {
+        Reason::DropPolicyChanged
     }
 }

@@ -18,7 +18,11 @@
 //!    (ingress): who sent it, by the interface it entered the node at
 //!    ([`PeerOf`]; its own packet back through a Service → pass);
 //!    3a. the peer (destination at egress, source at ingress) in the node's
-//!    pod ranges and not enforced → drop (see [`pod_range_guard`]);
+//!    pod ranges and not enforced → drop (see [`pod_range_guard`]), except
+//!    for a packet of a flow tracked at E under E's current revision (step
+//!    6, which comes first: the agent moves every revision when an address
+//!    leaves `ENFORCED` or the ranges change, and a flow judged again
+//!    checks its peer first);
 //! 4. E isolated in no direction: judge (nothing is tracked);
 //! 5. an ICMP error travelling back to the sender of the packet it quotes,
 //!    which belongs to a flow tracked at E and still allowed → related;

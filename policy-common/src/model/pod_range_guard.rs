@@ -156,6 +156,46 @@ mod tests {
         assert!(dp.uplink(&udp(direction::EGRESS, far, v4(9))).passes());
     }
 
+    /// A packet of a flow tracked at the current revision skips the
+    /// guard; once the revision moves the flow is judged again, its peer
+    /// first, and cut.
+    #[test]
+    fn a_tracked_flow_meets_the_guard_again_once_the_revision_moves() {
+        use crate::{
+            endpoint::{ENDPOINT_EGRESS_ISOLATED, lookups},
+            identity,
+            policy::{PolicyEntry, PolicyKey},
+            proto,
+        };
+        let mut dp = node();
+        let mut ep = dp.maps.endpoints[&7];
+        ep.flags |= ENDPOINT_EGRESS_ISOLATED;
+        ep.egress_lookups = lookups::ANY_PROTOCOL | lookups::ANY_PEER;
+        ep.revision = 1;
+        dp.maps.endpoints.insert(7, ep);
+        dp.maps.policy.insert(
+            PolicyKey::new(300, direction::EGRESS, identity::ANY, proto::ANY, 0, 0),
+            PolicyEntry::default(),
+        );
+        dp.maps.enforced.insert(v4(9), 8);
+        let out = udp(direction::EGRESS, v4(5), v4(9));
+        let back = udp(direction::INGRESS, v4(9), v4(5));
+        let back = Packet {
+            sport: out.dport,
+            dport: out.sport,
+            ..back
+        };
+        assert_eq!(dp.classify(&out).reason(), Some(Reason::AllowPolicy));
+        assert_eq!(dp.classify(&back).reason(), Some(Reason::AllowReply));
+        dp.maps.enforced.remove(&v4(9));
+        assert_eq!(dp.classify(&out).reason(), Some(Reason::AllowEstablished));
+        ep.revision = 2;
+        dp.maps.endpoints.insert(7, ep);
+        assert_eq!(dp.classify(&back).reason(), Some(Reason::DropUnenforced));
+        // Forgotten: the next packet is a new flow, refused as well.
+        assert_eq!(dp.classify(&out).reason(), Some(Reason::DropUnenforced));
+    }
+
     #[test]
     fn without_ranges_nothing_is_unenforced() {
         let mut dp = node();

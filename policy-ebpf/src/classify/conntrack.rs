@@ -28,6 +28,37 @@ use crate::{
     parse::{IpPacket, quoted_flow},
 };
 
+/// A tracked flow judged again, as its opener was (`dir` the way it was
+/// opened, `port` its destination port): its peer first checked by the
+/// pod-range guard, which the flow's packets skip while the endpoint's
+/// revision stands.
+#[inline(always)]
+fn judge_again(
+    ep: &EndpointInfo,
+    dir: u8,
+    fam: u8,
+    peer_addr: &[u8; 16],
+    protocol: u8,
+    port: u16,
+    origin: u16,
+) -> (Reason, IpcacheEntry) {
+    if crate::pod_range_guard::addr_unenforced(fam, peer_addr) {
+        return (Reason::DropUnenforced, IpcacheEntry::UNKNOWN);
+    }
+    judge(ep, dir, fam, peer_addr, protocol, port, origin, false)
+}
+
+/// The reason a tracked flow is cut with when judged again: its peer no
+/// longer enforced says so; any other denial is a policy change.
+#[inline(always)]
+fn changed(judged: Reason) -> Reason {
+    if judged == Reason::DropUnenforced {
+        Reason::DropUnenforced
+    } else {
+        Reason::DropPolicyChanged
+    }
+}
+
 /// A conntrack hit: still allowed under the endpoint's current revision?
 /// `orig_port` is the destination port of the packet that opened the flow.
 #[inline(always)]
@@ -43,7 +74,7 @@ pub(super) fn on_ct_hit(
 ) -> (Reason, IpcacheEntry) {
     let mut peer = IpcacheEntry::UNKNOWN;
     if entry.revision != ep.revision {
-        let (reason, p) = judge(
+        let (reason, p) = judge_again(
             ep,
             entry.direction,
             pkt.family,
@@ -51,12 +82,11 @@ pub(super) fn on_ct_hit(
             pkt.protocol,
             proto::policy_port(pkt.protocol, orig_port),
             entry.origin,
-            false,
         );
         peer = p;
         if reason.is_drop() {
             let _ = CONNTRACK.remove(key);
-            return (Reason::DropPolicyChanged, peer);
+            return (changed(reason), peer);
         }
         entry.revision = ep.revision;
     }
@@ -269,7 +299,7 @@ pub(super) fn related(
         };
         let port = proto::policy_port(s.ct.protocol, dport);
         let peer = s.ct.remote;
-        let (reason, _) = judge(
+        let (reason, _) = judge_again(
             ep,
             opener,
             s.ct.family,
@@ -277,11 +307,10 @@ pub(super) fn related(
             s.ct.protocol,
             port,
             entry.origin,
-            false,
         );
         if reason.is_drop() {
             let _ = CONNTRACK.remove(&s.ct);
-            return Some(Reason::DropPolicyChanged);
+            return Some(changed(reason));
         }
         entry.revision = ep.revision;
     }

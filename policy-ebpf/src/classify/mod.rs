@@ -194,10 +194,15 @@ fn decide(
             Arrival::Origin(origin) => origin,
         }
     };
-    if crate::pod_range_guard::peer_unenforced(pkt, dir) {
-        return (Reason::DropUnenforced, unknown);
-    }
+    // The pod-range guard, on every packet but those of a flow tracked at
+    // the endpoint's current revision: the agent moves every revision when
+    // an address leaves ENFORCED or the ranges change, and a flow judged
+    // again checks its peer first (`on_ct_hit`, `related`).
+    let unenforced = crate::pod_range_guard::peer_unenforced;
     if pkt.frag == FRAG_LATER {
+        if unenforced(pkt, dir) {
+            return (Reason::DropUnenforced, unknown);
+        }
         fill_frag_key(&mut s.frag, ifindex, pkt);
         return if FRAGMENTS.get_ptr(&s.frag).is_some() {
             (Reason::AllowFragment, unknown)
@@ -206,6 +211,9 @@ fn decide(
         };
     }
     if !ep.tracks() {
+        if unenforced(pkt, dir) {
+            return (Reason::DropUnenforced, unknown);
+        }
         // Isolated in no direction: nothing to track, nothing to deny.
         // Without conntrack a new flow is known by its TCP SYN alone.
         let (reason, peer) = judge_packet(ep, dir, pkt, origin);
@@ -222,10 +230,14 @@ fn decide(
     // SAFETY: a helper without preconditions.
     let now = unsafe { bpf_ktime_get_coarse_ns() };
 
-    if pkt.quoted_off != 0
-        && let Some(reason) = related(ctx, s, ifindex, ep, dir, now)
-    {
-        return (reason, unknown);
+    if pkt.quoted_off != 0 {
+        // An ICMP error from an unenforced address is never related.
+        if unenforced(pkt, dir) {
+            return (Reason::DropUnenforced, unknown);
+        }
+        if let Some(reason) = related(ctx, s, ifindex, ep, dir, now) {
+            return (reason, unknown);
+        }
     }
     let pkt = &s.pkt;
     let peer_addr = if dir == direction::EGRESS {
@@ -242,6 +254,9 @@ fn decide(
         if let Some(verdict) = tracked(&s.ct, &mut s.flow, ep, pkt, peer_addr, now, dir) {
             return verdict;
         }
+    }
+    if unenforced(pkt, dir) {
+        return (Reason::DropUnenforced, unknown);
     }
     let midstream = pkt.protocol == proto::TCP && pkt.tcp_flags & TCP_SYN == 0;
     if midstream {

@@ -141,6 +141,55 @@ fn suite(prefix: &'static str, backend: Backend) {
     c.eventually("the pod enforced", Duration::from_secs(20), |f, t, _, _| {
         t != FRESH || f == PEER || f == NODE_ROW || f == t
     });
+    if matches!(backend, Backend::Bpf) {
+        an_address_withdrawn_moves_every_revision(&mut c);
+    }
+}
+
+/// The classifier lets a flow tracked at its endpoint's current revision
+/// skip the guard, so an address leaving ENFORCED must move every
+/// endpoint's revision (each flow is then judged again, its peer first).
+/// Here the peer's interface goes while its pod object stays: no ipcache
+/// or policy change moves a revision, only the withdrawal.
+fn an_address_withdrawn_moves_every_revision(c: &mut Conformance) {
+    let revision = |d: &serde_json::Value, pod: &str| {
+        d["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["pod"] == pod)
+            .and_then(|e| e["revision"].as_u64())
+    };
+    let enforced = |d: &serde_json::Value, ip: &str| {
+        d["enforced"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["address"] == ip)
+    };
+    let before = c.dump();
+    let known = revision(&before, "t/known").expect("t/known has an endpoint");
+    assert!(enforced(&before, "10.244.9.12"));
+    c.node
+        .as_mut()
+        .unwrap()
+        .remove_pod(PEER)
+        .expect("the peer pod");
+    let deadline = std::time::Instant::now()
+        + policy_testbed::fixtures::deadline::scaled(Duration::from_secs(10));
+    loop {
+        let d = c.dump();
+        let withdrawn = !enforced(&d, "10.244.9.12") && !enforced(&d, "fd00:244:9::12");
+        let moved = revision(&d, "t/known").is_some_and(|r| r != known);
+        if withdrawn && moved {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the peer's addresses withdrawn: {withdrawn}; t/known's revision moved from {known}: {moved}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Sets up a new pod outside the agent's knowledge (as the node's CNI

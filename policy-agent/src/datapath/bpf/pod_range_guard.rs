@@ -14,6 +14,13 @@
 //! bit that turns the kernel check on is set only once `ENFORCED` has
 //! been filled, so turning the flag on never cuts enforced pods off.
 //!
+//! The classifier skips the guard for a packet of a flow tracked at its
+//! endpoint's current revision (the guard is an LPM lookup on every
+//! packet otherwise). So whatever makes an address newly guarded (it
+//! leaves `ENFORCED`, the ranges change, the check is turned on) moves
+//! every endpoint's revision: each flow is judged again, its peer checked
+//! first. [`Enforcement::take_rejudge`] says when a sync owes that.
+//!
 //! `ENFORCED` is written whether or not there are ranges (it costs
 //! nothing then: the kernel does not read it), so `Datapath::enforced`
 //! means the same with and without them.
@@ -83,6 +90,9 @@ pub struct Enforcement {
     node: BTreeSet<IpAddr>,
     /// Whether `CONFIG_POD_RANGES` is known to be set.
     armed: bool,
+    /// Whether an address became guarded since the last
+    /// [`Self::take_rejudge`].
+    rejudge: bool,
 }
 
 impl Enforcement {
@@ -170,7 +180,17 @@ impl Enforcement {
         }
         info!(ranges = ?wanted, "pod ranges");
         self.ranges = wanted.to_vec();
+        self.rejudge = true;
         true
+    }
+
+    /// Whether an address may have become guarded (it left `ENFORCED`,
+    /// the ranges changed, the kernel check was turned on) since the last
+    /// call: every tracked flow must then be judged again (every
+    /// endpoint's revision moves), or its packets would keep skipping the
+    /// guard.
+    pub fn take_rejudge(&mut self) -> bool {
+        std::mem::take(&mut self.rejudge)
     }
 
     /// The ranges `POD_RANGES` holds.
@@ -282,6 +302,8 @@ impl Enforcement {
             .filter(|(ip, ifindex)| wanted.get(ip) != Some(ifindex))
             .map(|(ip, _)| *ip)
             .collect();
+        // Guarded from now on (or not removed: judged again either way).
+        let withdrawn = !stale.is_empty();
         for ip in stale {
             match remove(names::ENFORCED, maps.enforced.remove(&enforced_key(ip))) {
                 Ok(()) => {
@@ -293,6 +315,7 @@ impl Enforcement {
                 }
             }
         }
+        self.rejudge |= withdrawn;
     }
 
     /// Last in a sync: adds the addresses of attached interfaces, then
@@ -328,12 +351,14 @@ impl Enforcement {
         }
         if !self.ranges.is_empty() && !self.armed {
             let armed = maps.config().and_then(|mut c| {
+                let was_off = c.flags & CONFIG_POD_RANGES == 0;
                 c.flags |= CONFIG_POD_RANGES;
-                maps.set_config(c)
+                maps.set_config(c).map(|()| was_off)
             });
             match armed {
-                Ok(()) => {
+                Ok(turned_on) => {
                     self.armed = true;
+                    self.rejudge |= turned_on;
                     info!(ranges = ?self.ranges, "pod-range guard on: unenforced local addresses are dropped");
                 }
                 Err(e) => fail(report, format!("turning the pod-range guard on: {e}")),

@@ -86,6 +86,12 @@ pub(super) fn sync_full(
     };
     let mut new = maps.rekey(|pod| interfaces.get(pod).map(|i| i.ifindex));
     assign_revisions(&old, &mut new);
+    if enforcement.take_rejudge() {
+        let next = old.next_revision();
+        for ep in new.endpoints.values_mut() {
+            ep.revision = next;
+        }
+    }
     let mut ops = diff(&old, &new);
     let diff_us = t.elapsed().as_micros() as u64;
     let unwritten = write(dp, &old, &mut ops, report);
@@ -117,6 +123,9 @@ pub(super) fn sync_full(
     // Attached: their addresses become reachable (ENFORCED), last.
     enforcement.reset_attached(attached);
     enforcement.grant(&mut dp.maps, local_pods, &iface_of, report);
+    if enforcement.take_rejudge() {
+        rejudge_every_flow(dp, &mut new, report);
+    }
     let wanted: BTreeSet<u32> = interfaces.values().map(|i| i.ifindex).collect();
     for (ifindex, m) in meta.iter().filter(|(i, m)| {
         !wanted.contains(i) && m.attach & (ATTACH_POD | ATTACH_STANDBY) == ATTACH_POD
@@ -166,12 +175,29 @@ pub(super) fn sync_ops(
         enforcement.set_node(&desired.maps.ipcache);
     }
     {
-        let iface_of = |pod: &PodRef| cache.get(pod).map(|i| i.ifindex);
+        // A pod whose endpoint this sync removes (it went, or its
+        // interface did) holds no interface any more: its addresses leave
+        // ENFORCED now, before its entry goes and its interface is
+        // detached (a moved pod's come back with its new interface, last).
+        let leaving: BTreeSet<&PodRef> = ops
+            .iter()
+            .filter_map(|op| match op {
+                MapOp::DeleteEndpoint(pod) => Some(pod),
+                _ => None,
+            })
+            .collect();
+        let iface_of = |pod: &PodRef| {
+            if leaving.contains(pod) {
+                return None;
+            }
+            cache.get(pod).map(|i| i.ifindex)
+        };
         enforcement.withdraw(&mut dp.maps, local_pods, &iface_of, report);
     }
     let next_revision = state.next_revision();
     let mut writes: Vec<MapOp<u32>> = Vec::with_capacity(ops.len());
-    let mut bump_all = false;
+    // An address the pod-range guard covers now: every flow judged again.
+    let mut bump_all = enforcement.take_rejudge();
     let mut bumped_identities = BTreeSet::new();
     let mut touched = BTreeSet::new();
     let mut fresh: Vec<(PodRef, Interface)> = Vec::new();
@@ -264,6 +290,9 @@ pub(super) fn sync_ops(
     );
     let iface_of = |pod: &PodRef| cache.get(pod).map(|i| i.ifindex);
     enforcement.grant(&mut dp.maps, local_pods, &iface_of, report);
+    if enforcement.take_rejudge() {
+        rejudge_every_flow(dp, &mut state, report);
+    }
     for (ifindex, name) in &gone {
         enforcement.set_attached(*ifindex, false);
         detach(dp, *ifindex, name, report);
@@ -271,6 +300,26 @@ pub(super) fn sync_ops(
     // Anything short: the next sync is a full pass over the maps read back.
     *last = (!report.incomplete).then_some(state);
     Ok(())
+}
+
+/// Moves every endpoint's revision, last in a sync (after the pod-range
+/// guard was turned on): each tracked flow is judged again at its next
+/// packet, its peer checked by the guard its packets skip otherwise.
+fn rejudge_every_flow(
+    dp: &mut PinnedClassifier,
+    state: &mut MapState<u32>,
+    report: &mut SyncReport,
+) {
+    let next = state.next_revision();
+    let writes: Vec<MapOp<u32>> = state
+        .endpoints
+        .iter_mut()
+        .map(|(ifindex, ep)| {
+            ep.revision = next;
+            MapOp::UpsertEndpoint(*ifindex, *ep)
+        })
+        .collect();
+    apply_all(dp, &writes, report);
 }
 
 /// Writes `ops` (turning `before` into the desired content) as far as the

@@ -182,6 +182,38 @@ fn a_drop_of_an_unenforced_peer_is_reported() {
     assert_eq!(&ev.dst[..4], &[10, 0, 0, 99]);
 }
 
+/// A flow tracked at the endpoint's current revision skips the guard (it
+/// costs an LPM lookup on every packet otherwise); the agent moves every
+/// revision when an address leaves ENFORCED, and the flow judged again
+/// checks its peer first: both ways of it drop from then on, the entry
+/// goes, and a new flow to the address stays refused.
+#[test]
+fn a_tracked_flow_meets_the_guard_again_once_the_revision_moves() {
+    use policy_common::{
+        direction::EGRESS, endpoint::ENDPOINT_EGRESS_ISOLATED, policy::PolicyKey, proto::TCP,
+    };
+    use policy_testbed::packet::TCP_ACK;
+    let mut h = node(true);
+    h.endpoint(POD, ENDPOINT_EGRESS_ISOLATED, 1);
+    h.allow(PolicyKey::new(POD, EGRESS, PEER, TCP, 16, 80));
+    h.sync();
+    let syn = tcp("10.0.0.10", "10.0.0.11");
+    let ack = Packet::tcp(ip("10.0.0.10"), 40000, ip("10.0.0.11"), 80, TCP_ACK).frame();
+    let reply = Packet::tcp(ip("10.0.0.11"), 80, ip("10.0.0.10"), 40000, TCP_ACK).frame();
+    assert_eq!(h.run_reason(Hook::Ingress, &syn), (Pass, AllowPolicy));
+    assert_eq!(h.run_reason(Hook::Egress, &reply), (Pass, AllowReply));
+    // The peer's address leaves ENFORCED; the revision has not moved yet.
+    h.enforce("10.0.0.11", None);
+    assert_eq!(h.run_reason(Hook::Ingress, &ack), (Pass, AllowEstablished));
+    // The revision moves: the flow is judged again, its peer first.
+    h.endpoint(POD, ENDPOINT_EGRESS_ISOLATED, 2);
+    h.sync();
+    assert_eq!(h.run_reason(Hook::Egress, &reply), UNENFORCED);
+    // Its entry is gone: the other way is a new, refused flow as well.
+    assert_eq!(h.run_reason(Hook::Ingress, &ack), UNENFORCED);
+    assert_eq!(h.run_reason(Hook::Ingress, &syn), UNENFORCED);
+}
+
 /// Prints the per-packet cost of the pod-range guard at a pod's hook (no
 /// assertion: timings are printed, never asserted). Run with
 /// `-- --ignored --nocapture`.
