@@ -122,7 +122,7 @@ fn cluster(pods: usize, seed: u64) -> ClusterState {
             s.pods.insert(
                 ObjectRef::new(ns.clone(), format!("{app}-{r}")),
                 PodInfo {
-                    labels,
+                    labels: policy_agent::cluster::pod_labels(labels),
                     node_name: Some(format!("node-{:02}", rng.random_range(0..NODES))),
                     ips,
                     ports: ports
@@ -318,7 +318,7 @@ fn report_relabel() -> serde_json::Value {
     let mut ids = IdentityAllocator::new();
     let mut compiler = Compiler::build(&state, &mut ids, CompileOptions::default());
     let (pod, mut info) = some_pod(&state, true);
-    info.labels.insert("track".into(), "canary".into());
+    std::sync::Arc::make_mut(&mut info.labels).insert("track".into(), "canary".into());
     state.pods.insert(pod.clone(), info.clone());
     let before = compiler.maps().clone();
     let mut full_ids = ids.clone();
@@ -449,7 +449,7 @@ fn bench_relabel(c: &mut Criterion) {
         let mut compiler = Compiler::build(&state, &mut ids, options);
         let (pod, info) = some_pod(&state, local);
         let mut canary = info.clone();
-        canary.labels.insert("track".into(), "canary".into());
+        std::sync::Arc::make_mut(&mut canary.labels).insert("track".into(), "canary".into());
         let mut flip = false;
         g.bench_function(name, |b| {
             b.iter(|| {

@@ -393,7 +393,9 @@ fn tier_cluster(cnps: usize) -> policy_agent::cluster::ClusterState {
         s.pods.insert(
             ObjectRef::new(format!("ns{}", i % 100), format!("p{i}")),
             PodInfo {
-                labels: [("app".to_owned(), format!("a{}", i % 20))].into(),
+                labels: policy_agent::cluster::pod_labels(
+                    [("app".to_owned(), format!("a{}", i % 20))].into(),
+                ),
                 node_name: Some("node-b".into()),
                 ips: vec![IpAddr::V4(Ipv4Addr::from(0x0a01_0000u32 + i))],
                 ..Default::default()
@@ -403,7 +405,7 @@ fn tier_cluster(cnps: usize) -> policy_agent::cluster::ClusterState {
     s.pods.insert(
         ObjectRef::new("ns0", "me"),
         PodInfo {
-            labels: [("app".to_owned(), "me".to_owned())].into(),
+            labels: policy_agent::cluster::pod_labels([("app".to_owned(), "me".to_owned())].into()),
             node_name: Some("node-a".into()),
             ips: vec![IpAddr::V4(Ipv4Addr::new(10, 0, 0, 200))],
             ..Default::default()

@@ -224,7 +224,7 @@ mod tests {
         new.pods
             .get_mut(&ObjectRef::new("a", "p2"))
             .unwrap()
-            .labels
+            .labels_mut()
             .insert("x".into(), "y".into());
         new.node_ips = vec!["10.0.0.1".parse().unwrap()];
         new.namespaces.insert("a".into(), NamespaceInfo::default());

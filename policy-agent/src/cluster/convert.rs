@@ -127,7 +127,7 @@ pub fn pod_info(pod: &Pod) -> Result<(ObjectRef, PodInfo), ConvertError> {
 
     let phase = status.and_then(|s| s.phase.as_deref());
     let info = PodInfo {
-        labels: pod.metadata.labels.clone().unwrap_or_default(),
+        labels: super::pod_labels(pod.metadata.labels.clone().unwrap_or_default()),
         node_name: spec.and_then(|s| s.node_name.clone()),
         ips,
         ports,

@@ -8,6 +8,7 @@ mod address;
 mod change;
 pub mod cluster_policy;
 mod convert;
+pub mod interned;
 mod problem;
 mod service;
 pub mod staged;
@@ -24,6 +25,7 @@ pub use self::{
     address::{parse_cidr_sloppy, parse_ip_sloppy},
     change::{Change, Keyed, changes_between, keyed_changes},
     convert::{ConvertError, namespace_info, node_info, pod_info},
+    interned::{PodLabels, pod_labels},
     problem::{ObjectKind, Problem, Subject},
     service::{
         Backend, Endpoint, EndpointSliceInfo, SERVICE_NAME_LABEL, ServiceInfo, ServicePort,
@@ -88,7 +90,9 @@ pub struct ContainerPort {
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PodInfo {
-    pub labels: Labels,
+    /// Shared with every copy of the pod and every pod with the same
+    /// labels ([`interned::pod_labels`]).
+    pub labels: PodLabels,
     /// `spec.nodeName` (None while unscheduled).
     pub node_name: Option<String>,
     /// `status.podIPs` (or `status.podIP`), IPv4 and/or IPv6.
@@ -104,6 +108,14 @@ pub struct PodInfo {
     /// `metadata.uid`: tells a sandbox's pod from an older one of the same
     /// name (the CNI hand-off names both).
     pub uid: Option<String>,
+}
+
+impl PodInfo {
+    /// This pod's own copy of its labels, to change (the shared set stays
+    /// as the other pods hold it).
+    pub fn labels_mut(&mut self) -> &mut Labels {
+        std::sync::Arc::make_mut(&mut self.labels)
+    }
 }
 
 /// Everything the compiler reads.

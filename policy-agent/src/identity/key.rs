@@ -3,7 +3,7 @@ use std::{collections::BTreeSet, fmt::Write as _};
 
 use policy_common::proto;
 
-use crate::cluster::{Labels, PodInfo};
+use crate::cluster::{Labels, PodInfo, PodLabels};
 
 /// A named container port: the part of a pod a named policy port resolves on.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -28,7 +28,8 @@ pub struct NamedPort {
 pub struct LabelKey {
     pub namespace: String,
     pub namespace_labels: Labels,
-    pub labels: Labels,
+    /// Shared with the pods that carry them.
+    pub labels: PodLabels,
     pub named_ports: BTreeSet<NamedPort>,
 }
 
@@ -91,7 +92,7 @@ impl LabelKey {
             out.push('=');
             escape_into(&mut out, v);
         }
-        for (k, v) in &self.labels {
+        for (k, v) in self.labels.iter() {
             out.push(';');
             escape_into(&mut out, k);
             out.push('=');
@@ -138,10 +139,12 @@ mod tests {
 
     fn pod(labels: &[(&str, &str)], ports: &[(&str, u8, u16)]) -> PodInfo {
         PodInfo {
-            labels: labels
-                .iter()
-                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-                .collect(),
+            labels: std::sync::Arc::new(
+                labels
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
+            ),
             ports: ports
                 .iter()
                 .map(|(n, p, port)| ContainerPort {

@@ -127,7 +127,9 @@ fn walk(maps: &BpfMaps) -> StdHashMap<CtKey, CtEntry> {
         .info()
         .map(|i| i.max_entries() as usize)
         .unwrap_or(0);
-    let mut seen = StdHashMap::with_capacity(capacity.min(1 << 20));
+    // Grown as entries come: sized for the map's capacity, the table
+    // took megabytes at every count however few flows there were.
+    let mut seen = StdHashMap::new();
     let items = maps.conntrack.iter().take(capacity.saturating_mul(2));
     seen.extend(items.flatten());
     seen

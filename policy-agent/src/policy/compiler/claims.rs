@@ -19,6 +19,34 @@ struct Claim {
     pod: PodRef,
 }
 
+/// The claims on one address, the holder first. Almost always one: a
+/// sorted vector, not a set (a set's first node took some 600 bytes per
+/// address).
+#[derive(Clone, Debug, Default)]
+struct Claims(Vec<Claim>);
+
+impl Claims {
+    fn insert(&mut self, claim: Claim) {
+        if let Err(at) = self.0.binary_search(&claim) {
+            self.0.insert(at, claim);
+        }
+    }
+
+    fn remove(&mut self, claim: &Claim) {
+        if let Ok(at) = self.0.binary_search(claim) {
+            self.0.remove(at);
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn first(&self) -> Option<&Claim> {
+        self.0.first()
+    }
+}
+
 /// A pod that owns addresses and has an identity: live and not hostNetwork
 /// (hostNetwork pods use the node's addresses and are never peers).
 pub(super) fn eligible(info: &PodInfo) -> bool {
@@ -29,7 +57,7 @@ pub(super) fn eligible(info: &PodInfo) -> bool {
 pub(super) struct AddressClaims {
     /// The addresses each live pod claims (and the creation time it used).
     by_pod: BTreeMap<PodRef, (i64, Vec<IpAddr>)>,
-    claims: BTreeMap<IpAddr, BTreeSet<Claim>>,
+    claims: BTreeMap<IpAddr, Claims>,
     holders: BTreeMap<IpAddr, PodRef>,
     /// What each pod held when its identity was last updated.
     held: BTreeMap<PodRef, BTreeSet<IpAddr>>,

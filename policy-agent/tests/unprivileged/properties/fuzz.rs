@@ -112,10 +112,12 @@ fn corpus_cluster() -> ClusterState {
         s.pods.insert(
             ObjectRef::new(*ns, *name),
             PodInfo {
-                labels: labels
-                    .iter()
-                    .map(|(k, v)| ((*k).into(), (*v).into()))
-                    .collect(),
+                labels: std::sync::Arc::new(
+                    labels
+                        .iter()
+                        .map(|(k, v)| ((*k).into(), (*v).into()))
+                        .collect(),
+                ),
                 node_name: Some((*node).into()),
                 ips: ips.iter().map(|a| a.parse().unwrap()).collect(),
                 ports: ports

@@ -321,7 +321,7 @@ fn a_restart_never_reuses_a_number_whose_name_a_full_map_dropped() {
         .pods
         .remove(&policy_agent::cluster::PodRef::new("default", "friend"));
     w.pod_mut("default/stranger")
-        .labels
+        .labels_mut()
         .insert("role".into(), "newcomer".into());
     let second = w.compile();
     let newcomer = second.identity_of("default/stranger");
@@ -465,7 +465,7 @@ fn incremental_relabel_matches_a_full_compile() {
     let mut c = Compiler::build(&w.state, &mut ids, CompileOptions::default());
     let before = c.maps().clone();
     let mut info = w.state.pods[&obj("default/stranger")].clone();
-    info.labels.insert("role".into(), "friend".into());
+    info.labels_mut().insert("role".into(), "friend".into());
     w.state.pods.insert(obj("default/stranger"), info.clone());
     let mut full_ids = ids.clone();
     let ops = c.apply([Change::UpsertPod(obj("default/stranger"), info)], &mut ids);

@@ -222,11 +222,11 @@ fn pod_label_change_moves_the_pod_in_and_out_of_peers() {
     w.compile()
         .check(&[("other is not a client", OTHER, WEB, TCP, 80, DENY)]);
     w.pod_mut(OTHER)
-        .labels
+        .labels_mut()
         .insert("role".into(), "client".into());
     w.compile()
         .check(&[("now it is", OTHER, WEB, TCP, 80, ALLOW)]);
-    w.pod_mut(CLIENT).labels.clear();
+    w.pod_mut(CLIENT).labels_mut().clear();
     w.compile()
         .check(&[("lost its label", CLIENT, WEB, TCP, 80, DENY)]);
 }
@@ -237,10 +237,12 @@ fn pod_label_change_moves_the_pod_in_and_out_of_selection() {
     w.policy("metadata: {name: p}\nspec:\n  podSelector: {matchLabels: {locked: 'yes'}}\n  policyTypes: [Ingress]");
     w.compile()
         .check(&[("web open", CLIENT, WEB, TCP, 80, ALLOW)]);
-    w.pod_mut(WEB).labels.insert("locked".into(), "yes".into());
+    w.pod_mut(WEB)
+        .labels_mut()
+        .insert("locked".into(), "yes".into());
     w.compile()
         .check(&[("web locked", CLIENT, WEB, TCP, 80, DENY)]);
-    w.pod_mut(WEB).labels.remove("locked");
+    w.pod_mut(WEB).labels_mut().remove("locked");
     w.compile()
         .check(&[("web open again", CLIENT, WEB, TCP, 80, ALLOW)]);
 }

@@ -662,7 +662,7 @@ pub fn pod() -> impl Strategy<Value = PodInfo> {
             if host_network {
                 ips = vec![NODE_IP.parse().unwrap()];
             }
-            PodInfo { labels, node_name, ips, ports, host_network, terminal, created, uid: None }
+            PodInfo { labels: labels.into(), node_name, ips, ports, host_network, terminal, created, uid: None }
         })
 }
 

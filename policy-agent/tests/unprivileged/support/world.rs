@@ -97,10 +97,12 @@ impl World {
                 .into(),
             });
         let info = PodInfo {
-            labels: labels
-                .iter()
-                .map(|(k, v)| ((*k).into(), (*v).into()))
-                .collect(),
+            labels: std::sync::Arc::new(
+                labels
+                    .iter()
+                    .map(|(k, v)| ((*k).into(), (*v).into()))
+                    .collect(),
+            ),
             node_name: Some(NODE.into()),
             ips: ips.iter().map(|s| ip(s)).collect(),
             created,
