@@ -1,7 +1,8 @@
 //! The paths a user's packets take that the main table leaves out, each
 //! over the one-lookup floor of the same round, all with the catch-all
-//! on (the node's pod range in `POD_RANGES`, our pod's address in
-//! `ENFORCED`, as cluster mode runs by default) and the record ring read:
+//! on (the node's pod range in `POD_RANGES`, holding our pod and its
+//! peers, all in `ENFORCED`: pods of this node, as cluster mode runs by
+//! default) and the record ring read:
 //!
 //! - an established packet in the opener's direction, and its reply (the
 //!   pod answering: the same one conntrack lookup, whose entry says the
@@ -45,14 +46,27 @@ pub fn paths(floors: &mut Unpinned, repeat: u32, rounds: usize) -> serde_json::V
     dp.maps.apply(&diff(&old, &s)).unwrap();
     set_budget(&mut dp, FlowBudget::new(0, 0));
     let mut ring = RingBuf::try_from(dp.ebpf.take_map(names::DROP_EVENTS).unwrap()).unwrap();
-    // The catch-all: this node's pod range, our pod's address enforced.
+    // The catch-all: this node's pod range, holding our pod and both
+    // peers (pods of this node, enforced), so the guard's checks (its
+    // LPM lookup and the ENFORCED hash) are on every path they apply to.
     let mut guard = Enforcement::open(&mut dp.maps).unwrap();
     let mut report = SyncReport::default();
-    let range: IpNet = "10.0.0.192/26".parse().unwrap();
+    let range: IpNet = "10.0.0.0/24".parse().unwrap();
     guard.set_ranges(&mut dp.maps, Some(&[range]), &mut report);
-    guard.set_attached(1, true);
-    let pods = BTreeMap::from([(PodRef::new("bench", "pod"), vec![pod])]);
-    guard.grant(&mut dp.maps, &pods, &|_| Some(1), &mut report);
+    let pods = BTreeMap::from([
+        (PodRef::new("bench", "pod"), vec![pod]),
+        (PodRef::new("bench", "allowed"), vec![allowed]),
+        (PodRef::new("bench", "denied"), vec![denied]),
+    ]);
+    let ifindex = |p: &PodRef| match p.name.as_str() {
+        "pod" => Some(1),
+        "allowed" => Some(2),
+        _ => Some(3),
+    };
+    for i in 1..=3 {
+        guard.set_attached(i, true);
+    }
+    guard.grant(&mut dp.maps, &pods, &ifindex, &mut report);
     assert!(report.problems.is_empty(), "{:?}", report.problems);
 
     let opening = Packet::tcp(allowed, 40001, pod, 80, TCP_SYN).frame();

@@ -135,7 +135,7 @@ pub fn render(datapath: Option<&Value>, system: Option<&Value>, control: Option<
     if let Some(p) = datapath.map(|d| &d["paths"]).filter(|r| r.is_object()) {
         let _ = writeln!(
             out,
-            "The paths the table leaves out, 1,000 policy entries, with the catch-all on (the node's pod range in `POD_RANGES`, the pod's address in `ENFORCED`, as cluster mode runs) and the record ring read, over the one-lookup floor. One run per call where each packet must be a new flow or follow a bump, over the floor run the same way ({:.0} ns, a single run's timing included).\n",
+            "The paths the table leaves out, 1,000 policy entries, with the catch-all on (the node's pod range in `POD_RANGES`, holding the pod and its peers, all in `ENFORCED`: pods of this node, as cluster mode runs) and the record ring read, over the one-lookup floor. One run per call where each packet must be a new flow or follow a bump, over the floor run the same way ({:.0} ns, a single run's timing included).\n",
             f(p, "floor_one_lookup_once_ns"),
         );
         let _ = writeln!(

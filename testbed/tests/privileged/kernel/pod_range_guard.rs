@@ -251,3 +251,66 @@ fn cost_of_the_pod_range_guard() {
         "ns/packet at from_pod (pod isolated nowhere): pod-range guard off {off_out:.1} / {off_in:.1}; on, peer outside the ranges {on_out:.1}; on, peer inside and enforced {on_in:.1}"
     );
 }
+
+/// Prints the per-packet cost of the pod-range guard on an established
+/// packet (a tracked flow at its endpoint's current revision) to a peer
+/// inside the ranges: the guard off, then on. Run with
+/// `-- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn cost_of_the_pod_range_guard_on_an_established_packet() {
+    use aya::programs::{TestRun as _, TestRunOptions};
+    use policy_common::{
+        direction::EGRESS, endpoint::ENDPOINT_EGRESS_ISOLATED, policy::PolicyKey, proto::TCP,
+    };
+    use policy_testbed::packet::TCP_ACK;
+    let mut h = node(true);
+    h.endpoint(POD, ENDPOINT_EGRESS_ISOLATED, 1);
+    h.allow(PolicyKey::new(POD, EGRESS, PEER, TCP, 16, 80));
+    h.sync();
+    assert_eq!(
+        h.run_reason(Hook::Ingress, &tcp("10.0.0.10", "10.0.0.11")),
+        (Pass, AllowPolicy)
+    );
+    let ack = Packet::tcp(ip("10.0.0.10"), 40000, ip("10.0.0.11"), 80, TCP_ACK).frame();
+    let ns = |h: &mut Harness, frame: &[u8]| -> f64 {
+        let prog = h.dp.program(Hook::Ingress).unwrap();
+        let mut v: Vec<f64> = (0..31)
+            .map(|_| {
+                let r = prog
+                    .test_run(TestRunOptions {
+                        data_in: Some(frame),
+                        repeat: 20_000,
+                        ..TestRunOptions::default()
+                    })
+                    .unwrap();
+                r.duration.as_nanos() as f64
+            })
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let mut off = Vec::new();
+    let mut on = Vec::new();
+    // Alternating which goes first: the first measure after a map write
+    // runs colder.
+    for i in 0..6 {
+        for guard in [i % 2 == 0, i % 2 != 0] {
+            h.pod_range_guard(guard);
+            let t = ns(&mut h, &ack);
+            if guard { on.push(t) } else { off.push(t) }
+        }
+    }
+    assert_eq!(h.run_reason(Hook::Ingress, &ack), (Pass, AllowEstablished));
+    // The same with the peer's ENFORCED entry gone: where the established
+    // packet skips the guard it still passes, at the same cost.
+    h.enforce("10.0.0.11", None);
+    let withdrawn = ns(&mut h, &ack);
+    assert_eq!(h.run_reason(Hook::Ingress, &ack), (Pass, AllowEstablished));
+    off.sort_by(f64::total_cmp);
+    on.sort_by(f64::total_cmp);
+    println!(
+        "ns/packet, established, peer inside the ranges and enforced: pod-range guard off {:.1}, on {:.1}; on with the peer withdrawn {withdrawn:.1}",
+        off[3], on[3]
+    );
+}
