@@ -117,6 +117,17 @@ impl Reason {
         Reason::RecordLimited,
     ];
 
+    /// The reason a tracked flow is cut with when judging it again denied
+    /// it (`self`): its peer no longer enforced says so; any other denial
+    /// is a policy change.
+    #[inline(always)]
+    pub const fn when_judged_again(self) -> Self {
+        match self {
+            Reason::DropUnenforced => Reason::DropUnenforced,
+            _ => Reason::DropPolicyChanged,
+        }
+    }
+
     /// Whether packets with this reason are dropped.
     #[inline(always)]
     pub const fn is_drop(self) -> bool {

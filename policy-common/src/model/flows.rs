@@ -438,7 +438,7 @@ impl Datapath {
             if judged.reason.is_drop() {
                 self.flows.remove(&flow);
                 return Some(Judgement {
-                    reason: changed(judged.reason),
+                    reason: judged.reason.when_judged_again(),
                     rule: judged.rule,
                     ..related
                 });
@@ -460,12 +460,7 @@ impl Datapath {
     /// stands.
     fn judge_again(&self, ep: &EndpointInfo, flow: &Flow, port: u16, peer_of: PeerOf) -> Judgement {
         if self.maps.unenforced(flow.peer()) {
-            return Judgement {
-                reason: Reason::DropUnenforced,
-                matched: None,
-                peer: IpcacheEntry::UNKNOWN,
-                rule: crate::event::RuleRef::default(),
-            };
+            return super::pod_range_guard::dropped();
         }
         let port = proto::policy_port(flow.protocol, port);
         self.maps
@@ -497,7 +492,7 @@ impl Datapath {
             out.rule = judged.rule;
             if judged.reason.is_drop() {
                 self.flows.remove(&flow);
-                out.reason = changed(judged.reason);
+                out.reason = judged.reason.when_judged_again();
                 return out;
             }
             st.revision = ep.revision;
@@ -505,15 +500,5 @@ impl Datapath {
         st.closing |= closing;
         self.flows.insert(flow, st);
         out
-    }
-}
-
-/// The reason a tracked flow is cut with when judged again: its peer no
-/// longer enforced says so; any other denial is a policy change.
-fn changed(judged: Reason) -> Reason {
-    if judged == Reason::DropUnenforced {
-        Reason::DropUnenforced
-    } else {
-        Reason::DropPolicyChanged
     }
 }

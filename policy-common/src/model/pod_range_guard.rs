@@ -48,7 +48,8 @@ impl Maps {
     }
 }
 
-fn dropped() -> Judgement {
+/// The guard's judgement: an unenforced peer.
+pub(super) fn dropped() -> Judgement {
     Judgement {
         reason: Reason::DropUnenforced,
         matched: None,

@@ -48,17 +48,6 @@ fn judge_again(
     judge(ep, dir, fam, peer_addr, protocol, port, origin, false)
 }
 
-/// The reason a tracked flow is cut with when judged again: its peer no
-/// longer enforced says so; any other denial is a policy change.
-#[inline(always)]
-fn changed(judged: Reason) -> Reason {
-    if judged == Reason::DropUnenforced {
-        Reason::DropUnenforced
-    } else {
-        Reason::DropPolicyChanged
-    }
-}
-
 /// A conntrack hit: still allowed under the endpoint's current revision?
 /// `orig_port` is the destination port of the packet that opened the flow.
 #[inline(always)]
@@ -86,7 +75,7 @@ pub(super) fn on_ct_hit(
         peer = p;
         if reason.is_drop() {
             let _ = CONNTRACK.remove(key);
-            return (changed(reason), peer);
+            return (reason.when_judged_again(), peer);
         }
         entry.revision = ep.revision;
     }
@@ -310,7 +299,7 @@ pub(super) fn related(
         );
         if reason.is_drop() {
             let _ = CONNTRACK.remove(&s.ct);
-            return Some(changed(reason));
+            return Some(reason.when_judged_again());
         }
         entry.revision = ep.revision;
     }
