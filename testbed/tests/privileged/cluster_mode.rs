@@ -4,8 +4,9 @@
 //! (the server's record shows each change arrived as a watch event, not
 //! through a re-list), reports invalid policies as Events, rides out an
 //! outage with the last state enforced, and converges after a re-list
-//! (410 Gone at the start of a watch, and in the middle of one). The
-//! Service ranges come from the cluster's ServiceCIDRs and follow them at
+//! (410 Gone at the start of a watch, and in the middle of one). It reads
+//! each kind by a streamed list, and in pages from a server that refuses
+//! or ignores the request for one. The Service ranges come from the cluster's ServiceCIDRs and follow them at
 //! run time; a cluster without that API is normal. Needs root.
 
 use std::{
@@ -16,7 +17,7 @@ use std::{
 use policy_testbed::NetNs;
 use policy_testbed::fixtures::{
     conformance::{Backend, Conformance, NODE, cluster_yaml, ns_of},
-    fake_apiserver::{FakeApi, Served, node},
+    fake_apiserver::{FakeApi, Served, StreamingLists, node},
 };
 use serde::Deserialize as _;
 use serde_json::{Value, json};
@@ -91,24 +92,23 @@ fn cluster_mode_matches_apply_follows_watches_and_rides_out_outages() {
         api.requests().iter().any(|r| r.contains("watch=true")),
         "the agent watches"
     );
-    // Each kind listed once, then watched from the listed version: no
-    // 410 loop, and bookmarks only because the agent asks for them.
+    // Each kind read once, by a streamed list (the server offers them):
+    // no paged list, no second watch, no 410 loop; bookmarks only because
+    // the agent asks for them.
     let served = api.served();
     for kind in KINDS {
-        let lists: Vec<u64> = served
-            .iter()
-            .filter_map(|s| match s {
-                Served::List { kind: k, rv } if *k == kind => Some(*rv),
-                _ => None,
-            })
-            .collect();
-        assert_eq!(lists.len(), 1, "{kind} listed once: {served:#?}");
+        let reads: Vec<&Served> = served.iter().filter(|s| s.lists(kind)).collect();
         assert!(
-            served.contains(&Served::Watch {
-                kind,
-                from: Some(lists[0])
-            }),
-            "{kind} watched from its list's version: {served:#?}"
+            matches!(reads[..], [Served::Streamed { .. }]),
+            "{kind} read once, streamed: {served:#?}"
+        );
+        let watches = served
+            .iter()
+            .filter(|s| matches!(s, Served::Watch { kind: k, .. } if *k == kind))
+            .count();
+        assert_eq!(
+            watches, 1,
+            "{kind}: the streamed list's watch goes on: {served:#?}"
         );
     }
     assert!(
@@ -126,8 +126,8 @@ fn cluster_mode_matches_apply_follows_watches_and_rides_out_outages() {
 
     // The watch cache loses its window: 410 Gone in the middle of every
     // open stream (first, while the watchers' backoff is fresh). The
-    // watchers re-list, watch again from the listed version, and the next
-    // change arrives as a watch event.
+    // watchers read again by a streamed list, watch on from it, and the
+    // next change arrives as a watch event.
     let mark = api.served().len();
     api.expire_watches();
     wait_for(
@@ -142,13 +142,8 @@ fn cluster_mode_matches_apply_follows_watches_and_rides_out_outages() {
                         mid_stream: true,
                     }
                 });
-                let list = later
-                    .iter()
-                    .rposition(|s| matches!(s, Served::List { kind: k, .. } if k == kind));
-                let watch = later.iter().rposition(
-                    |s| matches!(s, Served::Watch { kind: k, from: Some(_) } if k == kind),
-                );
-                matches!((gone, list, watch), (Some(g), Some(l), Some(w)) if g < l && l < w)
+                let list = later.iter().rposition(|s| s.lists(kind));
+                matches!((gone, list), (Some(g), Some(l)) if g < l)
             })
         },
     );
@@ -250,8 +245,8 @@ fn cluster_mode_matches_apply_follows_watches_and_rides_out_outages() {
     );
     api.set_slow(Duration::ZERO);
     // The change made during the outage came by a re-list after 410 Gone
-    // (the history it was in is compacted), and every watcher watches
-    // again from a version it listed.
+    // (the history it was in is compacted): a streamed list, from which
+    // every watcher watches on.
     let later = api.served().split_off(mark);
     assert!(
         later.contains(&Served::Gone {
@@ -263,7 +258,7 @@ fn cluster_mode_matches_apply_follows_watches_and_rides_out_outages() {
     assert!(
         later.iter().any(|s| matches!(
             s,
-            Served::List {
+            Served::Streamed {
                 kind: "networkpolicies",
                 ..
             }
@@ -273,13 +268,9 @@ fn cluster_mode_matches_apply_follows_watches_and_rides_out_outages() {
     wait_for("watching again", Duration::from_secs(10), || {
         let later = api.served().split_off(mark);
         KINDS.iter().all(|kind| {
-            let list = later
+            later
                 .iter()
-                .rposition(|s| matches!(s, Served::List { kind: k, .. } if k == kind));
-            let watch = later
-                .iter()
-                .rposition(|s| matches!(s, Served::Watch { kind: k, from: Some(_) } if k == kind));
-            matches!((list, watch), (Some(l), Some(w)) if l < w)
+                .any(|s| matches!(s, Served::Streamed { kind: k, .. } if k == kind))
         })
     });
 
@@ -292,6 +283,81 @@ fn cluster_mode_matches_apply_follows_watches_and_rides_out_outages() {
     });
     api.assert_watched(mark, "networkpolicies", first, "deletion");
     api.assert_watched(mark, "networkpolicies", second, "deletion");
+}
+
+/// A server without streamed lists: one that refuses the request (422,
+/// the feature off) and one that ignores it (a plain watch whose list
+/// never ends). Either way each kind is listed in pages after the attempt,
+/// watched from the listed version, and the agent reaches the same maps as
+/// `apply`; changes then come as watch events.
+#[test]
+fn a_server_without_streamed_lists_is_listed_in_pages() {
+    for (prefix, port, mode) in [
+        ("kpager", 19414, StreamingLists::Refused),
+        ("kpagei", 19415, StreamingLists::Ignored),
+    ] {
+        let mut c = Conformance::new(prefix, Backend::Bpf);
+        c.write_policies(DENY_GAMMA);
+        c.apply_ok();
+        let want = comparable(&c.dump());
+        c.reset();
+
+        let api = FakeApi::start(&c.node().node, cluster_objects(&c, DENY_GAMMA));
+        api.set_streaming_lists(mode);
+        let kubeconfig = c.dir.join("kubeconfig");
+        api.kubeconfig(&kubeconfig);
+        let kc = kubeconfig.to_str().unwrap().to_owned();
+        c.start_daemon_with(port, &[], &[("KUBECONFIG", &kc)]);
+        assert_eq!(
+            comparable(&c.dump()),
+            want,
+            "{mode:?}: the same maps as apply"
+        );
+
+        let served = api.served();
+        for kind in KINDS {
+            let asked = served.iter().position(|s| match mode {
+                StreamingLists::Refused => *s == Served::StreamRefused { kind },
+                _ => *s == Served::Watch { kind, from: None },
+            });
+            let lists: Vec<(usize, u64)> = served
+                .iter()
+                .enumerate()
+                .filter_map(|(i, s)| match s {
+                    Served::List { kind: k, rv } if *k == kind => Some((i, *rv)),
+                    _ => None,
+                })
+                .collect();
+            assert!(
+                matches!((asked, &lists[..]), (Some(a), [(l, _)]) if a < *l),
+                "{mode:?}: {kind} asked for a streamed list, then listed once in pages: {served:#?}"
+            );
+            assert!(
+                served.contains(&Served::Watch {
+                    kind,
+                    from: Some(lists[0].1)
+                }),
+                "{mode:?}: {kind} watched from its list's version: {served:#?}"
+            );
+            assert!(
+                !served.iter().any(|s| matches!(s, Served::Streamed { .. })),
+                "{mode:?}: {served:#?}"
+            );
+        }
+
+        let mark = api.served().len();
+        let rv = api.apply(policy(
+            "alpha",
+            "deny",
+            json!({"podSelector": {}, "policyTypes": ["Ingress"]}),
+        ));
+        wait_for("the policy watched", Duration::from_secs(5), || {
+            api.served().iter().any(
+                |s| matches!(s, Served::Event { kind: "networkpolicies", rv: r, .. } if *r == rv),
+            )
+        });
+        api.assert_watched(mark, "networkpolicies", rv, "after a paged list");
+    }
 }
 
 const KINDS: [&str; 3] = ["pods", "namespaces", "networkpolicies"];
@@ -430,6 +496,48 @@ fn the_fake_api_server_keeps_resource_version_semantics() {
         types(&watch("", Duration::from_millis(500))),
         ["ADDED", "ADDED"]
     );
+
+    // A streamed list: the current objects, then the bookmark that ends
+    // them, at the current version; the watch goes on.
+    let streamed = watch(
+        "resourceVersion=0&allowWatchBookmarks=true&sendInitialEvents=true&resourceVersionMatch=NotOlderThan",
+        Duration::from_millis(300),
+    );
+    assert_eq!(
+        types(&streamed),
+        ["ADDED", "ADDED", "BOOKMARK"],
+        "{streamed:?}"
+    );
+    let end = &streamed[2]["object"]["metadata"];
+    assert_eq!(end["annotations"]["k8s.io/initial-events-end"], "true");
+    assert_eq!(end["resourceVersion"], json!(now.to_string()));
+    // Without resourceVersionMatch, or with the feature off: 422 Invalid.
+    let refused = |q: &str| {
+        let lines = watch(q, Duration::from_millis(500));
+        (lines[0]["code"].clone(), lines[0]["reason"].clone())
+    };
+    let invalid = (json!(422), json!("Invalid"));
+    assert_eq!(
+        refused("allowWatchBookmarks=true&sendInitialEvents=true"),
+        invalid
+    );
+    api.set_streaming_lists(StreamingLists::Refused);
+    assert_eq!(
+        refused(
+            "allowWatchBookmarks=true&sendInitialEvents=true&resourceVersionMatch=NotOlderThan"
+        ),
+        invalid
+    );
+    // Ignored: a plain watch, the list never ended.
+    api.set_streaming_lists(StreamingLists::Ignored);
+    assert_eq!(
+        types(&watch(
+            "allowWatchBookmarks=true&sendInitialEvents=true&resourceVersionMatch=NotOlderThan",
+            Duration::from_millis(300)
+        )),
+        ["ADDED", "ADDED"]
+    );
+    api.set_streaming_lists(StreamingLists::Served);
 
     // Expiry ends an open stream with 410.
     let ended = std::thread::scope(|s| {

@@ -15,14 +15,12 @@ use futures::{StreamExt as _, stream::BoxStream};
 use kube::{
     Api, Client, ResourceExt as _,
     api::{ApiResource, DynamicObject},
-    runtime::{
-        WatchStreamExt as _,
-        watcher::{self, Event},
-    },
+    runtime::watcher::{self, Event},
 };
 use tracing::{info, warn};
 
 use super::{
+    initial_list,
     service_cidrs::{Availability, status_code},
     store::Store,
 };
@@ -54,8 +52,7 @@ pub(super) fn stream<U: Send + 'static>(
     failed: fn(watcher::Error) -> U,
 ) -> BoxStream<'static, U> {
     let api = Api::<DynamicObject>::all_with(client, &resource());
-    watcher::watcher(api, watcher::Config::default())
-        .default_backoff()
+    initial_list::events(api, PLURAL)
         .map(move |r| match r {
             Ok(e) => wrap(e),
             Err(e) => failed(e),

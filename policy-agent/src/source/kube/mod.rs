@@ -9,13 +9,15 @@
 //! reads).
 //!
 //! Changes are published only once every watcher has completed its
-//! initial list, and a re-list (410 Gone, a reconnect) is buffered until
+//! initial list (streamed where the server offers it, in pages where not:
+//! `initial_list.rs`), and a re-list (410 Gone, a reconnect) is buffered until
 //! it is complete and then published as its difference from what was
 //! known: the datapath never sees a half-listed cluster. While the API
 //! server is unreachable nothing is published, so the last state stays
 //! enforced; the watchers retry with backoff.
 mod cluster_policies;
 mod events;
+mod initial_list;
 mod pod_ranges;
 mod service_cidrs;
 mod status;
@@ -32,10 +34,7 @@ use k8s_openapi::api::{
 use kube::{
     Api, Client, ResourceExt as _,
     api::DynamicObject,
-    runtime::{
-        WatchStreamExt as _,
-        watcher::{self, Event},
-    },
+    runtime::watcher::{self, Event},
 };
 use tracing::{debug, info, warn};
 
@@ -94,8 +93,7 @@ fn stream<K>(
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
 {
-    watcher::watcher(api, watcher::Config::default())
-        .default_backoff()
+    initial_list::events(api, label)
         .map(move |r| match r {
             Ok(e) => wrap(e),
             Err(e) => Update::Failed(label, e),
@@ -106,22 +104,23 @@ where
 /// The ServiceCIDR watch: as [`stream`], ending after a 404 (the cluster
 /// does not serve the API; said once, by [`ServiceCidrs::failed`]).
 fn service_cidr_stream(api: Api<ServiceCIDR>) -> BoxStream<'static, Update> {
-    watcher::watcher(api, watcher::Config::default())
-        .default_backoff()
-        .scan(false, |ended, r| {
-            if *ended {
-                return futures::future::ready(None);
+    // Ended without polling the watcher again: a poll would send the
+    // next request.
+    let events = initial_list::events(api, "servicecidrs");
+    futures::stream::unfold(Some(events), |events| async move {
+        let mut events = events?;
+        Some(match events.next().await? {
+            Ok(e) => (Update::ServiceCidr(Box::new(e)), Some(events)),
+            Err(e) => {
+                let ended = service_cidrs::not_served(&e);
+                (
+                    Update::Failed("servicecidrs", e),
+                    (!ended).then_some(events),
+                )
             }
-            let update = match r {
-                Ok(e) => Update::ServiceCidr(Box::new(e)),
-                Err(e) => {
-                    *ended = service_cidrs::not_served(&e);
-                    Update::Failed("servicecidrs", e)
-                }
-            };
-            futures::future::ready(Some(update))
         })
-        .boxed()
+    })
+    .boxed()
 }
 
 /// Keeps only what policy reads: no managed fields, owners, or annotations
