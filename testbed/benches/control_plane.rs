@@ -47,7 +47,7 @@ use policy_common::endpoint::{
 };
 use policy_testbed::{
     SimNode, SimPod, cleanup_prefix,
-    fixtures::fake_apiserver::{self, FakeApi},
+    fixtures::fake_apiserver::{self, FakeApi, StreamingLists},
 };
 use rand::{SeedableRng, rngs::StdRng};
 use workload::{
@@ -486,16 +486,44 @@ fn main() {
             ));
         }
     }
+    // What one pod event carries on the wire (our simulated pods; a real
+    // workload's pods are larger).
+    let pod_events: Vec<usize> = objects
+        .iter()
+        .filter(|o| o["kind"] == "Pod")
+        .map(|o| {
+            serde_json::json!({"type": "MODIFIED", "object": o})
+                .to_string()
+                .len()
+                + 1
+        })
+        .collect();
+    let pod_event_bytes = pod_events.iter().sum::<usize>() as f64 / pod_events.len().max(1) as f64;
     let api = FakeApi::start(&node.node, objects);
     let kubeconfig = dir.with_extension("kubeconfig");
     api.kubeconfig(&kubeconfig);
-    let (daemon, _, cluster_initial) = start(
+    // First from a server without streamed lists (the agent lists in
+    // pages), then from one with them: the start and its peak memory.
+    api.set_streaming_lists(StreamingLists::Refused);
+    let (paged_daemon, paged_pid, cluster_paged_initial) = start(
+        "cluster-paged",
+        Source::Cluster(&kubeconfig),
+        &[],
+        Poll::Thread,
+        None,
+    );
+    let cluster_paged_peak = proc_status_kib(paged_pid, "VmHWM:");
+    drop(paged_daemon);
+    reset();
+    api.set_streaming_lists(StreamingLists::Served);
+    let (daemon, cluster_pid, cluster_initial) = start(
         "cluster",
         Source::Cluster(&kubeconfig),
         &[],
         Poll::Thread,
         None,
     );
+    let cluster_streamed_peak = proc_status_kib(cluster_pid, "VmHWM:");
     let maps = BpfMaps::from_pins(&layout).unwrap();
     let endpoint = |ifindex: u32| maps.endpoint(ifindex).ok().flatten();
     let mut log = SyncLog::new(agent_log_path(&dir, "cluster"));
@@ -531,6 +559,7 @@ fn main() {
             "small",
             "changes",
             "restart",
+            "cluster-paged",
             "cluster",
         ] {
             let _ = std::fs::remove_file(agent_log_path(&dir, phase));
@@ -557,6 +586,13 @@ fn main() {
         initial_tcx.map_or(f64::NAN, ms),
         ms(restart),
         ms(cluster_initial)
+    );
+    println!(
+        "  cluster mode, start to ready and the agent's peak RSS at ready: streamed lists {:.0} ms, {:.1} MiB; paged lists {:.0} ms, {:.1} MiB; a pod event {pod_event_bytes:.0} B on the wire",
+        ms(cluster_initial),
+        cluster_streamed_peak as f64 / 1024.0,
+        ms(cluster_paged_initial),
+        cluster_paged_peak as f64 / 1024.0,
     );
     let figures = [
         (
@@ -643,6 +679,10 @@ fn main() {
         "initial_ready_tcx_ms": initial_tcx.map(ms),
         "restart_ready_ms": ms(restart),
         "cluster_initial_ready_ms": ms(cluster_initial),
+        "cluster_paged_initial_ready_ms": ms(cluster_paged_initial),
+        "cluster_peak_at_ready_mib": cluster_streamed_peak as f64 / 1024.0,
+        "cluster_paged_peak_at_ready_mib": cluster_paged_peak as f64 / 1024.0,
+        "pod_event_bytes": pod_event_bytes,
         "samples": SAMPLES,
         "cluster_policy_samples": CLUSTER_POLICY_SAMPLES,
         "churn": CHURN,

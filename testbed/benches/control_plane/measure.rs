@@ -100,8 +100,20 @@ impl SyncLog {
     /// may have missed it: counting from the next one never flatters),
     /// then the first sync whose reconcile began after that update was
     /// sent.
-    fn carried(&self, t0: SystemTime) -> Option<Carried> {
-        let (read_start, sent) = *self.reads.iter().find(|(start, _)| *start >= t0)?;
+    ///
+    /// With `late`, a read that began before `t0` and ended after it counts
+    /// when none began later: the later reads found nothing new, so that
+    /// one carried the change.
+    fn carried(&self, t0: SystemTime, late: bool) -> Option<Carried> {
+        let (read_start, sent) =
+            *self
+                .reads
+                .iter()
+                .find(|(start, _)| *start >= t0)
+                .or_else(|| {
+                    late.then(|| self.reads.iter().find(|(_, sent)| *sent >= t0))
+                        .flatten()
+                })?;
         let (reconcile_start, end) = *self.syncs.iter().find(|(start, _)| *start >= sent)?;
         Some(Carried {
             total: end.duration_since(t0).unwrap_or_default(),
@@ -116,7 +128,8 @@ impl SyncLog {
         let start = Instant::now();
         loop {
             self.poll();
-            if let Some(carried) = self.carried(t0) {
+            let late = start.elapsed() > Duration::from_secs(3);
+            if let Some(carried) = self.carried(t0, late) {
                 return carried;
             }
             assert!(

@@ -116,6 +116,24 @@ pub(super) fn control_plane(out: &mut String, c: &Value) {
             f(c, "cluster_initial_ready_ms")
         );
     }
+    if c.get("cluster_paged_initial_ready_ms").is_some() {
+        let _ = writeln!(
+            out,
+            "| cluster mode, the same start from a server without streamed lists (listed in pages) | {:.0} ms | reported |",
+            f(c, "cluster_paged_initial_ready_ms")
+        );
+        let _ = writeln!(
+            out,
+            "| cluster mode, the agent's peak RSS at ready: streamed lists / paged lists | {:.1} / {:.1} MiB | reported |",
+            f(c, "cluster_peak_at_ready_mib"),
+            f(c, "cluster_paged_peak_at_ready_mib")
+        );
+        let _ = writeln!(
+            out,
+            "| one pod event on the wire (a simulated pod: its labels, addresses, node) | {:.0} B | reported |",
+            f(c, "pod_event_bytes")
+        );
+    }
     for (what, key, goal) in [
         (
             "one policy added → its endpoint entry",
