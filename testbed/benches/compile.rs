@@ -23,7 +23,7 @@ use std::{
 use criterion::{BatchSize, Criterion};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use policy_agent::{
-    cluster::{Change, ClusterState, ContainerPort, NamespaceInfo, ObjectRef, PodInfo},
+    cluster::{Change, ClusterState, ContainerPort, NamespaceInfo, ObjectRef, PodFields, PodInfo},
     identity::IdentityAllocator,
     policy::{CompileOptions, Compiler},
 };
@@ -121,7 +121,7 @@ fn cluster(pods: usize, seed: u64) -> ClusterState {
             .collect();
             s.pods.insert(
                 ObjectRef::new(ns.clone(), format!("{app}-{r}")),
-                PodInfo {
+                PodFields {
                     labels: policy_agent::cluster::pod_labels(labels),
                     node_name: Some(format!("node-{:02}", rng.random_range(0..NODES))),
                     ips,
@@ -135,7 +135,8 @@ fn cluster(pods: usize, seed: u64) -> ClusterState {
                         .collect(),
                     created: i64::from(i),
                     ..Default::default()
-                },
+                }
+                .into(),
             );
             made += 1;
         }

@@ -370,7 +370,7 @@ fn main() {
 /// on team t0, half Admin and half Baseline, each with three ingress and
 /// two egress rules of every kind of peer and port.
 fn tier_cluster(cnps: usize) -> policy_agent::cluster::ClusterState {
-    use policy_agent::cluster::{ClusterState, NamespaceInfo, ObjectRef, PodInfo};
+    use policy_agent::cluster::{ClusterState, NamespaceInfo, ObjectRef, PodFields};
     let mut s = ClusterState {
         node_name: "node-a".into(),
         node_ips: vec![IpAddr::V4(Ipv4Addr::new(192, 168, 0, 1))],
@@ -392,24 +392,26 @@ fn tier_cluster(cnps: usize) -> policy_agent::cluster::ClusterState {
     for i in 0..10_000u32 {
         s.pods.insert(
             ObjectRef::new(format!("ns{}", i % 100), format!("p{i}")),
-            PodInfo {
+            PodFields {
                 labels: policy_agent::cluster::pod_labels(
                     [("app".to_owned(), format!("a{}", i % 20))].into(),
                 ),
                 node_name: Some("node-b".into()),
                 ips: vec![IpAddr::V4(Ipv4Addr::from(0x0a01_0000u32 + i))],
                 ..Default::default()
-            },
+            }
+            .into(),
         );
     }
     s.pods.insert(
         ObjectRef::new("ns0", "me"),
-        PodInfo {
+        PodFields {
             labels: policy_agent::cluster::pod_labels([("app".to_owned(), "me".to_owned())].into()),
             node_name: Some("node-a".into()),
             ips: vec![IpAddr::V4(Ipv4Addr::new(10, 0, 0, 200))],
             ..Default::default()
-        },
+        }
+        .into(),
     );
     let cnps = policy_testbed::fixtures::tier_load::cluster_policies(
         cnps,

@@ -4,7 +4,7 @@ use std::net::IpAddr;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use policy_common::proto;
 
-use super::{ContainerPort, NamespaceInfo, NodeInfo, ObjectRef, PodInfo};
+use super::{ContainerPort, NamespaceInfo, NodeInfo, ObjectRef, PodFields, PodInfo};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConvertError {
@@ -126,7 +126,7 @@ pub fn pod_info(pod: &Pod) -> Result<(ObjectRef, PodInfo), ConvertError> {
     ports.dedup();
 
     let phase = status.and_then(|s| s.phase.as_deref());
-    let info = PodInfo {
+    let info = PodInfo::from(PodFields {
         labels: super::pod_labels(pod.metadata.labels.clone().unwrap_or_default()),
         node_name: spec.and_then(|s| s.node_name.clone()),
         ips,
@@ -140,6 +140,6 @@ pub fn pod_info(pod: &Pod) -> Result<(ObjectRef, PodInfo), ConvertError> {
             .map(|t| t.0.as_second())
             .unwrap_or(0),
         uid: pod.metadata.uid.clone(),
-    };
+    });
     Ok((key, info))
 }

@@ -88,10 +88,19 @@ pub struct ContainerPort {
     pub protocol: u8,
 }
 
+/// A pod as far as policy cares: its [`PodFields`] behind one shared
+/// pointer. Every copy the agent keeps (the source's, the merged state's,
+/// the hand-off's, the compiler's) is a clone of the one the source made,
+/// so a pod is held once however many layers know it. It reads as its
+/// fields; a write goes to this copy alone (copy on write, as
+/// [`Arc::make_mut`]), so it still behaves as a plain value.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct PodInfo(std::sync::Arc<PodFields>);
+
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct PodInfo {
-    /// Shared with every copy of the pod and every pod with the same
-    /// labels ([`interned::pod_labels`]).
+pub struct PodFields {
+    /// Shared with every pod with the same labels
+    /// ([`interned::pod_labels`]).
     pub labels: PodLabels,
     /// `spec.nodeName` (None while unscheduled).
     pub node_name: Option<String>,
@@ -110,11 +119,37 @@ pub struct PodInfo {
     pub uid: Option<String>,
 }
 
-impl PodInfo {
+impl PodFields {
     /// This pod's own copy of its labels, to change (the shared set stays
     /// as the other pods hold it).
     pub fn labels_mut(&mut self) -> &mut Labels {
         std::sync::Arc::make_mut(&mut self.labels)
+    }
+}
+
+impl From<PodFields> for PodInfo {
+    fn from(fields: PodFields) -> Self {
+        Self(std::sync::Arc::new(fields))
+    }
+}
+
+impl std::ops::Deref for PodInfo {
+    type Target = PodFields;
+    fn deref(&self) -> &PodFields {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for PodInfo {
+    /// This copy's own fields: the others keep theirs.
+    fn deref_mut(&mut self) -> &mut PodFields {
+        std::sync::Arc::make_mut(&mut self.0)
+    }
+}
+
+impl std::fmt::Debug for PodInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
     }
 }
 

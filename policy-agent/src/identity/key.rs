@@ -135,10 +135,10 @@ pub fn protocol_name(p: u8) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::ContainerPort;
+    use crate::cluster::{ContainerPort, PodFields};
 
     fn pod(labels: &[(&str, &str)], ports: &[(&str, u8, u16)]) -> PodInfo {
-        PodInfo {
+        PodFields {
             labels: std::sync::Arc::new(
                 labels
                     .iter()
@@ -155,6 +155,7 @@ mod tests {
                 .collect(),
             ..Default::default()
         }
+        .into()
     }
 
     #[test]

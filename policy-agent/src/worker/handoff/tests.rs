@@ -4,6 +4,7 @@ use policy_cni::protocol::{HostInterface, PROTOCOL_VERSION};
 
 use super::*;
 use crate::{
+    cluster::PodFields,
     datapath::{self, Desired, SyncReport},
     mapstate::MapOp,
 };
@@ -52,11 +53,12 @@ fn add(name: &str, uid: Option<&str>, ips: &[&str], ifindex: u32) -> Request {
 }
 
 fn pod(uid: Option<&str>, ips: &[&str]) -> PodInfo {
-    PodInfo {
+    PodFields {
         uid: uid.map(str::to_owned),
         ips: ips.iter().map(|s| s.parse().unwrap()).collect(),
-        ..PodInfo::default()
+        ..PodFields::default()
     }
+    .into()
 }
 
 fn key(name: &str) -> PodRef {

@@ -18,7 +18,7 @@ use crate::support::oracle::{World, policy_valid};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use policy_agent::source::manifests::{LoadedManifests, load_text};
 use policy_agent::{
-    cluster::{Change, ClusterState, ContainerPort, NamespaceInfo, ObjectRef, PodInfo},
+    cluster::{Change, ClusterState, ContainerPort, NamespaceInfo, ObjectRef, PodFields},
     identity::IdentityAllocator,
     policy::{self, CompileOptions, Compiled, Compiler},
 };
@@ -111,7 +111,7 @@ fn corpus_cluster() -> ClusterState {
     for (i, (ns, name, labels, ips, ports, node)) in pods.iter().enumerate() {
         s.pods.insert(
             ObjectRef::new(*ns, *name),
-            PodInfo {
+            PodFields {
                 labels: std::sync::Arc::new(
                     labels
                         .iter()
@@ -130,7 +130,8 @@ fn corpus_cluster() -> ClusterState {
                     .collect(),
                 created: i as i64,
                 ..Default::default()
-            },
+            }
+            .into(),
         );
     }
     s

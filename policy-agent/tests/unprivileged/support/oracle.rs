@@ -20,7 +20,9 @@ use k8s_openapi::{
         util::intstr::IntOrString,
     },
 };
-use policy_agent::cluster::{ClusterState, ContainerPort, NamespaceInfo, ObjectRef, PodInfo};
+use policy_agent::cluster::{
+    ClusterState, ContainerPort, NamespaceInfo, ObjectRef, PodFields, PodInfo,
+};
 use policy_common::proto;
 use proptest::prelude::*;
 
@@ -662,7 +664,7 @@ pub fn pod() -> impl Strategy<Value = PodInfo> {
             if host_network {
                 ips = vec![NODE_IP.parse().unwrap()];
             }
-            PodInfo { labels: labels.into(), node_name, ips, ports, host_network, terminal, created, uid: None }
+            PodFields { labels: labels.into(), node_name, ips, ports, host_network, terminal, created, uid: None }.into()
         })
 }
 

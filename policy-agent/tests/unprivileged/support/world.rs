@@ -10,7 +10,7 @@ use std::net::IpAddr;
 
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use policy_agent::{
-    cluster::{ClusterState, ContainerPort, NamespaceInfo, ObjectRef, PodInfo},
+    cluster::{ClusterState, ContainerPort, NamespaceInfo, ObjectRef, PodFields, PodInfo},
     identity::IdentityAllocator,
     policy::{self, CompileOptions, Compiled, ExplainQuery, FlowEnd},
 };
@@ -96,7 +96,7 @@ impl World {
                 )]
                 .into(),
             });
-        let info = PodInfo {
+        let info = PodFields {
             labels: std::sync::Arc::new(
                 labels
                     .iter()
@@ -107,7 +107,8 @@ impl World {
             ips: ips.iter().map(|s| ip(s)).collect(),
             created,
             ..Default::default()
-        };
+        }
+        .into();
         self.state.pods.insert(key.clone(), info);
         self.state.pods.get_mut(&key).unwrap()
     }
