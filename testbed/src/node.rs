@@ -287,8 +287,8 @@ pub fn pods_from_manifests(
             p.node_name.as_deref() == Some(node) && !p.host_network && !p.ips.is_empty()
         })
         .map(|(r, p)| SimPod {
-            namespace: r.namespace.clone(),
-            name: r.name.clone(),
+            namespace: r.namespace.to_string(),
+            name: r.name.to_string(),
             ips: p.ips.clone(),
             tcp_ports: p
                 .ports

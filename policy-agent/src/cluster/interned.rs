@@ -1,10 +1,13 @@
-//! Pod label sets, shared. Every copy of a pod the agent keeps (the
-//! source's, the merged state's, the hand-off's, the compiler's) holds its
-//! labels by one pointer, and pods with the same labels (the pods of one
-//! workload) hold one map: a cluster of 10,000 pods carries a few hundred
-//! distinct label sets.
+//! Pod label sets and namespace names, shared. Every copy of a pod the
+//! agent keeps (the source's, the merged state's, the hand-off's, the
+//! compiler's) holds its labels by one pointer, and pods with the same
+//! labels (the pods of one workload) hold one map: a cluster of 10,000
+//! pods carries a few hundred distinct label sets. Every name of an object
+//! in one namespace holds one string for the namespace.
 use std::{
+    borrow::Borrow,
     collections::HashSet,
+    hash::Hash,
     sync::{Arc, LazyLock, Mutex},
 };
 
@@ -13,34 +16,60 @@ use super::Labels;
 /// A pod's labels (see the module).
 pub type PodLabels = Arc<Labels>;
 
-/// The label sets handed out, each held once. A set no pod holds any more
+/// The values handed out, each held once. A value nothing holds any more
 /// is dropped at the next sweep, which runs once the table has doubled
-/// since the last one (so sweeping costs O(1) per set handed out).
-#[derive(Default)]
-struct Table {
-    sets: HashSet<PodLabels>,
+/// since the last one (so sweeping costs O(1) per value handed out).
+struct Table<T: ?Sized> {
+    values: HashSet<Arc<T>>,
     swept_at: usize,
 }
 
-static TABLE: LazyLock<Mutex<Table>> = LazyLock::new(Mutex::default);
+impl<T: ?Sized + Hash + Eq> Table<T> {
+    fn new() -> Self {
+        Self {
+            values: HashSet::new(),
+            swept_at: 0,
+        }
+    }
+
+    /// The shared value equal to `value`, made by `make` if there is none.
+    fn share<Q>(&mut self, value: &Q, make: impl FnOnce() -> Arc<T>) -> Arc<T>
+    where
+        Arc<T>: Borrow<Q>,
+        Q: ?Sized + Hash + Eq,
+    {
+        if let Some(shared) = self.values.get(value) {
+            return Arc::clone(shared);
+        }
+        if self.values.len() >= 2 * self.swept_at.max(512) {
+            self.values.retain(|v| Arc::strong_count(v) > 1);
+            self.swept_at = self.values.len();
+        }
+        let shared = make();
+        self.values.insert(Arc::clone(&shared));
+        shared
+    }
+}
+
+static LABEL_SETS: LazyLock<Mutex<Table<Labels>>> = LazyLock::new(|| Mutex::new(Table::new()));
+static NAMESPACES: LazyLock<Mutex<Table<str>>> = LazyLock::new(|| Mutex::new(Table::new()));
 
 /// The shared set equal to `labels`.
 pub fn pod_labels(labels: Labels) -> PodLabels {
     // A panic elsewhere while holding the lock leaves the table whole
-    // (every step below keeps it a valid set): keep using it.
-    let mut table = TABLE
+    // (every step of `share` keeps it a valid set): keep using it.
+    let mut table = LABEL_SETS
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
-    if let Some(shared) = table.sets.get(&labels) {
-        return Arc::clone(shared);
-    }
-    if table.sets.len() >= 2 * table.swept_at.max(512) {
-        table.sets.retain(|set| Arc::strong_count(set) > 1);
-        table.swept_at = table.sets.len();
-    }
-    let shared = Arc::new(labels);
-    table.sets.insert(Arc::clone(&shared));
-    shared
+    table.share(&labels, || Arc::new(labels.clone()))
+}
+
+/// The shared string equal to `namespace`.
+pub fn namespace_name(namespace: &str) -> Arc<str> {
+    let mut table = NAMESPACES
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    table.share(namespace, || Arc::from(namespace))
 }
 
 #[cfg(test)]
@@ -64,17 +93,33 @@ mod tests {
     }
 
     #[test]
-    fn a_set_no_pod_holds_is_swept() {
-        // Enough distinct sets to pass a sweep, none of them kept.
+    fn equal_namespace_names_share_one_string() {
+        let a = namespace_name("interned-shop");
+        let b = namespace_name(&String::from("interned-shop"));
+        assert!(Arc::ptr_eq(&a, &b));
+        assert_eq!(&*a, "interned-shop");
+    }
+
+    #[test]
+    fn a_value_nothing_holds_is_swept() {
+        // Enough distinct values to pass a sweep, none of them kept.
         for i in 0..3000 {
             let _ = pod_labels(labels(&[("swept", &i.to_string())]));
+            let _ = namespace_name(&format!("swept-{i}"));
         }
-        let table = TABLE.lock().unwrap();
-        let left = table
-            .sets
+        let sets = LABEL_SETS.lock().unwrap();
+        let left = sets
+            .values
             .iter()
             .filter(|s| s.contains_key("swept"))
             .count();
         assert!(left < 3000, "{left} of 3000 unused sets kept");
+        let names = NAMESPACES.lock().unwrap();
+        let left = names
+            .values
+            .iter()
+            .filter(|s| s.starts_with("swept-"))
+            .count();
+        assert!(left < 3000, "{left} of 3000 unused names kept");
     }
 }

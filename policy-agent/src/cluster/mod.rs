@@ -13,7 +13,7 @@ mod problem;
 mod service;
 pub mod staged;
 
-use std::{collections::BTreeMap, fmt, net::IpAddr};
+use std::{collections::BTreeMap, fmt, net::IpAddr, sync::Arc};
 
 use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
@@ -36,18 +36,22 @@ pub use self::{
 /// Labels, sorted by key.
 pub type Labels = BTreeMap<String, String>;
 
-/// A namespaced object's name.
+/// A namespaced object's name. Its parts are shared strings: the agent's
+/// indexes hold a pod's name many times over (claims, holders, identities,
+/// each layer's map), and a clone is a reference count, not two
+/// allocations; a namespace's name is one string for all its objects
+/// ([`interned::namespace_name`]).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ObjectRef {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
 }
 
 impl ObjectRef {
-    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+    pub fn new(namespace: impl AsRef<str>, name: impl AsRef<str>) -> Self {
         Self {
-            namespace: namespace.into(),
-            name: name.into(),
+            namespace: interned::namespace_name(namespace.as_ref()),
+            name: Arc::from(name.as_ref()),
         }
     }
 }
@@ -95,7 +99,7 @@ pub struct ContainerPort {
 /// fields; a write goes to this copy alone (copy on write, as
 /// [`Arc::make_mut`]), so it still behaves as a plain value.
 #[derive(Clone, Default, PartialEq, Eq)]
-pub struct PodInfo(std::sync::Arc<PodFields>);
+pub struct PodInfo(Arc<PodFields>);
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PodFields {
@@ -123,13 +127,13 @@ impl PodFields {
     /// This pod's own copy of its labels, to change (the shared set stays
     /// as the other pods hold it).
     pub fn labels_mut(&mut self) -> &mut Labels {
-        std::sync::Arc::make_mut(&mut self.labels)
+        Arc::make_mut(&mut self.labels)
     }
 }
 
 impl From<PodFields> for PodInfo {
     fn from(fields: PodFields) -> Self {
-        Self(std::sync::Arc::new(fields))
+        Self(Arc::new(fields))
     }
 }
 
@@ -143,7 +147,7 @@ impl std::ops::Deref for PodInfo {
 impl std::ops::DerefMut for PodInfo {
     /// This copy's own fields: the others keep theirs.
     fn deref_mut(&mut self) -> &mut PodFields {
-        std::sync::Arc::make_mut(&mut self.0)
+        Arc::make_mut(&mut self.0)
     }
 }
 

@@ -83,15 +83,15 @@ pub fn staging_of(change: &Change) -> Option<(StagedPolicy, bool)> {
     match change {
         Change::UpsertPolicy(key, np) => Some((
             StagedPolicy::NetworkPolicy {
-                namespace: key.namespace.clone(),
-                name: key.name.clone(),
+                namespace: key.namespace.to_string(),
+                name: key.name.to_string(),
             },
             is_staged(&np.metadata),
         )),
         Change::DeletePolicy(key) => Some((
             StagedPolicy::NetworkPolicy {
-                namespace: key.namespace.clone(),
-                name: key.name.clone(),
+                namespace: key.namespace.to_string(),
+                name: key.name.to_string(),
             },
             false,
         )),
@@ -128,8 +128,8 @@ impl ClusterState {
             .iter()
             .filter(|(_, p)| is_staged(&p.metadata))
             .map(|(k, _)| StagedPolicy::NetworkPolicy {
-                namespace: k.namespace.clone(),
-                name: k.name.clone(),
+                namespace: k.namespace.to_string(),
+                name: k.name.to_string(),
             });
         let cnps = self
             .cluster_policies

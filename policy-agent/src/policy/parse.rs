@@ -300,7 +300,7 @@ impl ParsedPolicy {
     /// "Selects the pods to which this NetworkPolicy object applies ... in
     /// the policy's namespace" (all of them if the selector is invalid).
     pub fn selects(&self, namespace: &str, labels: &Labels) -> bool {
-        namespace == self.name.namespace
+        namespace == &*self.name.namespace
             && self.pod_selector.as_ref().is_none_or(|s| s.matches(labels))
     }
 

@@ -152,7 +152,7 @@ pub fn parse_peer(
             };
             let namespaces = match namespaces {
                 Some(s) => Namespaces::Matching(selector(s, "namespaceSelector")?),
-                None => Namespaces::Own(policy.namespace.clone()),
+                None => Namespaces::Own(policy.namespace.to_string()),
             };
             Ok(Peer::Pods { namespaces, pods })
         }

@@ -157,11 +157,11 @@ impl Staging {
         let staged = |kind: ObjectKind, name: &ObjectRef| {
             let policy = match kind {
                 ObjectKind::NetworkPolicy => StagedPolicy::NetworkPolicy {
-                    namespace: name.namespace.clone(),
-                    name: name.name.clone(),
+                    namespace: name.namespace.to_string(),
+                    name: name.name.to_string(),
                 },
                 ObjectKind::ClusterNetworkPolicy => StagedPolicy::ClusterNetworkPolicy {
-                    name: name.name.clone(),
+                    name: name.name.to_string(),
                 },
                 _ => return false,
             };

@@ -786,9 +786,9 @@ mod fuzz {
         let mut namespaces = s.namespaces.clone();
         for ns in s.pods.keys().chain(s.policies.keys()).map(|k| &k.namespace) {
             namespaces
-                .entry(ns.clone())
+                .entry(ns.to_string())
                 .or_insert_with(|| NamespaceInfo {
-                    labels: [("kubernetes.io/metadata.name".to_owned(), ns.clone())].into(),
+                    labels: [("kubernetes.io/metadata.name".to_owned(), ns.to_string())].into(),
                 });
         }
         format!("{namespaces:?}\n{:?}\n{:?}", s.pods, s.policies)
@@ -1248,7 +1248,7 @@ spec:
             let chain = rs
                 .pod_chains
                 .iter()
-                .find(|(_, (p, d, _))| p.name == pod && *d == direction::INGRESS)
+                .find(|(_, (p, d, _))| *p.name == *pod && *d == direction::INGRESS)
                 .map(|(c, _)| c)
                 .unwrap();
             let sets: Vec<&String> = rs.chain_refs[chain]

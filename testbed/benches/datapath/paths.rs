@@ -58,7 +58,7 @@ pub fn paths(floors: &mut Unpinned, repeat: u32, rounds: usize) -> serde_json::V
         (PodRef::new("bench", "allowed"), vec![allowed]),
         (PodRef::new("bench", "denied"), vec![denied]),
     ]);
-    let ifindex = |p: &PodRef| match p.name.as_str() {
+    let ifindex = |p: &PodRef| match &*p.name {
         "pod" => Some(1),
         "allowed" => Some(2),
         _ => Some(3),

@@ -162,8 +162,8 @@ pub fn service_ports(state: &ClusterState, node: &str, family: Family) -> Vec<Sv
                 format!("{svc_ref}:{}", port.name)
             };
             let mut p = SvcPort {
-                namespace: svc_ref.namespace.clone(),
-                name: svc_ref.name.clone(),
+                namespace: svc_ref.namespace.to_string(),
+                name: svc_ref.name.to_string(),
                 port_name: port.name.clone(),
                 spn,
                 protocol: protocol_name(port.protocol),

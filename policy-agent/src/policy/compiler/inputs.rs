@@ -143,7 +143,7 @@ impl Compiler {
             .pods
             .range(start..)
             .map(|(k, _)| k)
-            .take_while(|k| k.namespace == ns)
+            .take_while(|k| *k.namespace == *ns)
             .cloned()
             .collect();
         self.sync_pods(affected, ids);

@@ -331,7 +331,7 @@ impl Compiler {
         let ns = ident.key.namespace.as_str();
         let selecting = policies
             .range_mut(PolicyRef::new(ns, "")..)
-            .take_while(|(k, _)| k.namespace == ns)
+            .take_while(|(k, _)| *k.namespace == *ns)
             .map(|(_, ps)| ps)
             .filter(|ps| ps.selected.contains(&e) && ps.refused.is_none());
         let mut plan = Plan::new(0);
@@ -363,7 +363,7 @@ impl Compiler {
         for (_, ps) in self
             .policies
             .range_mut(PolicyRef::new(ns, "")..)
-            .take_while(|(k, _)| k.namespace == ns)
+            .take_while(|(k, _)| *k.namespace == *ns)
         {
             let n = ps.forget_endpoint(e);
             if ps.refused.is_none() {

@@ -151,7 +151,7 @@ pub(super) fn policies_selecting<'a>(
 ) -> impl Iterator<Item = &'a PolicyState> {
     policies
         .range(PolicyRef::new(namespace, "")..)
-        .take_while(move |(k, _)| k.namespace == namespace)
+        .take_while(move |(k, _)| *k.namespace == *namespace)
         .map(|(_, ps)| ps)
         .filter(move |ps| ps.selected.contains(&e))
 }

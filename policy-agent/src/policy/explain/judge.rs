@@ -48,7 +48,7 @@ pub(super) fn holders(state: &ClusterState) -> BTreeMap<IpAddr, PodRef> {
 pub(super) fn pod_key(state: &ClusterState, pod: &PodRef, info: &PodInfo) -> LabelKey {
     let labels = state
         .namespaces
-        .get(&pod.namespace)
+        .get(&*pod.namespace)
         .map(|n| n.labels.clone())
         .unwrap_or_else(|| default_namespace_labels(&pod.namespace));
     LabelKey::of_pod(&pod.namespace, &labels, info)

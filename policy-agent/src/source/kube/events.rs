@@ -74,8 +74,8 @@ pub async fn publish_events(client: Client, node: String, mut rx: UnboundedRecei
                     let reference = ObjectReference {
                         api_version: Some(api_version.into()),
                         kind: Some(kind.into()),
-                        namespace: (!name.namespace.is_empty()).then(|| name.namespace.clone()),
-                        name: Some(name.name.clone()),
+                        namespace: (!name.namespace.is_empty()).then(|| name.namespace.to_string()),
+                        name: Some(name.name.to_string()),
                         ..Default::default()
                     };
                     (reference, event_reason(*object).unwrap_or("NotEnforced"))

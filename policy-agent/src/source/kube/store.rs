@@ -238,7 +238,7 @@ mod tests {
         }
         let diff = changes(&mut pods, Event::InitDone);
         assert!(
-            matches!(&diff[..], [Change::UpsertPod(c, _), Change::DeletePod(b)] if c.name == "c" && b.name == "b"),
+            matches!(&diff[..], [Change::UpsertPod(c, _), Change::DeletePod(b)] if &*c.name == "c" && &*b.name == "b"),
             "{diff:?}"
         );
     }

@@ -520,7 +520,7 @@ mod tests {
         std::fs::remove_file(dir.join("b.yaml")).unwrap();
         let (changes, _) = d.refresh(&dir).unwrap();
         assert!(
-            matches!(&changes[..], [Change::DeletePod(p)] if p.name == "p2"),
+            matches!(&changes[..], [Change::DeletePod(p)] if &*p.name == "p2"),
             "{changes:?}"
         );
         let _ = std::fs::remove_dir_all(&dir);

@@ -51,7 +51,7 @@ fn check(
         let info = &state.pods[k];
         PodView {
             namespace: &k.namespace,
-            namespace_labels: &state.namespaces[&k.namespace].labels,
+            namespace_labels: &state.namespaces[&*k.namespace].labels,
             labels: &info.labels,
             ports: &info.ports,
         }

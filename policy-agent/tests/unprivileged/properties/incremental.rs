@@ -84,7 +84,7 @@ fn step(state: &mut ClusterState, target: &ClusterState, kind: u8, i: usize) -> 
             let (name, np) = nth(&target.policies, i);
             // Under a name that may already exist: an update.
             let mut name = name.clone();
-            name.name = format!("policy{}", i % 3);
+            name.name = format!("policy{}", i % 3).into();
             state.policies.insert(name.clone(), np.clone());
             Change::UpsertPolicy(name, Box::new(np.clone()))
         }

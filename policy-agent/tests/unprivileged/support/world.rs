@@ -88,11 +88,11 @@ impl World {
         let key = obj(name);
         self.state
             .namespaces
-            .entry(key.namespace.clone())
+            .entry(key.namespace.to_string())
             .or_insert_with(|| NamespaceInfo {
                 labels: [(
                     "kubernetes.io/metadata.name".to_owned(),
-                    key.namespace.clone(),
+                    key.namespace.to_string(),
                 )]
                 .into(),
             });

@@ -395,7 +395,7 @@ spec:
         c.maps
             .endpoints
             .iter()
-            .find(|(p, _)| p.name == name)
+            .find(|(p, _)| *p.name == *name)
             .map(|(_, e)| e.identity)
             .expect(name)
     }

@@ -345,8 +345,8 @@ fn declared_policy_types(value: &Value) -> Vec<String> {
 pub fn stand_in(key: &ObjectRef, value: &Value) -> NetworkPolicy {
     NetworkPolicy {
         metadata: ObjectMeta {
-            name: Some(key.name.clone()),
-            namespace: Some(key.namespace.clone()),
+            name: Some(key.name.to_string()),
+            namespace: Some(key.namespace.to_string()),
             ..Default::default()
         },
         spec: Some(NetworkPolicySpec {
@@ -416,7 +416,7 @@ fn add_object(origin: Origin, value: Value, out: &mut LoadedManifests) {
                             .unwrap_or_default();
                         out.stand_ins.push((origin.clone(), policy));
                         Fallback::FailClosed {
-                            namespace: key.namespace.clone(),
+                            namespace: key.namespace.to_string(),
                             policy_types,
                         }
                     }
@@ -632,7 +632,7 @@ impl LoadedManifests {
             .pods
             .keys()
             .chain(state.policies.keys())
-            .map(|k| k.namespace.clone())
+            .map(|k| k.namespace.to_string())
             .filter(|ns| !state.namespaces.contains_key(ns))
             .collect();
         for ns in implied {
