@@ -19,13 +19,19 @@ pub type PodLabels = Arc<Labels>;
 /// The values handed out, each held once. A value nothing holds any more
 /// is dropped at the next sweep, which runs once the table has doubled
 /// since the last one (so sweeping costs O(1) per value handed out).
-struct Table<T: ?Sized> {
+pub struct Table<T: ?Sized> {
     values: HashSet<Arc<T>>,
     swept_at: usize,
 }
 
+impl<T: ?Sized + Hash + Eq> Default for Table<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl<T: ?Sized + Hash + Eq> Table<T> {
-    fn new() -> Self {
+    pub fn new() -> Self {
         Self {
             values: HashSet::new(),
             swept_at: 0,
@@ -33,7 +39,7 @@ impl<T: ?Sized + Hash + Eq> Table<T> {
     }
 
     /// The shared value equal to `value`, made by `make` if there is none.
-    fn share<Q>(&mut self, value: &Q, make: impl FnOnce() -> Arc<T>) -> Arc<T>
+    pub fn share<Q>(&mut self, value: &Q, make: impl FnOnce() -> Arc<T>) -> Arc<T>
     where
         Arc<T>: Borrow<Q>,
         Q: ?Sized + Hash + Eq,
@@ -62,6 +68,14 @@ pub fn pod_labels(labels: Labels) -> PodLabels {
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     table.share(&labels, || Arc::new(labels.clone()))
+}
+
+/// The shared set equal to `labels`, cloned only if there is none yet.
+pub fn label_set(labels: &Labels) -> Arc<Labels> {
+    let mut table = LABEL_SETS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    table.share(labels, || Arc::new(labels.clone()))
 }
 
 /// The shared string equal to `namespace`.

@@ -1,9 +1,26 @@
 //! What a label identity stands for, and its canonical name.
-use std::{collections::BTreeSet, fmt::Write as _};
+use std::{
+    collections::BTreeSet,
+    fmt::Write as _,
+    sync::{Arc, LazyLock, Mutex},
+};
 
 use policy_common::proto;
 
-use crate::cluster::{Labels, PodInfo, PodLabels};
+use crate::cluster::{InternTable, Labels, PodInfo, PodLabels, label_set, namespace_name};
+
+/// The named-port sets handed out (the pods of one workload have one).
+static NAMED_PORTS: LazyLock<Mutex<InternTable<BTreeSet<NamedPort>>>> =
+    LazyLock::new(|| Mutex::new(InternTable::new()));
+
+/// The shared set equal to `ports`.
+fn named_ports_shared(ports: BTreeSet<NamedPort>) -> Arc<BTreeSet<NamedPort>> {
+    // A poisoned table is still a valid set (see `cluster::interned`).
+    let mut table = NAMED_PORTS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    table.share(&ports, || Arc::new(ports.clone()))
+}
 
 /// A named container port: the part of a pod a named policy port resolves on.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -24,13 +41,18 @@ pub struct NamedPort {
 /// - the named container ports: the policy map is keyed by identity and
 ///   "the same name may mean different numbers on different pods", so pods
 ///   whose names resolve differently must not share an identity.
+///
+/// Its parts are shared (the namespace's name and labels, the label set,
+/// the named ports of a workload's pods): a key is made for every pod a
+/// change touches (every pod at a start), and those of one workload are
+/// the same values.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct LabelKey {
-    pub namespace: String,
-    pub namespace_labels: Labels,
+    pub namespace: Arc<str>,
+    pub namespace_labels: Arc<Labels>,
     /// Shared with the pods that carry them.
     pub labels: PodLabels,
-    pub named_ports: BTreeSet<NamedPort>,
+    pub named_ports: Arc<BTreeSet<NamedPort>>,
 }
 
 /// The label the API server puts on every namespace (1.21+).
@@ -45,7 +67,7 @@ pub fn default_namespace_labels(namespace: &str) -> Labels {
 impl LabelKey {
     /// The key of `pod` in `namespace` whose labels are `namespace_labels`.
     pub fn of_pod(namespace: &str, namespace_labels: &Labels, pod: &PodInfo) -> Self {
-        let named_ports = pod
+        let named_ports: BTreeSet<NamedPort> = pod
             .ports
             .iter()
             .filter_map(|p| {
@@ -60,10 +82,10 @@ impl LabelKey {
             })
             .collect();
         Self {
-            namespace: namespace.to_owned(),
-            namespace_labels: namespace_labels.clone(),
+            namespace: namespace_name(namespace),
+            namespace_labels: label_set(namespace_labels),
             labels: pod.labels.clone(),
-            named_ports,
+            named_ports: named_ports_shared(named_ports),
         }
     }
 
@@ -86,7 +108,7 @@ impl LabelKey {
         let mut out = String::with_capacity(64);
         out.push_str("ns=");
         escape_into(&mut out, &self.namespace);
-        for (k, v) in &self.namespace_labels {
+        for (k, v) in self.namespace_labels.iter() {
             out.push_str(";nsl:");
             escape_into(&mut out, k);
             out.push('=');
@@ -98,7 +120,7 @@ impl LabelKey {
             out.push('=');
             escape_into(&mut out, v);
         }
-        for p in &self.named_ports {
+        for p in self.named_ports.iter() {
             out.push_str(";port:");
             escape_into(&mut out, &p.name);
             out.push('=');

@@ -62,7 +62,7 @@ impl Peer {
         match self {
             Self::Pods { namespaces, pods } => {
                 let ns_ok = match namespaces {
-                    Namespaces::Own(ns) => key.namespace == *ns,
+                    Namespaces::Own(ns) => *key.namespace == **ns,
                     Namespaces::Matching(sel) => sel.matches(&key.namespace_labels),
                 };
                 ns_ok && pods.matches(&key.labels)

@@ -3,6 +3,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     net::IpAddr,
+    sync::Arc,
 };
 
 use crate::{cluster::PodRef, identity::LabelKey};
@@ -23,7 +24,7 @@ pub(super) struct Ident {
 pub(super) struct IdentityIndex {
     pub idents: BTreeMap<u32, Ident>,
     key_ids: HashMap<LabelKey, u32>,
-    by_namespace: BTreeMap<String, BTreeSet<u32>>,
+    by_namespace: BTreeMap<Arc<str>, BTreeSet<u32>>,
     pod_ident: BTreeMap<PodRef, u32>,
     /// Label identities with at least one local endpoint pod (whose keys
     /// are in the policy map).
@@ -86,10 +87,10 @@ impl IdentityIndex {
             return;
         };
         self.key_ids.remove(&ident.key);
-        if let Some(set) = self.by_namespace.get_mut(&ident.key.namespace) {
+        if let Some(set) = self.by_namespace.get_mut(&*ident.key.namespace) {
             set.remove(&id);
             if set.is_empty() {
-                self.by_namespace.remove(&ident.key.namespace);
+                self.by_namespace.remove(&*ident.key.namespace);
             }
         }
     }

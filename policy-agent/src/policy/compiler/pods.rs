@@ -328,7 +328,7 @@ impl Compiler {
         let Some(ident) = index.idents.get(&e) else {
             return;
         };
-        let ns = ident.key.namespace.as_str();
+        let ns = &*ident.key.namespace;
         let selecting = policies
             .range_mut(PolicyRef::new(ns, "")..)
             .take_while(|(k, _)| *k.namespace == *ns)
@@ -359,7 +359,7 @@ impl Compiler {
         let Some(ident) = self.index.idents.get(&e) else {
             return;
         };
-        let ns = ident.key.namespace.as_str();
+        let ns = &*ident.key.namespace;
         for (_, ps) in self
             .policies
             .range_mut(PolicyRef::new(ns, "")..)
