@@ -124,6 +124,8 @@ pub fn pod_info(pod: &Pod) -> Result<(ObjectRef, PodInfo), ConvertError> {
     }
     ports.sort();
     ports.dedup();
+    // Kept for the pod's life, by every layer (one shared copy).
+    ports.shrink_to_fit();
 
     let phase = status.and_then(|s| s.phase.as_deref());
     let info = PodInfo::from(PodFields {

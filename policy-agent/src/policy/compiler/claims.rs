@@ -28,6 +28,9 @@ struct Claims(Vec<Claim>);
 impl Claims {
     fn insert(&mut self, claim: Claim) {
         if let Err(at) = self.0.binary_search(&claim) {
+            // A first claim takes room for one (a vector's first growth
+            // makes room for four).
+            self.0.reserve_exact(1);
             self.0.insert(at, claim);
         }
     }
@@ -59,8 +62,10 @@ pub(super) struct AddressClaims {
     by_pod: BTreeMap<PodRef, (i64, Vec<IpAddr>)>,
     claims: BTreeMap<IpAddr, Claims>,
     holders: BTreeMap<IpAddr, PodRef>,
-    /// What each pod held when its identity was last updated.
-    held: BTreeMap<PodRef, BTreeSet<IpAddr>>,
+    /// What each pod held when its identity was last updated, sorted (a
+    /// vector: almost always one or two addresses, where a set's node
+    /// takes room for eleven).
+    held: BTreeMap<PodRef, Vec<IpAddr>>,
 }
 
 impl AddressClaims {
@@ -99,6 +104,7 @@ impl AddressClaims {
                 .collect();
             ips.sort_unstable();
             ips.dedup();
+            ips.shrink_to_fit();
             let claim = Claim {
                 newest: Reverse(info.created),
                 pod: pod.clone(),
@@ -157,8 +163,8 @@ impl AddressClaims {
     pub fn record_held(&mut self, pod: &PodRef, now: BTreeSet<IpAddr>) -> BTreeSet<IpAddr> {
         let before = self.held.remove(pod).unwrap_or_default();
         if !now.is_empty() {
-            self.held.insert(pod.clone(), now);
+            self.held.insert(pod.clone(), now.into_iter().collect());
         }
-        before
+        before.into_iter().collect()
     }
 }
