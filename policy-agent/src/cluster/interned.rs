@@ -19,19 +19,13 @@ pub type PodLabels = Arc<Labels>;
 /// The values handed out, each held once. A value nothing holds any more
 /// is dropped at the next sweep, which runs once the table has doubled
 /// since the last one (so sweeping costs O(1) per value handed out).
-pub struct Table<T: ?Sized> {
+struct Table<T: ?Sized> {
     values: HashSet<Arc<T>>,
     swept_at: usize,
 }
 
-impl<T: ?Sized + Hash + Eq> Default for Table<T> {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl<T: ?Sized + Hash + Eq> Table<T> {
-    pub fn new() -> Self {
+    fn new() -> Self {
         Self {
             values: HashSet::new(),
             swept_at: 0,
@@ -39,7 +33,7 @@ impl<T: ?Sized + Hash + Eq> Table<T> {
     }
 
     /// The shared value equal to `value`, made by `make` if there is none.
-    pub fn share<Q>(&mut self, value: &Q, make: impl FnOnce() -> Arc<T>) -> Arc<T>
+    fn share<Q>(&mut self, value: &Q, make: impl FnOnce() -> Arc<T>) -> Arc<T>
     where
         Arc<T>: Borrow<Q>,
         Q: ?Sized + Hash + Eq,
@@ -57,33 +51,47 @@ impl<T: ?Sized + Hash + Eq> Table<T> {
     }
 }
 
-static LABEL_SETS: LazyLock<Mutex<Table<Labels>>> = LazyLock::new(|| Mutex::new(Table::new()));
-static NAMESPACES: LazyLock<Mutex<Table<str>>> = LazyLock::new(|| Mutex::new(Table::new()));
+/// A table behind its lock, for a static.
+pub struct Interner<T: ?Sized + Hash + Eq>(Mutex<Table<T>>);
+
+impl<T: ?Sized + Hash + Eq> Default for Interner<T> {
+    fn default() -> Self {
+        Self(Mutex::new(Table::new()))
+    }
+}
+
+impl<T: ?Sized + Hash + Eq> Interner<T> {
+    /// The shared value equal to `value`, made by `make` if there is none.
+    pub fn share<Q>(&self, value: &Q, make: impl FnOnce() -> Arc<T>) -> Arc<T>
+    where
+        Arc<T>: Borrow<Q>,
+        Q: ?Sized + Hash + Eq,
+    {
+        // A panic elsewhere while holding the lock leaves the table whole
+        // (every step of `Table::share` keeps it a valid set): keep using it.
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .share(value, make)
+    }
+}
+
+static LABEL_SETS: LazyLock<Interner<Labels>> = LazyLock::new(Interner::default);
+static NAMESPACES: LazyLock<Interner<str>> = LazyLock::new(Interner::default);
 
 /// The shared set equal to `labels`.
 pub fn pod_labels(labels: Labels) -> PodLabels {
-    // A panic elsewhere while holding the lock leaves the table whole
-    // (every step of `share` keeps it a valid set): keep using it.
-    let mut table = LABEL_SETS
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    table.share(&labels, || Arc::new(labels.clone()))
+    label_set(&labels)
 }
 
 /// The shared set equal to `labels`, cloned only if there is none yet.
 pub fn label_set(labels: &Labels) -> Arc<Labels> {
-    let mut table = LABEL_SETS
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    table.share(labels, || Arc::new(labels.clone()))
+    LABEL_SETS.share(labels, || Arc::new(labels.clone()))
 }
 
 /// The shared string equal to `namespace`.
 pub fn namespace_name(namespace: &str) -> Arc<str> {
-    let mut table = NAMESPACES
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    table.share(namespace, || Arc::from(namespace))
+    NAMESPACES.share(namespace, || Arc::from(namespace))
 }
 
 #[cfg(test)]
@@ -121,14 +129,14 @@ mod tests {
             let _ = pod_labels(labels(&[("swept", &i.to_string())]));
             let _ = namespace_name(&format!("swept-{i}"));
         }
-        let sets = LABEL_SETS.lock().unwrap();
+        let sets = LABEL_SETS.0.lock().unwrap();
         let left = sets
             .values
             .iter()
             .filter(|s| s.contains_key("swept"))
             .count();
         assert!(left < 3000, "{left} of 3000 unused sets kept");
-        let names = NAMESPACES.lock().unwrap();
+        let names = NAMESPACES.0.lock().unwrap();
         let left = names
             .values
             .iter()

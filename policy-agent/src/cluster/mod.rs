@@ -25,7 +25,7 @@ pub use self::{
     address::{parse_cidr_sloppy, parse_ip_sloppy},
     change::{Change, Keyed, changes_between, keyed_changes},
     convert::{ConvertError, namespace_info, node_info, pod_info},
-    interned::{PodLabels, Table as InternTable, label_set, namespace_name, pod_labels},
+    interned::{Interner, PodLabels, label_set, namespace_name, pod_labels},
     problem::{ObjectKind, Problem, Subject},
     service::{
         Backend, Endpoint, EndpointSliceInfo, SERVICE_NAME_LABEL, ServiceInfo, ServicePort,

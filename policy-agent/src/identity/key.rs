@@ -2,24 +2,19 @@
 use std::{
     collections::BTreeSet,
     fmt::Write as _,
-    sync::{Arc, LazyLock, Mutex},
+    sync::{Arc, LazyLock},
 };
 
 use policy_common::proto;
 
-use crate::cluster::{InternTable, Labels, PodInfo, PodLabels, label_set, namespace_name};
+use crate::cluster::{Interner, Labels, PodInfo, PodLabels, label_set, namespace_name};
 
 /// The named-port sets handed out (the pods of one workload have one).
-static NAMED_PORTS: LazyLock<Mutex<InternTable<BTreeSet<NamedPort>>>> =
-    LazyLock::new(|| Mutex::new(InternTable::new()));
+static NAMED_PORTS: LazyLock<Interner<BTreeSet<NamedPort>>> = LazyLock::new(Interner::default);
 
 /// The shared set equal to `ports`.
 fn named_ports_shared(ports: BTreeSet<NamedPort>) -> Arc<BTreeSet<NamedPort>> {
-    // A poisoned table is still a valid set (see `cluster::interned`).
-    let mut table = NAMED_PORTS
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    table.share(&ports, || Arc::new(ports.clone()))
+    NAMED_PORTS.share(&ports, || Arc::new(ports.clone()))
 }
 
 /// A named container port: the part of a pod a named policy port resolves on.
