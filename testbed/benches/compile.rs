@@ -525,9 +525,12 @@ fn main() {
     if full {
         let mut medians = serde_json::Map::new();
         for (group, name) in BENCHES {
-            if let Some(ms) = criterion_median_ms(group, name, started) {
-                medians.insert(format!("{group}/{name}"), serde_json::json!(ms));
-            }
+            // A missing median would be rendered as no figure at all:
+            // fail the run instead of writing a table of blanks.
+            let ms = criterion_median_ms(group, name, started).unwrap_or_else(|| {
+                panic!("criterion wrote no median for {group}/{name} (looked under CARGO_TARGET_DIR or target/criterion)")
+            });
+            medians.insert(format!("{group}/{name}"), serde_json::json!(ms));
         }
         json["median_ms"] = serde_json::Value::Object(medians);
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-results");
