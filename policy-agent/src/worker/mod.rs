@@ -8,6 +8,7 @@
 //! an HTTP server exposes metrics and health.
 mod enforcer;
 mod handoff;
+mod heap;
 mod inbox;
 mod reconcile;
 mod staging;

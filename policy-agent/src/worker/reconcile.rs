@@ -260,6 +260,7 @@ fn reconcile(ctx: &Context, state: &mut State) -> Result<SyncReport, Error> {
     let Some(enforcer) = state.enforcer.as_mut() else {
         unreachable!("opened above");
     };
+    let (first, full_pass) = (!state.synced, state.resync);
     if std::mem::take(&mut state.resync) {
         enforcer.datapath().forget_cache();
         enforcer.recompile_refused();
@@ -279,6 +280,9 @@ fn reconcile(ctx: &Context, state: &mut State) -> Result<SyncReport, Error> {
     state.handoffs.confirm(Some(enforcer.datapath_ref()));
     let report = result.map_err(Error::Sync)?;
     state.synced = true;
+    if super::heap::worth_trimming(first, full_pass, report.writes) {
+        super::heap::release_freed();
+    }
     if !state.observers_started {
         state.observers_started = enforcer.datapath().start_observers();
     }
