@@ -38,6 +38,7 @@ mod frontends;
 mod index;
 mod inputs;
 mod keys;
+mod members;
 mod output;
 mod pods;
 mod rule_names;

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use ipnet::IpNet;
 use policy_common::direction;
 
-use super::{budget::Refusal, index::Ident};
+use super::{budget::Refusal, index::Ident, members::Members};
 use crate::{
     cluster::PolicyRef,
     policy::{
@@ -26,7 +26,7 @@ pub(super) struct RuleState {
     /// Address classes the rule's ipBlocks match.
     pub classes: Vec<u32>,
     /// Label identities the rule reaches, with SEL/NAMED bits.
-    pub members: BTreeMap<u32, u8>,
+    pub members: Members,
     /// Egress with named ports: NAMED applies.
     pub named_egress: bool,
     /// NAMED depends on the identity's addresses (ipBlock peers).
@@ -138,6 +138,7 @@ pub(super) fn rule_state(
                 rs.members.insert(*x, bits);
             }
         }
+        rs.members.shrink_to_fit();
     }
     Some(rs)
 }
