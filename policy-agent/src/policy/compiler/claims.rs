@@ -56,16 +56,31 @@ pub(super) fn eligible(info: &PodInfo) -> bool {
     !info.terminal && !info.host_network && !info.ips.is_empty()
 }
 
+/// What one pod claims and holds.
+#[derive(Clone, Debug, Default)]
+struct PodClaims {
+    /// The addresses the live pod claims and the creation time it used
+    /// (None: it claims nothing now).
+    claimed: Option<(i64, Vec<IpAddr>)>,
+    /// What it held when its identity was last updated, sorted (a vector:
+    /// almost always one or two addresses, where a set's node takes room
+    /// for eleven).
+    held: Vec<IpAddr>,
+}
+
+/// The claims on one address and who holds it since the last settle.
+#[derive(Clone, Debug, Default)]
+struct AddressState {
+    claims: Claims,
+    holder: Option<PodRef>,
+}
+
+/// One map keyed by pod and one by address (each entry what two maps held
+/// before: a pod's name or an address is stored once per map).
 #[derive(Clone, Debug, Default)]
 pub(super) struct AddressClaims {
-    /// The addresses each live pod claims (and the creation time it used).
-    by_pod: BTreeMap<PodRef, (i64, Vec<IpAddr>)>,
-    claims: BTreeMap<IpAddr, Claims>,
-    holders: BTreeMap<IpAddr, PodRef>,
-    /// What each pod held when its identity was last updated, sorted (a
-    /// vector: almost always one or two addresses, where a set's node
-    /// takes room for eleven).
-    held: BTreeMap<PodRef, Vec<IpAddr>>,
+    pods: BTreeMap<PodRef, PodClaims>,
+    addresses: BTreeMap<IpAddr, AddressState>,
 }
 
 impl AddressClaims {
@@ -78,22 +93,24 @@ impl AddressClaims {
     ) -> BTreeSet<IpAddr> {
         let mut touched = BTreeSet::new();
         for (pod, info) in pods {
-            if let Some((created, old)) = self.by_pod.remove(pod) {
+            let old = self.pods.get_mut(pod).and_then(|p| p.claimed.take());
+            if let Some((created, old)) = old {
                 let claim = Claim {
                     newest: Reverse(created),
                     pod: pod.clone(),
                 };
                 for ip in old {
-                    if let Some(set) = self.claims.get_mut(&ip) {
-                        set.remove(&claim);
-                        if set.is_empty() {
-                            self.claims.remove(&ip);
+                    if let Some(state) = self.addresses.get_mut(&ip) {
+                        state.claims.remove(&claim);
+                        if state.claims.is_empty() && state.holder.is_none() {
+                            self.addresses.remove(&ip);
                         }
                     }
                     touched.insert(ip);
                 }
             }
             let Some(info) = info.filter(|i| eligible(i)) else {
+                self.forget_if_empty(pod);
                 continue;
             };
             let mut ips: Vec<IpAddr> = info
@@ -110,10 +127,14 @@ impl AddressClaims {
                 pod: pod.clone(),
             };
             for ip in &ips {
-                self.claims.entry(*ip).or_default().insert(claim.clone());
+                self.addresses
+                    .entry(*ip)
+                    .or_default()
+                    .claims
+                    .insert(claim.clone());
                 touched.insert(*ip);
             }
-            self.by_pod.insert(pod.clone(), (info.created, ips));
+            self.pods.entry(pod.clone()).or_default().claimed = Some((info.created, ips));
         }
         touched
     }
@@ -123,15 +144,15 @@ impl AddressClaims {
     pub fn settle(&mut self, ips: &BTreeSet<IpAddr>) -> BTreeSet<PodRef> {
         let mut moved = BTreeSet::new();
         for ip in ips {
-            let new = self
-                .claims
-                .get(ip)
-                .and_then(|s| s.first())
-                .map(|c| c.pod.clone());
-            let old = match &new {
-                Some(n) => self.holders.insert(*ip, n.clone()),
-                None => self.holders.remove(ip),
+            let Some(state) = self.addresses.get_mut(ip) else {
+                continue;
             };
+            let new = state.claims.first().map(|c| c.pod.clone());
+            let old = std::mem::replace(&mut state.holder, new.clone());
+            if state.claims.is_empty() {
+                // Claimed by nobody and (now) held by nobody.
+                self.addresses.remove(ip);
+            }
             if old != new {
                 moved.extend(old);
                 moved.extend(new);
@@ -142,11 +163,12 @@ impl AddressClaims {
 
     /// The addresses `pod` claims and holds now.
     pub fn holding(&self, pod: &PodRef) -> BTreeSet<IpAddr> {
-        self.by_pod
+        self.pods
             .get(pod)
+            .and_then(|p| p.claimed.as_ref())
             .map(|(_, ips)| {
                 ips.iter()
-                    .filter(|ip| self.holders.get(ip) == Some(pod))
+                    .filter(|ip| self.holder(ip) == Some(pod))
                     .copied()
                     .collect()
             })
@@ -155,16 +177,32 @@ impl AddressClaims {
 
     /// The pod holding `ip`.
     pub fn holder(&self, ip: &IpAddr) -> Option<&PodRef> {
-        self.holders.get(ip)
+        self.addresses.get(ip).and_then(|s| s.holder.as_ref())
     }
 
     /// Records what `pod` holds as its identity sees it now, returning
     /// what it held before.
     pub fn record_held(&mut self, pod: &PodRef, now: BTreeSet<IpAddr>) -> BTreeSet<IpAddr> {
-        let before = self.held.remove(pod).unwrap_or_default();
+        let before = match self.pods.get_mut(pod) {
+            Some(p) => std::mem::take(&mut p.held),
+            None => Vec::new(),
+        };
         if !now.is_empty() {
-            self.held.insert(pod.clone(), now.into_iter().collect());
+            self.pods.entry(pod.clone()).or_default().held = now.into_iter().collect();
+        } else {
+            self.forget_if_empty(pod);
         }
         before.into_iter().collect()
+    }
+
+    /// Drops `pod`'s entry once it neither claims nor holds anything.
+    fn forget_if_empty(&mut self, pod: &PodRef) {
+        if self
+            .pods
+            .get(pod)
+            .is_some_and(|p| p.claimed.is_none() && p.held.is_empty())
+        {
+            self.pods.remove(pod);
+        }
     }
 }
