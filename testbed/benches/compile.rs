@@ -148,7 +148,8 @@ fn cluster(pods: usize, seed: u64) -> ClusterState {
             let yaml = policy_yaml(n, k, &mut rng, namespaces, dep);
             let np: NetworkPolicy =
                 serde_yaml::from_str(&yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
-            s.policies.insert(ObjectRef::new(ns, format!("p{k}")), np);
+            s.policies
+                .insert(ObjectRef::new(ns, format!("p{k}")), np.into());
         }
     }
     s
@@ -207,13 +208,15 @@ struct Size {
 /// `cluster(10_000, 7)` with 100 ClusterNetworkPolicies of both tiers.
 fn cluster_with_tiers() -> ClusterState {
     let mut state = cluster(10_000, 7);
-    state
-        .cluster_policies
-        .extend(policy_testbed::fixtures::tier_load::cluster_policies(
+    state.cluster_policies.extend(
+        policy_testbed::fixtures::tier_load::cluster_policies(
             100,
             |i| format!("team-{i}"),
             |i| format!("app-{i}"),
-        ));
+        )
+        .into_iter()
+        .map(|(name, cnp)| (name, cnp.into())),
+    );
     state
 }
 
@@ -471,7 +474,7 @@ fn bench_policy_update(c: &mut Criterion) {
     let mut ids = IdentityAllocator::new();
     let mut compiler = Compiler::build(&state, &mut ids, CompileOptions::default());
     let name = ObjectRef::new("ns-001", "p2");
-    let original = state.policies[&name].clone();
+    let original = (*state.policies[&name]).clone();
     let mut changed = original.clone();
     if let Some(rule) = changed
         .spec
@@ -490,7 +493,7 @@ fn bench_policy_update(c: &mut Criterion) {
             } else {
                 original.clone()
             };
-            black_box(compiler.apply([Change::UpsertPolicy(name.clone(), Box::new(np))], &mut ids))
+            black_box(compiler.apply([Change::UpsertPolicy(name.clone(), np.into())], &mut ids))
         });
     });
     g.finish();

@@ -418,7 +418,8 @@ fn tier_cluster(cnps: usize) -> policy_agent::cluster::ClusterState {
         |i| format!("t{i}"),
         |i| format!("a{i}"),
     );
-    s.cluster_policies.extend(cnps);
+    s.cluster_policies
+        .extend(cnps.into_iter().map(|(name, cnp)| (name, cnp.into())));
     s
 }
 

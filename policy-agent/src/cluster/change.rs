@@ -5,7 +5,7 @@
 //! change means is stated once, by [`ClusterState::apply`]; the changes
 //! between two versions of a keyed collection are found once, by
 //! [`keyed_changes`] (which [`changes_between`] and every source use).
-use std::{collections::BTreeMap, net::IpAddr};
+use std::{collections::BTreeMap, net::IpAddr, sync::Arc};
 
 use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
@@ -24,9 +24,9 @@ pub enum Change {
     DeletePod(PodRef),
     UpsertNamespace(String, NamespaceInfo),
     DeleteNamespace(String),
-    UpsertPolicy(PolicyRef, Box<NetworkPolicy>),
+    UpsertPolicy(PolicyRef, Arc<NetworkPolicy>),
     DeletePolicy(PolicyRef),
-    UpsertClusterPolicy(String, Box<ClusterNetworkPolicy>),
+    UpsertClusterPolicy(String, Arc<ClusterNetworkPolicy>),
     DeleteClusterPolicy(String),
     /// A Node of the cluster (any node's; for `nodes` peers).
     UpsertNodeObject(String, NodeInfo),
@@ -57,7 +57,7 @@ pub trait Keyed: Clone + PartialEq {
 }
 
 /// `Keyed` for a value type: its key type and the two `Change` variants
-/// that carry it (`wrap` boxes the large ones).
+/// that carry it (`wrap` turns the value into what the variant holds).
 macro_rules! keyed {
     ($value:ty, $key:ty, $upsert:ident, $delete:ident $(, $wrap:path)?) => {
         impl Keyed for $value {
@@ -74,19 +74,12 @@ macro_rules! keyed {
 
 keyed!(PodInfo, PodRef, UpsertPod, DeletePod);
 keyed!(NamespaceInfo, String, UpsertNamespace, DeleteNamespace);
+keyed!(Arc<NetworkPolicy>, PolicyRef, UpsertPolicy, DeletePolicy);
 keyed!(
-    NetworkPolicy,
-    PolicyRef,
-    UpsertPolicy,
-    DeletePolicy,
-    Box::new
-);
-keyed!(
-    ClusterNetworkPolicy,
+    Arc<ClusterNetworkPolicy>,
     String,
     UpsertClusterPolicy,
-    DeleteClusterPolicy,
-    Box::new
+    DeleteClusterPolicy
 );
 keyed!(NodeInfo, String, UpsertNodeObject, DeleteNodeObject);
 keyed!(ServiceInfo, ServiceRef, UpsertService, DeleteService);
@@ -161,13 +154,13 @@ impl ClusterState {
                 self.namespaces.remove(k);
             }
             Change::UpsertPolicy(k, v) => {
-                self.policies.insert(k.clone(), (**v).clone());
+                self.policies.insert(k.clone(), Arc::clone(v));
             }
             Change::DeletePolicy(k) => {
                 self.policies.remove(k);
             }
             Change::UpsertClusterPolicy(k, v) => {
-                self.cluster_policies.insert(k.clone(), (**v).clone());
+                self.cluster_policies.insert(k.clone(), Arc::clone(v));
             }
             Change::DeleteClusterPolicy(k) => {
                 self.cluster_policies.remove(k);

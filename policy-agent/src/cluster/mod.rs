@@ -166,9 +166,11 @@ pub struct ClusterState {
     pub node_ips: Vec<IpAddr>,
     pub namespaces: BTreeMap<String, NamespaceInfo>,
     pub pods: BTreeMap<PodRef, PodInfo>,
-    pub policies: BTreeMap<PolicyRef, NetworkPolicy>,
+    /// Shared with the changes that carried them (and, in manifests mode,
+    /// the files that hold them): one copy of each object.
+    pub policies: BTreeMap<PolicyRef, Arc<NetworkPolicy>>,
     /// ClusterNetworkPolicies by name (cluster-scoped).
-    pub cluster_policies: BTreeMap<String, ClusterNetworkPolicy>,
+    pub cluster_policies: BTreeMap<String, Arc<ClusterNetworkPolicy>>,
     /// Every Node of the cluster by name (`nodes` peers).
     pub nodes: BTreeMap<String, NodeInfo>,
     pub services: BTreeMap<ServiceRef, ServiceInfo>,

@@ -153,6 +153,7 @@ mod tests {
     use super::*;
     use crate::cluster::ObjectRef;
     use k8s_openapi::api::networking::v1::NetworkPolicy;
+    use std::sync::Arc;
 
     fn policy(annotation: Option<&str>) -> NetworkPolicy {
         let mut np = NetworkPolicy::default();
@@ -179,11 +180,11 @@ mod tests {
     #[test]
     fn a_staged_upsert_is_a_deletion_to_the_enforcer() {
         let key = ObjectRef::new("ns", "p");
-        let staged = Change::UpsertPolicy(key.clone(), Box::new(policy(Some("true"))));
+        let staged = Change::UpsertPolicy(key.clone(), Arc::new(policy(Some("true"))));
         let (p, stages) = staging_of(&staged).unwrap();
         assert_eq!((p.to_string(), stages), ("NetworkPolicy ns/p".into(), true));
         assert!(matches!(p.deletion(), Change::DeletePolicy(k) if k == key));
-        let unstaged = Change::UpsertPolicy(key.clone(), Box::new(policy(None)));
+        let unstaged = Change::UpsertPolicy(key.clone(), Arc::new(policy(None)));
         assert_eq!(staging_of(&unstaged).map(|(_, s)| s), Some(false));
         assert_eq!(
             staging_of(&Change::DeletePolicy(key)).map(|(_, s)| s),

@@ -50,7 +50,7 @@ pub(super) fn tier_decision(
     let policies: Vec<ParsedClusterPolicy> = state
         .cluster_policies
         .values()
-        .map(ParsedClusterPolicy::parse)
+        .map(|cnp| ParsedClusterPolicy::parse(cnp))
         .collect();
     let (ep_ports, peer_ports) = (
         ports_of(&endpoint.1),

@@ -9,7 +9,7 @@
 //! clusternetworkpolicies) holds every publication back and says so at
 //! every retry: enforcing without the cluster's guardrails would open
 //! what an Admin Deny closes.
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, sync::Arc};
 
 use futures::{StreamExt as _, stream::BoxStream};
 use kube::{
@@ -62,7 +62,7 @@ pub(super) fn stream<U: Send + 'static>(
 
 /// What the ClusterNetworkPolicy watch knows.
 pub(super) struct ClusterPolicies {
-    store: Store<ClusterNetworkPolicy>,
+    store: Store<Arc<ClusterNetworkPolicy>>,
     availability: Availability,
     /// Objects that do not decode, by name: each keeps its last version
     /// that did (none: left out) and is reported.
@@ -114,7 +114,7 @@ impl ClusterPolicies {
             |obj| match decode(obj) {
                 Ok((name, cnp)) => {
                     undecodable.remove(&name);
-                    Some((name, cnp))
+                    Some((name, Arc::new(cnp)))
                 }
                 Err(reason) => {
                     let name = obj.name_any();
@@ -142,8 +142,13 @@ impl ClusterPolicies {
                     );
                     // The CRD's objects went with it: an empty re-list.
                     for event in [Event::Init, Event::InitDone] {
-                        self.store
-                            .apply(event, |o: &DynamicObject| decode(o).ok(), out);
+                        self.store.apply(
+                            event,
+                            |o: &DynamicObject| {
+                                decode(o).ok().map(|(name, cnp)| (name, Arc::new(cnp)))
+                            },
+                            out,
+                        );
                     }
                     self.undecodable.clear();
                 } else if self.availability != Availability::Absent {

@@ -23,7 +23,7 @@ mod service_cidrs;
 mod status;
 mod store;
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use futures::{StreamExt as _, stream::BoxStream};
 use k8s_openapi::api::{
@@ -133,13 +133,13 @@ fn strip_policy(p: &NetworkPolicy) -> NetworkPolicy {
     p
 }
 
-fn policy_entry(p: &NetworkPolicy) -> Option<(ObjectRef, NetworkPolicy)> {
+fn policy_entry(p: &NetworkPolicy) -> Option<(ObjectRef, Arc<NetworkPolicy>)> {
     Some((
         ObjectRef::new(
             p.namespace().unwrap_or_else(|| "default".into()),
             p.name_any(),
         ),
-        strip_policy(p),
+        Arc::new(strip_policy(p)),
     ))
 }
 
@@ -200,7 +200,7 @@ pub async fn watch(client: Client, settle: Duration, sink: Sink, service_cidrs: 
         Converted::new(ObjectKind::EndpointSlice, endpoint_slice_info);
     let mut namespaces: Store<NamespaceInfo> = Store::default();
     let mut nodes: Store<NodeInfo> = Store::default();
-    let mut policies: Store<NetworkPolicy> = Store::default();
+    let mut policies: Store<Arc<NetworkPolicy>> = Store::default();
     let mut cluster_policies = ClusterPolicies::default();
     let mut changes: Vec<Change> = Vec::new();
     let mut dirty = false;

@@ -16,6 +16,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     path::{Path, PathBuf},
+    sync::Arc,
     time::SystemTime,
 };
 
@@ -38,8 +39,8 @@ struct FileContent {
     stamp: Option<Stamp>,
     namespaces: BTreeMap<String, NamespaceInfo>,
     pods: BTreeMap<ObjectRef, PodInfo>,
-    policies: BTreeMap<ObjectRef, NetworkPolicy>,
-    cluster_policies: BTreeMap<String, ClusterNetworkPolicy>,
+    policies: BTreeMap<ObjectRef, Arc<NetworkPolicy>>,
+    cluster_policies: BTreeMap<String, Arc<ClusterNetworkPolicy>>,
     nodes: BTreeMap<String, NodeInfo>,
     services: BTreeMap<ObjectRef, ServiceInfo>,
     slices: BTreeMap<ObjectRef, EndpointSliceInfo>,

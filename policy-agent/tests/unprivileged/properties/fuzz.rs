@@ -145,7 +145,7 @@ fn with_policy(np: NetworkPolicy) -> ClusterState {
         .namespace
         .clone()
         .unwrap_or_else(|| "default".into());
-    s.policies.insert(ObjectRef::new(ns, name), np);
+    s.policies.insert(ObjectRef::new(ns, name), np.into());
     s
 }
 
@@ -182,10 +182,7 @@ fn compile_checked(np: NetworkPolicy) -> Result<Compiled, TestCaseError> {
         },
     );
     let (name, np) = state.policies.iter().next().unwrap();
-    inc.apply(
-        [Change::UpsertPolicy(name.clone(), Box::new(np.clone()))],
-        &mut ids2,
-    );
+    inc.apply([Change::UpsertPolicy(name.clone(), np.clone())], &mut ids2);
     prop_assert_eq!(inc.maps(), &full.maps);
     Ok(full)
 }

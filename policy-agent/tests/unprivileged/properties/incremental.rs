@@ -86,7 +86,7 @@ fn step(state: &mut ClusterState, target: &ClusterState, kind: u8, i: usize) -> 
             let mut name = name.clone();
             name.name = format!("policy{}", i % 3).into();
             state.policies.insert(name.clone(), np.clone());
-            Change::UpsertPolicy(name, Box::new(np.clone()))
+            Change::UpsertPolicy(name, np.clone())
         }
         7 if !state.policies.is_empty() => {
             let name = nth(&state.policies, i).0.clone();
@@ -132,10 +132,11 @@ fn step(state: &mut ClusterState, target: &ClusterState, kind: u8, i: usize) -> 
         9 if !target.cluster_policies.is_empty() => {
             let (_, cnp) = nth(&target.cluster_policies, i);
             let name = format!("cnp{}", i % 3);
-            let mut cnp = cnp.clone();
+            let mut cnp = (**cnp).clone();
             cnp.metadata.name = Some(name.clone());
+            let cnp = std::sync::Arc::new(cnp);
             state.cluster_policies.insert(name.clone(), cnp.clone());
-            Change::UpsertClusterPolicy(name, Box::new(cnp))
+            Change::UpsertClusterPolicy(name, cnp)
         }
         // A Node takes the target's labels (its `nodes` peers move).
         10 if i % 2 == 1 && !target.nodes.is_empty() => {

@@ -437,7 +437,7 @@ fn endpoint_lookup_bits_follow_the_shapes_in_use() {
         ));
         let np = w.state.policies[&web].clone();
         let mut full_ids = ids.clone();
-        c.apply([Change::UpsertPolicy(web.clone(), Box::new(np))], &mut ids);
+        c.apply([Change::UpsertPolicy(web.clone(), np)], &mut ids);
         let full = policy::compile(&w.state, &mut full_ids);
         assert_eq!(c.maps(), &full.maps, "step {i}: incremental vs full");
         assert_bits(&full.maps, &format!("step {i}, full compile"));

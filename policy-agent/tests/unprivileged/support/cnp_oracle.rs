@@ -58,7 +58,7 @@ pub fn decide_by(
     let policies: Vec<ParsedClusterPolicy> = state
         .cluster_policies
         .values()
-        .map(ParsedClusterPolicy::parse)
+        .map(|cnp| ParsedClusterPolicy::parse(cnp))
         .collect();
     let ep_ns = ns_labels(state, &endpoint.namespace);
     let subject = PodView {
@@ -252,7 +252,7 @@ pub fn cluster_with_tiers() -> impl Strategy<Value = ClusterState> {
             for (i, mut c) in cnps.into_iter().enumerate() {
                 let name = format!("cnp{i}");
                 c.metadata.name = Some(name.clone());
-                s.cluster_policies.insert(name, c);
+                s.cluster_policies.insert(name, c.into());
             }
             s
         })

@@ -864,7 +864,7 @@ pub fn cluster() -> impl Strategy<Value = ClusterState> {
                 let ns = np.metadata.namespace.clone().unwrap_or_default();
                 let name = format!("policy{i}");
                 np.metadata.name = Some(name.clone());
-                s.policies.insert(ObjectRef::new(ns, name), np);
+                s.policies.insert(ObjectRef::new(ns, name), np.into());
             }
             s
         })

@@ -128,7 +128,9 @@ impl World {
             .namespace
             .clone()
             .unwrap_or_else(|| "default".into());
-        self.state.policies.insert(ObjectRef::new(ns, name), np);
+        self.state
+            .policies
+            .insert(ObjectRef::new(ns, name), np.into());
         self
     }
 
@@ -137,7 +139,7 @@ impl World {
         let cnp: policy_agent::cluster::ClusterNetworkPolicy =
             serde_yaml::from_str(yaml).unwrap_or_else(|e| panic!("bad yaml: {e}\n{yaml}"));
         let name = cnp.metadata.name.clone().expect("policy name");
-        self.state.cluster_policies.insert(name, cnp);
+        self.state.cluster_policies.insert(name, cnp.into());
         self
     }
 

@@ -14,6 +14,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
     path::{Path, PathBuf},
+    sync::Arc,
 };
 
 use k8s_openapi::{
@@ -539,7 +540,7 @@ impl LoadedManifests {
             if !duplicate(&mut self.errors, "NetworkPolicy", key.to_string(), origin) {
                 let mut policy = policy.clone();
                 policy.metadata.namespace = Some(namespace);
-                state.policies.insert(key, policy);
+                state.policies.insert(key, Arc::new(policy));
             }
         }
         macro_rules! convert {
@@ -603,7 +604,7 @@ impl LoadedManifests {
                 name.clone(),
                 origin,
             ) {
-                state.cluster_policies.insert(name, cnp.clone());
+                state.cluster_policies.insert(name, Arc::new(cnp.clone()));
             }
         }
         convert!(services, service_info, "Service", services);
@@ -623,7 +624,7 @@ impl LoadedManifests {
             );
             if !duplicate(&mut self.errors, "NetworkPolicy", key.to_string(), origin) {
                 self.standing_in.insert(key.clone());
-                state.policies.insert(key, policy.clone());
+                state.policies.insert(key, Arc::new(policy.clone()));
             }
         }
         // Objects in a namespace the manifests do not define: the
