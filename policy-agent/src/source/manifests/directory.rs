@@ -123,6 +123,39 @@ fn keep_missing<V: Clone>(
 }
 
 /// Reads `path` (listed with `stamp`) after it held `old`.
+/// Reads `files` (path, stamp, what it held), in order. Many files (a
+/// start, a restart) are parsed on every CPU: parsing is most of a
+/// restart's time at 10,000 pods, and the files are independent.
+fn read_files(files: &[(&PathBuf, Option<Stamp>, FileContent)]) -> Vec<FileContent> {
+    let one =
+        |(path, stamp, old): &(&PathBuf, Option<Stamp>, FileContent)| read_file(path, *stamp, old);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .min(files.len() / PARSE_FILES_PER_THREAD);
+    if threads < 2 {
+        return files.iter().map(one).collect();
+    }
+    let chunk = files.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = files
+            .chunks(chunk)
+            .map(|part| scope.spawn(move || part.iter().map(one).collect::<Vec<_>>()))
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| match w.join() {
+                Ok(read) => read,
+                // A parser that panicked: the panic goes on, as it would
+                // have in this thread.
+                Err(panic) => std::panic::resume_unwind(panic),
+            })
+            .collect()
+    })
+}
+
+/// Files below which one more parsing thread is not worth starting.
+const PARSE_FILES_PER_THREAD: usize = 4;
+
 fn read_file(path: &Path, stamp: Option<Stamp>, old: &FileContent) -> FileContent {
     let mut loaded = LoadedManifests::default();
     load_file(path, &mut loaded);
@@ -351,12 +384,16 @@ impl Directory {
                 touched.push((path, old));
             }
         }
+        let mut to_read: Vec<(&PathBuf, Option<Stamp>, FileContent)> = Vec::new();
         for (path, stamp) in &now {
             if stamp.is_some() && self.files.get(path).is_some_and(|f| f.stamp == *stamp) {
                 continue;
             }
             let old = self.files.remove(path).unwrap_or_default();
-            let content = read_file(path, *stamp, &old);
+            to_read.push((path, *stamp, old));
+        }
+        let read = read_files(&to_read);
+        for ((path, _, old), content) in to_read.into_iter().zip(read) {
             self.files.insert(path.clone(), content);
             touched.push((path.clone(), old));
         }
