@@ -26,6 +26,7 @@ use policy_common::{
 use super::{
     error::Error,
     map_layout::{ADDED_LATER, field},
+    map_read::hash_entries,
     pins::PinLayout,
 };
 use crate::{
@@ -160,8 +161,7 @@ impl BpfMaps {
                 out.insert(ifindex, ep);
             }
         }
-        for item in self.endpoints.iter() {
-            let (k, v) = item.map_err(Error::map(names::ENDPOINTS))?;
+        for (k, v) in hash_entries(&self.endpoints, names::ENDPOINTS)? {
             // A hash entry the array shadows is invisible to the classifier.
             if k >= self.slot_count() {
                 out.insert(k, v);
@@ -206,22 +206,19 @@ impl BpfMaps {
                 state.ipcache.insert(net, v);
             }
         }
-        for item in self.ipcache_hosts_v4.iter() {
-            let (k, v) = item.map_err(Error::map(names::IPCACHE_HOSTS_V4))?;
+        for (k, v) in hash_entries(&self.ipcache_hosts_v4, names::IPCACHE_HOSTS_V4)? {
             state
                 .ipcache
                 .insert(IpNet::from(IpAddr::V4(Ipv4Addr::from(k))), v);
         }
-        for item in self.ipcache_hosts_v6.iter() {
-            let (k, v) = item.map_err(Error::map(names::IPCACHE_HOSTS_V6))?;
+        for (k, v) in hash_entries(&self.ipcache_hosts_v6, names::IPCACHE_HOSTS_V6)? {
             state
                 .ipcache
                 .insert(IpNet::from(IpAddr::V6(Ipv6Addr::from(k))), v);
         }
-        for item in self.policy.iter() {
-            let (k, v) = item.map_err(Error::map(names::POLICY))?;
-            state.policy.insert(k, v);
-        }
+        state.policy = hash_entries(&self.policy, names::POLICY)?
+            .into_iter()
+            .collect();
         for item in self.services.iter() {
             let (k, v) = item.map_err(Error::map(names::SERVICES))?;
             if let Some(net) = service_net(&k) {
@@ -235,19 +232,17 @@ impl BpfMaps {
 
     /// The rule names (none in pins that lack the map).
     pub fn read_rule_names(&self) -> Result<BTreeMap<RuleKey, RuleName>, Error> {
-        self.rule_names
-            .iter()
-            .flat_map(|m| m.iter())
-            .map(|r| r.map_err(Error::map(names::RULE_NAMES)))
-            .collect()
+        match &self.rule_names {
+            Some(m) => Ok(hash_entries(m, names::RULE_NAMES)?.into_iter().collect()),
+            None => Ok(BTreeMap::new()),
+        }
     }
 
     /// The identity names alone (cheaper than [`Self::read_state`]).
     pub fn read_identities(&self) -> Result<BTreeMap<u32, IdentityName>, Error> {
-        self.identities
-            .iter()
-            .map(|r| r.map_err(Error::map(names::IDENTITY_NAMES)))
-            .collect()
+        Ok(hash_entries(&self.identities, names::IDENTITY_NAMES)?
+            .into_iter()
+            .collect())
     }
 
     /// The identity numbers an earlier agent left: by name where
@@ -264,10 +259,9 @@ impl BpfMaps {
     }
 
     pub fn read_meta(&self) -> Result<BTreeMap<u32, EndpointMeta>, Error> {
-        self.endpoint_meta
-            .iter()
-            .map(|r| r.map_err(Error::map(names::ENDPOINT_META)))
-            .collect()
+        Ok(hash_entries(&self.endpoint_meta, names::ENDPOINT_META)?
+            .into_iter()
+            .collect())
     }
 
     /// Applies every write in order, carrying on past failures (each write

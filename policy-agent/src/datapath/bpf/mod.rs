@@ -16,6 +16,7 @@ pub mod kernel_features;
 pub mod kernel_log;
 pub mod loader;
 mod map_layout;
+mod map_read;
 pub mod maps;
 pub mod name_tables;
 pub mod object;

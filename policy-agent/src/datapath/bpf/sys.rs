@@ -1,7 +1,7 @@
 //! The few bpf(2) commands aya 0.14 does not wrap, issued directly.
 use std::{
     ffi::CString,
-    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd, RawFd},
+    os::fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd, RawFd},
     path::Path,
 };
 
@@ -103,4 +103,75 @@ pub fn current_netns() -> u64 {
     std::fs::metadata("/proc/thread-self/ns/net")
         .map(|m| m.ino())
         .unwrap_or(0)
+}
+
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+/// The kernel's own "not supported" (not in libc: it never reaches a
+/// process from most calls, but bpf(2) returns it).
+const ENOTSUPP: i32 = 524;
+/// Entries asked for per call: a few dozen calls read a full map.
+const BATCH_ENTRIES: usize = 1024;
+
+/// Every entry of the hash map behind `fd`, by BPF_MAP_LOOKUP_BATCH
+/// (Linux 5.6): one call per thousand entries where iterating takes two
+/// per entry (a restart at 10,000 pods reads some 25,000 entries twice).
+/// `None` when this kernel or map type has no batch lookup (the caller
+/// iterates). The agent is the maps' only writer, so nothing moves while
+/// they are read.
+pub(crate) fn lookup_batch<K: aya::Pod, V: aya::Pod>(
+    fd: BorrowedFd<'_>,
+) -> std::io::Result<Option<Vec<(K, V)>>> {
+    let (ksz, vsz) = (std::mem::size_of::<K>(), std::mem::size_of::<V>());
+    let mut room = BATCH_ENTRIES;
+    let mut keys = vec![0u8; room * ksz];
+    let mut values = vec![0u8; room * vsz];
+    // The position between calls: a bucket index for a hash map, a key
+    // for the generic batch; room for either.
+    let token = ksz.max(8);
+    let (mut from, mut next) = (vec![0u8; token], vec![0u8; token]);
+    let mut out = Vec::new();
+    let mut first = true;
+    loop {
+        // BPF_MAP_*_BATCH: { u64 in_batch; u64 out_batch; u64 keys;
+        // u64 values; u32 count; u32 map_fd; u64 elem_flags; u64 flags; }
+        let mut attr = [0u64; 8];
+        attr[0] = if first { 0 } else { from.as_ptr() as u64 };
+        attr[1] = next.as_mut_ptr() as u64;
+        attr[2] = keys.as_mut_ptr() as u64;
+        attr[3] = values.as_mut_ptr() as u64;
+        attr[4] = room as u64 | (u64::from(fd.as_raw_fd() as u32) << 32);
+        let done = match bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) {
+            Ok(_) => false,
+            Err(e) => match e.raw_os_error() {
+                // The end: `count` says how many this last call read.
+                Some(libc::ENOENT) => true,
+                // One bucket holds more than `room`: ask again with more.
+                Some(libc::ENOSPC) if room < (1 << 20) => {
+                    room *= 4;
+                    keys.resize(room * ksz, 0);
+                    values.resize(room * vsz, 0);
+                    continue;
+                }
+                Some(libc::EINVAL | libc::EOPNOTSUPP | ENOTSUPP) if first => return Ok(None),
+                _ => return Err(e),
+            },
+        };
+        let read = (attr[4] & 0xffff_ffff) as usize;
+        for i in 0..read.min(room) {
+            // SAFETY: each slot holds `size_of::<K>()` (`V`) bytes the
+            // kernel wrote, and both are Pod: any bytes are a value.
+            let (k, v) = unsafe {
+                (
+                    std::ptr::read_unaligned(keys.as_ptr().add(i * ksz).cast::<K>()),
+                    std::ptr::read_unaligned(values.as_ptr().add(i * vsz).cast::<V>()),
+                )
+            };
+            out.push((k, v));
+        }
+        if done {
+            return Ok(Some(out));
+        }
+        std::mem::swap(&mut from, &mut next);
+        first = false;
+    }
 }

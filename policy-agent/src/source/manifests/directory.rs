@@ -392,7 +392,15 @@ impl Directory {
             let old = self.files.remove(path).unwrap_or_default();
             to_read.push((path, *stamp, old));
         }
+        let t = std::time::Instant::now();
         let read = read_files(&to_read);
+        if !to_read.is_empty() {
+            tracing::debug!(
+                files = to_read.len(),
+                took_us = t.elapsed().as_micros() as u64,
+                "manifest files read"
+            );
+        }
         for ((path, _, old), content) in to_read.into_iter().zip(read) {
             self.files.insert(path.clone(), content);
             touched.push((path.clone(), old));

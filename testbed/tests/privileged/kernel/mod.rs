@@ -5,6 +5,7 @@ mod conntrack_share;
 mod differential;
 mod flow_records;
 mod hardening;
+mod map_reads;
 mod node_traffic;
 mod pod_range_guard;
 mod services;
