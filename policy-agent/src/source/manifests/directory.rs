@@ -122,7 +122,6 @@ fn keep_missing<V: Clone>(
     }
 }
 
-/// Reads `path` (listed with `stamp`) after it held `old`.
 /// Reads `files` (path, stamp, what it held), in order. Many files (a
 /// start, a restart) are parsed on every CPU: parsing is most of a
 /// restart's time at 10,000 pods, and the files are independent.
@@ -156,6 +155,7 @@ fn read_files(files: &[(&PathBuf, Option<Stamp>, FileContent)]) -> Vec<FileConte
 /// Files below which one more parsing thread is not worth starting.
 const PARSE_FILES_PER_THREAD: usize = 4;
 
+/// Reads `path` (listed with `stamp`) after it held `old`.
 fn read_file(path: &Path, stamp: Option<Stamp>, old: &FileContent) -> FileContent {
     let mut loaded = LoadedManifests::default();
     load_file(path, &mut loaded);
