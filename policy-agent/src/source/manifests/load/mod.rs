@@ -454,7 +454,9 @@ fn add_object(origin: Origin, value: Value, out: &mut LoadedManifests) {
 impl LoadedManifests {
     /// The cluster state for `node` (whose own addresses are `node_ips`).
     /// Problems are appended to `self.errors`; the objects concerned are
-    /// left out, everything else is kept.
+    /// left out, everything else is kept. The objects other than
+    /// namespaces move into the state (or are dropped once converted): a
+    /// start holds the parsed cluster once, not twice.
     pub fn cluster_state(&mut self, node: &str, node_ips: Vec<std::net::IpAddr>) -> ClusterState {
         let mut state = ClusterState {
             node_name: node.to_owned(),
@@ -496,15 +498,15 @@ impl LoadedManifests {
                 }),
             }
         }
-        for (origin, pod) in &self.pods {
-            match pod_info(pod) {
+        for (origin, pod) in std::mem::take(&mut self.pods) {
+            match pod_info(&pod) {
                 Ok((key, info)) => {
-                    if !duplicate(&mut self.errors, "Pod", key.to_string(), origin) {
+                    if !duplicate(&mut self.errors, "Pod", key.to_string(), &origin) {
                         state.pods.insert(key, info);
                     }
                 }
                 Err(e) => self.errors.push(ManifestError::Invalid {
-                    origin: origin.clone(),
+                    origin,
                     kind: "Pod",
                     name: format!(
                         "{}/{}",
@@ -519,7 +521,7 @@ impl LoadedManifests {
                 }),
             }
         }
-        for (origin, policy) in &self.policies {
+        for (origin, mut policy) in std::mem::take(&mut self.policies) {
             let namespace = policy
                 .metadata
                 .namespace
@@ -527,7 +529,7 @@ impl LoadedManifests {
                 .unwrap_or_else(|| "default".to_owned());
             let Some(name) = policy.metadata.name.clone() else {
                 self.errors.push(ManifestError::Invalid {
-                    origin: origin.clone(),
+                    origin,
                     kind: "NetworkPolicy",
                     name: format!("{namespace}/<unnamed>"),
                     key: None,
@@ -537,25 +539,24 @@ impl LoadedManifests {
                 continue;
             };
             let key = ObjectRef::new(namespace.clone(), name);
-            if !duplicate(&mut self.errors, "NetworkPolicy", key.to_string(), origin) {
-                let mut policy = policy.clone();
+            if !duplicate(&mut self.errors, "NetworkPolicy", key.to_string(), &origin) {
                 policy.metadata.namespace = Some(namespace);
                 state.policies.insert(key, Arc::new(policy));
             }
         }
         macro_rules! convert {
             ($list:ident, $convert:ident, $label:literal, $field:ident) => {
-                for (origin, obj) in &self.$list {
+                for (origin, obj) in std::mem::take(&mut self.$list) {
                     let namespace = obj.metadata.namespace.as_deref().unwrap_or("default");
                     let raw_name = obj.metadata.name.clone();
-                    match $convert(obj) {
+                    match $convert(&obj) {
                         Ok((key, info)) => {
-                            if !duplicate(&mut self.errors, $label, key.to_string(), origin) {
+                            if !duplicate(&mut self.errors, $label, key.to_string(), &origin) {
                                 state.$field.insert(key, info);
                             }
                         }
                         Err(e) => self.errors.push(ManifestError::Invalid {
-                            origin: origin.clone(),
+                            origin,
                             kind: $label,
                             name: format!(
                                 "{namespace}/{}",
@@ -569,15 +570,15 @@ impl LoadedManifests {
                 }
             };
         }
-        for (origin, node) in &self.nodes {
-            match node_info(node) {
+        for (origin, node) in std::mem::take(&mut self.nodes) {
+            match node_info(&node) {
                 Ok((name, info)) => {
-                    if !duplicate(&mut self.errors, "Node", name.clone(), origin) {
+                    if !duplicate(&mut self.errors, "Node", name.clone(), &origin) {
                         state.nodes.insert(name, info);
                     }
                 }
                 Err(e) => self.errors.push(ManifestError::Invalid {
-                    origin: origin.clone(),
+                    origin,
                     kind: "Node",
                     name: "<unnamed>".into(),
                     key: None,
@@ -586,10 +587,10 @@ impl LoadedManifests {
                 }),
             }
         }
-        for (origin, cnp) in &self.cluster_policies {
+        for (origin, cnp) in std::mem::take(&mut self.cluster_policies) {
             let Some(name) = cnp.metadata.name.clone() else {
                 self.errors.push(ManifestError::Invalid {
-                    origin: origin.clone(),
+                    origin,
                     kind: "ClusterNetworkPolicy",
                     name: "<unnamed>".into(),
                     key: None,
@@ -602,9 +603,9 @@ impl LoadedManifests {
                 &mut self.errors,
                 "ClusterNetworkPolicy",
                 name.clone(),
-                origin,
+                &origin,
             ) {
-                state.cluster_policies.insert(name, Arc::new(cnp.clone()));
+                state.cluster_policies.insert(name, Arc::new(cnp));
             }
         }
         convert!(services, service_info, "Service", services);
@@ -617,14 +618,14 @@ impl LoadedManifests {
         // Stand-ins after every policy that decoded: one of those with the
         // same name is the object (and the stand-in a duplicate of it).
         self.standing_in.clear();
-        for (origin, policy) in &self.stand_ins {
+        for (origin, policy) in std::mem::take(&mut self.stand_ins) {
             let key = ObjectRef::new(
                 policy.metadata.namespace.clone().unwrap_or_default(),
                 policy.metadata.name.clone().unwrap_or_default(),
             );
-            if !duplicate(&mut self.errors, "NetworkPolicy", key.to_string(), origin) {
+            if !duplicate(&mut self.errors, "NetworkPolicy", key.to_string(), &origin) {
                 self.standing_in.insert(key.clone());
-                state.policies.insert(key, Arc::new(policy.clone()));
+                state.policies.insert(key, Arc::new(policy));
             }
         }
         // Objects in a namespace the manifests do not define: the
