@@ -93,7 +93,7 @@ pub trait Datapath: Send {
 
     /// The identity numbers the installed state already uses, so unchanged
     /// input compiles to unchanged content after a restart.
-    fn adopt_identities(&self) -> Result<IdentityAllocator, Error> {
+    fn adopt_identities(&mut self) -> Result<IdentityAllocator, Error> {
         Ok(IdentityAllocator::new())
     }
 

@@ -25,7 +25,7 @@ impl Enforcer {
     /// Opens the datapath and adopts the identity numbers it already uses,
     /// so unchanged input compiles to unchanged content.
     pub fn open(opts: &OpenOptions, compile: CompileOptions) -> Result<Self, datapath::Error> {
-        let datapath = datapath::open(opts)?;
+        let mut datapath = datapath::open(opts)?;
         let ids = datapath.adopt_identities()?;
         Ok(Self {
             datapath,

@@ -207,8 +207,13 @@ impl Datapath for BpfDriver {
 
     /// The numbers an earlier agent left in the maps
     /// ([`super::maps::BpfMaps::adopt_identities`]).
-    fn adopt_identities(&self) -> Result<IdentityAllocator, datapath::Error> {
-        Ok(self.dp.maps.adopt_identities()?)
+    /// The state read is kept as the first full pass's "before": the
+    /// maps are read once at a start, not twice.
+    fn adopt_identities(&mut self) -> Result<IdentityAllocator, datapath::Error> {
+        let state = self.dp.maps.read_state()?;
+        let ids = super::maps::adopt_from(&state);
+        self.last = Some(state);
+        Ok(ids)
     }
 
     fn sync(

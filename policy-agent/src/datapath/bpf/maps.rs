@@ -161,7 +161,7 @@ impl BpfMaps {
                 out.insert(ifindex, ep);
             }
         }
-        for (k, v) in hash_entries(&self.endpoints, names::ENDPOINTS)? {
+        for (k, v) in hash_entries::<_, _, Vec<_>>(&self.endpoints, names::ENDPOINTS)? {
             // A hash entry the array shadows is invisible to the classifier.
             if k >= self.slot_count() {
                 out.insert(k, v);
@@ -206,19 +206,19 @@ impl BpfMaps {
                 state.ipcache.insert(net, v);
             }
         }
-        for (k, v) in hash_entries(&self.ipcache_hosts_v4, names::IPCACHE_HOSTS_V4)? {
+        for (k, v) in hash_entries::<_, _, Vec<_>>(&self.ipcache_hosts_v4, names::IPCACHE_HOSTS_V4)?
+        {
             state
                 .ipcache
                 .insert(IpNet::from(IpAddr::V4(Ipv4Addr::from(k))), v);
         }
-        for (k, v) in hash_entries(&self.ipcache_hosts_v6, names::IPCACHE_HOSTS_V6)? {
+        for (k, v) in hash_entries::<_, _, Vec<_>>(&self.ipcache_hosts_v6, names::IPCACHE_HOSTS_V6)?
+        {
             state
                 .ipcache
                 .insert(IpNet::from(IpAddr::V6(Ipv6Addr::from(k))), v);
         }
-        state.policy = hash_entries(&self.policy, names::POLICY)?
-            .into_iter()
-            .collect();
+        state.policy = hash_entries(&self.policy, names::POLICY)?;
         for item in self.services.iter() {
             let (k, v) = item.map_err(Error::map(names::SERVICES))?;
             if let Some(net) = service_net(&k) {
@@ -233,16 +233,14 @@ impl BpfMaps {
     /// The rule names (none in pins that lack the map).
     pub fn read_rule_names(&self) -> Result<BTreeMap<RuleKey, RuleName>, Error> {
         match &self.rule_names {
-            Some(m) => Ok(hash_entries(m, names::RULE_NAMES)?.into_iter().collect()),
+            Some(m) => hash_entries(m, names::RULE_NAMES),
             None => Ok(BTreeMap::new()),
         }
     }
 
     /// The identity names alone (cheaper than [`Self::read_state`]).
     pub fn read_identities(&self) -> Result<BTreeMap<u32, IdentityName>, Error> {
-        Ok(hash_entries(&self.identities, names::IDENTITY_NAMES)?
-            .into_iter()
-            .collect())
+        hash_entries(&self.identities, names::IDENTITY_NAMES)
     }
 
     /// The identity numbers an earlier agent left: by name where
@@ -251,17 +249,11 @@ impl BpfMaps {
     /// [`IdentityAllocator::adopt`]). Names are for `dump` and dropped
     /// first on a full map, so they alone miss numbers still enforced.
     pub fn adopt_identities(&self) -> Result<IdentityAllocator, Error> {
-        let state = self.read_state()?;
-        Ok(IdentityAllocator::adopt(
-            &state.identities,
-            &state.identities_in_use(),
-        ))
+        Ok(adopt_from(&self.read_state()?))
     }
 
     pub fn read_meta(&self) -> Result<BTreeMap<u32, EndpointMeta>, Error> {
-        Ok(hash_entries(&self.endpoint_meta, names::ENDPOINT_META)?
-            .into_iter()
-            .collect())
+        hash_entries(&self.endpoint_meta, names::ENDPOINT_META)
     }
 
     /// Applies every write in order, carrying on past failures (each write
@@ -587,4 +579,10 @@ pub(super) fn remove(name: &'static str, r: Result<(), MapError>) -> Result<(), 
         Err(MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
         other => other.map_err(Error::map(name)),
     }
+}
+
+/// The allocator [`BpfMaps::adopt_identities`] returns, from a state
+/// already read.
+pub fn adopt_from(state: &MapState<u32>) -> IdentityAllocator {
+    IdentityAllocator::adopt(&state.identities, &state.identities_in_use())
 }
