@@ -173,6 +173,10 @@ impl BpfDriver {
             report.problems = self.standing.replace(&report.problems);
             self.retire_earlier_layouts(&report);
         }
+        // A sync that returns has the programs in place: at a first start
+        // they load in the background while the first compile runs and the
+        // maps are written; readiness waits for them here.
+        self.dp.wait_for_programs()?;
         debug!(
             total_us = t.elapsed().as_micros() as u64,
             incremental,

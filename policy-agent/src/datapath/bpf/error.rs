@@ -77,6 +77,8 @@ pub enum Error {
         #[source]
         source: Box<aya::programs::tc::TcError>,
     },
+    #[error("the classifier programs are not loaded: {0}")]
+    NotLoaded(String),
     #[error("interface with ifindex {0} does not exist")]
     NoInterface(u32),
     #[error(
@@ -130,7 +132,10 @@ impl Error {
                 "setup"
             }
             Self::Verifier { .. } => "verifier",
-            Self::Load { .. } | Self::MissingProgram(_) | Self::MissingMap(_) => "load",
+            Self::Load { .. }
+            | Self::MissingProgram(_)
+            | Self::MissingMap(_)
+            | Self::NotLoaded(_) => "load",
             Self::LayoutMismatch { .. } => "layout",
             Self::Program { .. } => "program",
             Self::Map { .. } => "map",

@@ -5,7 +5,7 @@ use policy_common::{
     endpoint::{ATTACH_POD, ATTACH_STANDBY, ATTACH_TCX, ENDPOINT_NAME_LEN, EndpointMeta},
     maps as names,
 };
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 
 use super::{
     attach::{Ahead, AttachMode, Attachment, attach_error, hook_bit},
@@ -13,6 +13,7 @@ use super::{
     maps::BpfMaps,
     object::{OBJECT, object_hash},
     pins::{Hook, PinLayout, remove_pin},
+    program_load::{Programs, load_and_pin, load_in_background},
     sys::{current_netns, tcx_attach_and_pin},
 };
 
@@ -93,69 +94,10 @@ impl Classifiers {
 pub struct PinnedClassifier {
     pub(super) layout: PinLayout,
     pub(super) maps: BpfMaps,
-    pub(super) programs: Classifiers,
+    pub(super) programs: Programs,
     pub(super) mode: AttachMode,
     /// What the maps hold at most (writes are planned within it).
     pub(super) capacities: super::capacity_plan::Capacities,
-}
-
-/// Loads one classifier. The verifier gives up (EAGAIN, its log ending
-/// without a violation) when a signal is pending for the loading thread,
-/// and a verification takes most of a second under load: signals are
-/// blocked in this thread while it runs (the process's other threads take
-/// them), and a load still interrupted is tried again, twice at most. A
-/// rejection is not tried again.
-pub(super) fn load_classifier(prog: &mut SchedClassifier, name: &'static str) -> Result<(), Error> {
-    const ATTEMPTS: usize = 3;
-    let mut attempt = 1;
-    loop {
-        let loaded = {
-            let _blocked = SignalsBlocked::new();
-            prog.load()
-        };
-        match loaded {
-            Ok(()) => return Ok(()),
-            Err(aya::programs::ProgramError::LoadError { io_error, .. })
-                if attempt < ATTEMPTS
-                    && matches!(io_error.raw_os_error(), Some(libc::EAGAIN | libc::EINTR)) =>
-            {
-                warn!(program = name, attempt, error = %io_error, "verification interrupted, loading again");
-                attempt += 1;
-            }
-            Err(e) => return Err(Error::program(name)(e)),
-        }
-    }
-}
-
-/// Every blockable signal blocked in this thread until dropped.
-struct SignalsBlocked {
-    old: libc::sigset_t,
-    ok: bool,
-}
-
-impl SignalsBlocked {
-    fn new() -> Self {
-        // SAFETY: sigset_t is plain data; both sets are valid for the
-        // calls, which only read `all` and write `old`.
-        unsafe {
-            let mut all: libc::sigset_t = std::mem::zeroed();
-            let mut old: libc::sigset_t = std::mem::zeroed();
-            libc::sigfillset(&mut all);
-            let ok = libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old) == 0;
-            Self { old, ok }
-        }
-    }
-}
-
-impl Drop for SignalsBlocked {
-    fn drop(&mut self) {
-        if self.ok {
-            // SAFETY: restores the mask read by `new` in this same thread.
-            unsafe {
-                libc::pthread_sigmask(libc::SIG_SETMASK, &self.old, std::ptr::null_mut());
-            }
-        }
-    }
 }
 
 pub(super) fn loader<'a>(
@@ -190,40 +132,6 @@ pub(super) fn classifier<'a>(
         .map_err(Error::program(name))
 }
 
-/// Loads the four classifiers into the kernel at once, one thread each:
-/// the verifier's time is a large part of an agent's first start, and the
-/// programs do not depend on each other.
-fn load_in_parallel(ebpf: &mut aya::Ebpf) -> Result<(), Error> {
-    let t = std::time::Instant::now();
-    let wanted: Vec<&'static str> = Hook::CORE.iter().map(|h| h.program()).collect();
-    let mut progs: Vec<(&'static str, &mut SchedClassifier)> = Vec::new();
-    for (name, prog) in ebpf.programs_mut() {
-        let Some(name) = wanted.iter().find(|w| **w == name) else {
-            continue;
-        };
-        progs.push((name, prog.try_into().map_err(Error::program(name))?));
-    }
-    if let Some(missing) = wanted.iter().find(|w| !progs.iter().any(|(n, _)| n == *w)) {
-        return Err(Error::MissingProgram(missing));
-    }
-    let results: Vec<Result<(), Error>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = progs
-            .into_iter()
-            .map(|(name, prog)| scope.spawn(move || load_classifier(prog, name)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .collect()
-    });
-    results.into_iter().collect::<Result<(), Error>>()?;
-    debug!(
-        took_ms = t.elapsed().as_millis() as u64,
-        "classifier programs loaded"
-    );
-    Ok(())
-}
-
 impl PinnedClassifier {
     /// The pinned maps (the testbed writes chosen content through them).
     pub fn maps(&self) -> &BpfMaps {
@@ -245,7 +153,7 @@ impl PinnedClassifier {
     /// the verifier.
     pub fn load_missing(&mut self, hooks: &[Hook]) -> Result<(), Error> {
         for hook in hooks {
-            if self.programs.get_mut(*hook).is_ok() {
+            if self.programs()?.get_mut(*hook).is_ok() {
                 continue;
             }
             let name = hook.program();
@@ -258,7 +166,7 @@ impl PinnedClassifier {
                 source: Box::new(e),
             })?;
             let prog = classifier(&mut ebpf, name)?;
-            load_classifier(prog, name)?;
+            super::program_load::load_classifier(prog, name)?;
             let path = self.layout.program(name);
             remove_pin(&path)?;
             prog.pin(&path).map_err(|e| Error::Pin {
@@ -271,8 +179,8 @@ impl PinnedClassifier {
             );
             let opened = SchedClassifier::from_pin(&path).map_err(Error::program(name))?;
             match hook {
-                Hook::UplinkL3 => self.programs.to_uplink_l3 = Some(opened),
-                Hook::UplinkIngressL3 => self.programs.from_uplink_l3 = Some(opened),
+                Hook::UplinkL3 => self.programs()?.to_uplink_l3 = Some(opened),
+                Hook::UplinkIngressL3 => self.programs()?.from_uplink_l3 = Some(opened),
                 // The others are loaded at start.
                 _ => {}
             }
@@ -322,38 +230,18 @@ impl PinnedClassifier {
             .all(|h| layout.program(h.program()).exists());
         let programs = if pinned && config.object_hash == hash {
             debug!(pins = %layout.progs_dir().display(), "reusing pinned programs");
-            open_pinned(layout)?
+            Programs::Ready(Box::new(open_pinned(layout)?))
         } else {
-            info!(pins = %layout.progs_dir().display(), "loading classifier programs");
             let meta = maps.read_meta()?;
-            load_in_parallel(&mut ebpf)?;
-            for hook in Hook::ALL {
-                let name = hook.program();
-                let path = layout.program(name);
-                if !Hook::CORE.contains(&hook) {
-                    // In use only where the previous object pinned it.
-                    if !path.exists() {
-                        continue;
-                    }
-                    classifier(&mut ebpf, name)?
-                        .load()
-                        .map_err(Error::program(name))?;
-                }
-                let prog = classifier(&mut ebpf, name)?;
-                // Move existing attachments over before the old pin goes,
-                // so no interface is ever without a program.
-                for (ifindex, m) in &meta {
-                    Attachment::new(layout, *ifindex, m.attach).replace_program(prog, hook)?;
-                }
-                remove_pin(&path)?;
-                prog.pin(&path).map_err(|e| Error::Pin {
-                    path: path.clone(),
-                    source: Box::new(e),
-                })?;
+            if meta.is_empty() {
+                load_in_background(layout.clone(), ebpf)?
+            } else {
+                info!(pins = %layout.progs_dir().display(), "loading classifier programs");
+                let programs = load_and_pin(layout, &mut ebpf, &meta)?;
+                config.object_hash = hash;
+                maps.set_config(config)?;
+                Programs::Ready(Box::new(programs))
             }
-            config.object_hash = hash;
-            maps.set_config(config)?;
-            open_pinned(layout)?
         };
         let capacities = maps.capacities();
         warn_resized(&opts.capacities, &capacities);
@@ -441,6 +329,13 @@ impl PinnedClassifier {
             return items
                 .iter()
                 .map(|(i, n)| (*i, self.attach(*i, n)))
+                .collect();
+        }
+        if let Err(e) = self.programs() {
+            let why = e.to_string();
+            return items
+                .iter()
+                .map(|(i, _)| (*i, Err(Error::NotLoaded(why.clone()))))
                 .collect();
         }
         let layout = self.layout.clone();
@@ -533,9 +428,13 @@ impl PinnedClassifier {
     pub fn move_to_tcx(&mut self, ifindex: u32) -> Result<Vec<Error>, Error> {
         let meta = self.maps.meta(ifindex);
         let known = meta.as_ref().map_or(0, |m| m.attach);
+        self.programs()?;
         let mut attachment = Attachment::new(&self.layout, ifindex, known);
         let mut errors = Vec::new();
-        let moved = attachment.move_to_tcx(&mut self.programs, &mut errors);
+        let Some(programs) = self.programs.ready() else {
+            return Err(Error::NotLoaded("still loading".into()));
+        };
+        let moved = attachment.move_to_tcx(programs, &mut errors);
         let name = meta
             .as_ref()
             .map(endpoint_meta_name)

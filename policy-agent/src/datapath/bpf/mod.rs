@@ -23,6 +23,7 @@ pub mod object;
 mod observe;
 pub mod pins;
 pub mod pod_range_guard;
+mod program_load;
 pub mod reset;
 pub mod sizing;
 mod standing_problems;

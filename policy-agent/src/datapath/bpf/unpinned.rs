@@ -4,10 +4,11 @@ use aya::programs::SchedClassifier;
 
 use super::{
     error::Error,
-    loader::{classifier, load_classifier, loader},
+    loader::{classifier, loader},
     maps::BpfMaps,
     object::OBJECT,
     pins::Hook,
+    program_load::load_classifier,
 };
 
 /// The object loaded without pins, for packet tests and benchmarks.

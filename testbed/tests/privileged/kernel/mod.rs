@@ -8,5 +8,6 @@ mod hardening;
 mod map_reads;
 mod node_traffic;
 mod pod_range_guard;
+mod program_load;
 mod services;
 mod test_run;
