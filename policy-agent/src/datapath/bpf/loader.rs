@@ -157,14 +157,7 @@ impl PinnedClassifier {
                 continue;
             }
             let name = hook.program();
-            let paths: Vec<(&'static str, std::path::PathBuf)> = names::ALL
-                .iter()
-                .map(|n| (*n, self.layout.map(n)))
-                .collect();
-            let mut ebpf = loader(&[], &paths).load(OBJECT).map_err(|e| Error::Load {
-                pins: self.layout.maps_dir(),
-                source: Box::new(e),
-            })?;
+            let mut ebpf = self.object_over_pins()?;
             let prog = classifier(&mut ebpf, name)?;
             super::program_load::load_classifier(prog, name)?;
             let path = self.layout.program(name);

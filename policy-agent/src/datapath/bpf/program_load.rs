@@ -186,16 +186,22 @@ impl PinnedClassifier {
     /// The object again, its maps from their pins, its programs through
     /// the verifier.
     fn load_again(&mut self) -> Result<Classifiers, Error> {
+        let mut ebpf = self.object_over_pins()?;
+        let meta = self.maps.read_meta()?;
+        load_and_pin(&self.layout, &mut ebpf, &meta)
+    }
+
+    /// The object again, its maps opened from their pins (its programs
+    /// not loaded yet).
+    pub(super) fn object_over_pins(&self) -> Result<aya::Ebpf, Error> {
         let paths: Vec<(&'static str, std::path::PathBuf)> = names::ALL
             .iter()
             .map(|n| (*n, self.layout.map(n)))
             .collect();
-        let mut ebpf = loader(&[], &paths).load(OBJECT).map_err(|e| Error::Load {
+        loader(&[], &paths).load(OBJECT).map_err(|e| Error::Load {
             pins: self.layout.maps_dir(),
             source: Box::new(e),
-        })?;
-        let meta = self.maps.read_meta()?;
-        load_and_pin(&self.layout, &mut ebpf, &meta)
+        })
     }
 }
 
