@@ -6,7 +6,9 @@ use std::{path::Path, time::SystemTime};
 use policy_agent::{
     cluster::{ClusterState, staged::StagedPolicy},
     datapath::bpf::flows::{
+        FlowLog,
         filter::FlowFilter,
+        pipeline::FlowObserver,
         record::{Flow, Peer, Verdict},
         staged::StagedJudge,
         stats::FlowStats,
@@ -309,4 +311,20 @@ fn explain_staged_shows_both_verdicts() {
         serde_json::json!(["NetworkPolicy shop/db-web-only"])
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The report follows the view a sync sets at once, not when the flow
+/// thread next wakes (none runs here): a policy un-staged has left the
+/// report by the time the sync that un-staged it returns.
+#[test]
+fn the_report_follows_the_view_a_sync_sets_without_the_flow_thread() {
+    let observer = FlowObserver::new(FlowLog::Off);
+    let staged = std::sync::Arc::new(view());
+    observer.set_staged(Some(&staged));
+    let report = observer.stats().staged.report();
+    assert_eq!(report.policies.len(), 1, "{report}");
+    assert_eq!(report.policies[0].name, "db-web-only");
+    observer.set_staged(None);
+    let report = observer.stats().staged.report();
+    assert!(report.policies.is_empty(), "{report}");
 }

@@ -84,7 +84,9 @@ impl FlowObserver {
 
     /// The staged view records are judged against from now on (called
     /// once a sync's writes landed: records stamped before stay judged
-    /// against the view before).
+    /// against the view before). The report follows at once: a policy
+    /// no longer staged leaves it with this sync, not when the flow
+    /// thread next wakes (up to a second later without records).
     pub fn set_staged(&self, view: Option<&Arc<StagedView>>) {
         if let Ok(mut v) = self.staged.lock() {
             let same = match (&v.0, view) {
@@ -94,6 +96,9 @@ impl FlowObserver {
             };
             if !same {
                 *v = (view.cloned(), monotonic_ns());
+                // Under the view's lock, as the flow thread follows it:
+                // neither can follow a view the other has replaced.
+                self.stats.staged.follow(view.map(|v| &**v));
             }
         }
     }
@@ -211,8 +216,8 @@ where
                 namer.tick();
                 if let Ok(v) = staged.lock() {
                     judge.update(v.0.clone(), v.1);
+                    stats.staged.follow(judge.view().map(|v| &**v));
                 }
-                stats.staged.follow(judge.view().map(|v| &**v));
                 if pruned.elapsed() >= PRUNE_EVERY {
                     stats.retain(namer.live_labels());
                     pruned = Instant::now();
