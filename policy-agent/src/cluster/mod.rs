@@ -36,23 +36,74 @@ pub use self::{
 /// Labels, sorted by key.
 pub type Labels = BTreeMap<String, String>;
 
-/// A namespaced object's name. Its parts are shared strings: the agent's
-/// indexes hold a pod's name many times over (claims, holders, identities,
-/// each layer's map), and a clone is a reference count, not two
-/// allocations; a namespace's name is one string for all its objects
-/// ([`interned::namespace_name`]).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ObjectRef {
+/// A namespaced object's name: one pointer to one shared allocation. The
+/// agent's indexes hold a pod's name many times over (claims, holders,
+/// identities, each layer's map); each copy is 8 bytes and a reference
+/// count, where two shared strings took 32 per key. A namespace's name is
+/// one string for all its objects ([`interned::namespace_name`]). Equal,
+/// ordered and hashed by its parts, namespace first.
+#[derive(Clone)]
+pub struct ObjectRef(Arc<ObjectName>);
+
+/// The parts of an [`ObjectRef`], read through it (`pod.namespace`).
+#[derive(Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ObjectName {
     pub namespace: Arc<str>,
-    pub name: Arc<str>,
+    pub name: Box<str>,
 }
 
 impl ObjectRef {
     pub fn new(namespace: impl AsRef<str>, name: impl AsRef<str>) -> Self {
-        Self {
+        Self(Arc::new(ObjectName {
             namespace: interned::namespace_name(namespace.as_ref()),
-            name: Arc::from(name.as_ref()),
+            name: Box::from(name.as_ref()),
+        }))
+    }
+}
+
+impl std::ops::Deref for ObjectRef {
+    type Target = ObjectName;
+
+    fn deref(&self) -> &ObjectName {
+        &self.0
+    }
+}
+
+impl PartialEq for ObjectRef {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0 == other.0
+    }
+}
+
+impl Eq for ObjectRef {}
+
+impl PartialOrd for ObjectRef {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for ObjectRef {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        if Arc::ptr_eq(&self.0, &other.0) {
+            return std::cmp::Ordering::Equal;
         }
+        self.0.cmp(&other.0)
+    }
+}
+
+impl std::hash::Hash for ObjectRef {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.hash(state);
+    }
+}
+
+impl fmt::Debug for ObjectRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ObjectRef")
+            .field("namespace", &self.namespace)
+            .field("name", &self.name)
+            .finish()
     }
 }
 

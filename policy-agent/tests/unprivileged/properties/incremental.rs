@@ -14,7 +14,7 @@ use crate::support::{
 };
 use ipnet::IpNet;
 use policy_agent::{
-    cluster::{Change, ClusterState, PodRef},
+    cluster::{Change, ClusterState, ObjectRef, PodRef},
     identity::IdentityAllocator,
     mapstate::{MapOp, MapState, diff},
     policy::{self, Budget, CompileOptions, Compiler, PolicyErrorKind},
@@ -83,8 +83,7 @@ fn step(state: &mut ClusterState, target: &ClusterState, kind: u8, i: usize) -> 
         6 if !target.policies.is_empty() => {
             let (name, np) = nth(&target.policies, i);
             // Under a name that may already exist: an update.
-            let mut name = name.clone();
-            name.name = format!("policy{}", i % 3).into();
+            let name = ObjectRef::new(&*name.namespace, format!("policy{}", i % 3));
             state.policies.insert(name.clone(), np.clone());
             Change::UpsertPolicy(name, np.clone())
         }
