@@ -151,7 +151,10 @@ impl IdentityAllocator {
     /// the maps are full) is quarantined too: its rows survive until late
     /// in the first sync's write order, and a new key given it meanwhile
     /// would inherit their allows.
-    pub fn adopt(existing: &BTreeMap<u32, IdentityName>, in_use: &BTreeSet<u32>) -> Self {
+    pub fn adopt<N: std::borrow::Borrow<IdentityName>>(
+        existing: &BTreeMap<u32, N>,
+        in_use: &BTreeSet<u32>,
+    ) -> Self {
         let mut a = Self::new();
         let unnamed = in_use.iter().filter(|id| !existing.contains_key(id));
         for &id in unnamed {
@@ -167,6 +170,7 @@ impl IdentityAllocator {
             }
         }
         for (&id, name) in existing {
+            let name: &IdentityName = name.borrow();
             let range_ok = match name.kind {
                 kind::LABELS => a.labels.contains(id),
                 kind::CIDR => a.cidrs.contains(id),

@@ -59,7 +59,10 @@
 //! changing together; a peer held back past step 6; an address a new
 //! carve covers, until the allows of its new class land at step 2; an
 //! address in transit).
-use std::collections::{BTreeMap, BTreeSet};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::Arc,
+};
 
 use ipnet::IpNet;
 use policy_common::{
@@ -77,7 +80,7 @@ use super::MapState;
 /// One map write.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MapOp<K> {
-    UpsertIdentity(u32, Box<IdentityName>),
+    UpsertIdentity(u32, Arc<IdentityName>),
     UpsertPolicy(PolicyKey, PolicyEntry),
     UpsertEndpoint(K, EndpointInfo),
     UpsertIpcache(IpNet, IpcacheEntry),
@@ -109,7 +112,7 @@ fn removals<'a, K: Ord + Clone, V>(
 
 /// The writes of one change, map by map, in no particular order.
 pub struct Writes<K> {
-    pub identity_upserts: Vec<(u32, IdentityName)>,
+    pub identity_upserts: Vec<(u32, Arc<IdentityName>)>,
     pub identity_removals: Vec<u32>,
     pub rule_name_upserts: Vec<(RuleKey, RuleName)>,
     pub rule_name_removals: Vec<RuleKey>,
@@ -220,7 +223,7 @@ impl<K: Ord + Clone> Writes<K> {
         ops.extend(
             identity_upserts
                 .into_iter()
-                .map(|(k, v)| MapOp::UpsertIdentity(k, Box::new(v))),
+                .map(|(k, v)| MapOp::UpsertIdentity(k, v)),
         );
         ops.extend(
             rule_name_upserts

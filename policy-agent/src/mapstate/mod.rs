@@ -13,7 +13,10 @@ mod origin;
 mod rule_name;
 mod staged;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::Arc,
+};
 
 use ipnet::IpNet;
 use policy_common::{
@@ -46,7 +49,7 @@ pub struct MapState<K: Ord> {
     pub ipcache: BTreeMap<IpNet, IpcacheEntry>,
     pub policy: BTreeMap<PolicyKey, PolicyEntry>,
     /// What each identity in use stands for.
-    pub identities: BTreeMap<u32, IdentityName>,
+    pub identities: BTreeMap<u32, Arc<IdentityName>>,
     /// What each rule a policy entry references is called (exactly
     /// [`MapState::referenced_rules`]), and which policies isolate each
     /// endpoint identity (`kind::ISOLATING`): for `dump` and flow records;
@@ -182,7 +185,7 @@ impl<K: Ord + Clone> MapState<K> {
     pub fn apply_op(&mut self, op: &MapOp<K>) {
         match op {
             MapOp::UpsertIdentity(k, v) => {
-                self.identities.insert(*k, **v);
+                self.identities.insert(*k, v.clone());
             }
             MapOp::UpsertPolicy(k, v) => {
                 self.policy.insert(*k, *v);

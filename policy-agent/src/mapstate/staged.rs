@@ -35,7 +35,7 @@ pub struct StagedView {
     pub staged: BTreeMap<StagedPolicy, SystemTime>,
     /// The names of the rules and isolating policies of the staged view.
     pub rule_names: BTreeMap<RuleKey, RuleName>,
-    pub identities: BTreeMap<u32, IdentityName>,
+    pub identities: BTreeMap<u32, std::sync::Arc<IdentityName>>,
     model: Maps,
     /// "namespace/name" → the pod's key in `model.endpoints`.
     pods: BTreeMap<String, u32>,

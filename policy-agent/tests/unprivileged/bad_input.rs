@@ -1234,7 +1234,7 @@ spec:
             .identities
             .values()
             .filter(|n| n.name_len as usize > n.name.len())
-            .map(policy_agent::mapstate::identity_name_str)
+            .map(|n| policy_agent::mapstate::identity_name_str(n))
             .collect();
         assert!(
             cut.len() >= 2 && cut.windows(2).any(|w| w[0] == w[1]),

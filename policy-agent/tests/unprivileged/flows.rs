@@ -100,7 +100,10 @@ fn names() -> Names {
     addresses.insert("10.0.0.2".parse::<IpAddr>().unwrap(), DB);
     Names {
         tables: NameTables {
-            identities,
+            identities: identities
+                .into_iter()
+                .map(|(id, name)| (id, std::sync::Arc::new(name)))
+                .collect(),
             endpoints,
             rules,
         },

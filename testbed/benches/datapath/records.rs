@@ -186,9 +186,10 @@ fn userspace_ns_per_record() -> f64 {
         RuleKey::isolating(direction::INGRESS, 300, 0),
         rule_name(direction::INGRESS, 0xffff, 0, "shop", "allow-frontend", ""),
     );
-    n.tables
-        .identities
-        .insert(301, identity_name(kind::LABELS, "ns=shop;app=frontend"));
+    n.tables.identities.insert(
+        301,
+        std::sync::Arc::new(identity_name(kind::LABELS, "ns=shop;app=frontend")),
+    );
     n.tables.endpoints.insert(7, endpoint_meta("shop/db-0", 0));
     let clock = WallClock::now();
     let stats = FlowStats::default();

@@ -175,7 +175,7 @@ fn map_name(map: Map) -> &'static str {
 /// by its class would silently stop applying).
 fn carved(state: &MapState<u32>, ops: &[MapOp<u32>]) -> BTreeSet<IpNet> {
     let named = ops.iter().filter_map(|o| match o {
-        MapOp::UpsertIdentity(id, n) => Some((id, &**n)),
+        MapOp::UpsertIdentity(id, n) => Some((id, n)),
         _ => None,
     });
     state
@@ -517,9 +517,10 @@ mod tests {
     {
         let class = policy_common::identity::FIRST_CIDR;
         let mut before = state(&[]);
-        before
-            .identities
-            .insert(class, identity_name(kind::CIDR, "10.0.0.0/8"));
+        before.identities.insert(
+            class,
+            std::sync::Arc::new(identity_name(kind::CIDR, "10.0.0.0/8")),
+        );
         let mut after = before.clone();
         after.policy.insert(key(class, 80), PolicyEntry::default());
         let entry = IpcacheEntry {
@@ -564,9 +565,10 @@ mod tests {
         };
         // Held: an Admin Deny of class a, its prefix carved.
         let mut before = state(&[]);
-        before
-            .identities
-            .insert(a, identity_name(kind::CIDR, "10.0.0.0/8"));
+        before.identities.insert(
+            a,
+            std::sync::Arc::new(identity_name(kind::CIDR, "10.0.0.0/8")),
+        );
         let deny = PolicyEntry {
             admin: TierSlot::new(5, action::DENY),
             flags: ENTRY_TIERS_ONLY,
@@ -576,9 +578,10 @@ mod tests {
         before.ipcache.insert(net("10.0.0.0/8"), carve(a));
         // Wanted: a second carved prefix, which does not fit.
         let mut after = before.clone();
-        after
-            .identities
-            .insert(b, identity_name(kind::CIDR, "192.168.0.0/16"));
+        after.identities.insert(
+            b,
+            std::sync::Arc::new(identity_name(kind::CIDR, "192.168.0.0/16")),
+        );
         after.policy.insert(key(b, 443), PolicyEntry::default());
         after.ipcache.insert(net("192.168.0.0/16"), carve(b));
         let mut ops = diff(&before, &after);

@@ -3,6 +3,7 @@
 use std::{
     collections::BTreeMap,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    sync::Arc,
 };
 
 use aya::maps::{
@@ -239,8 +240,12 @@ impl BpfMaps {
     }
 
     /// The identity names alone (cheaper than [`Self::read_state`]).
-    pub fn read_identities(&self) -> Result<BTreeMap<u32, IdentityName>, Error> {
-        hash_entries(&self.identities, names::IDENTITY_NAMES)
+    pub fn read_identities(&self) -> Result<BTreeMap<u32, Arc<IdentityName>>, Error> {
+        let read: Vec<(u32, IdentityName)> = hash_entries(&self.identities, names::IDENTITY_NAMES)?;
+        Ok(read
+            .into_iter()
+            .map(|(id, name)| (id, Arc::new(name)))
+            .collect())
     }
 
     /// The identity numbers an earlier agent left: by name where

@@ -15,7 +15,7 @@ use crate::mapstate::{RuleText, identity_name_str, rule_name_text};
 /// Lookup tables read from the pinned metadata maps.
 #[derive(Clone, Debug, Default)]
 pub struct NameTables {
-    pub identities: BTreeMap<u32, IdentityName>,
+    pub identities: BTreeMap<u32, std::sync::Arc<IdentityName>>,
     pub endpoints: BTreeMap<u32, EndpointMeta>,
     /// Empty when the pins predate `RULE_NAMES`.
     pub rules: BTreeMap<RuleKey, RuleName>,

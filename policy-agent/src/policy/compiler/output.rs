@@ -11,7 +11,10 @@
 //! - a journal of the first old value of every entry touched, from which
 //!   the same ordered ops as [`crate::mapstate::diff`] are produced without
 //!   comparing the whole state.
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    sync::Arc,
+};
 
 use ipnet::IpNet;
 use policy_common::{
@@ -79,7 +82,7 @@ pub struct Output {
     /// named differently (see [`Self::mark_rules_dirty`]).
     dirty_rules: BTreeSet<RuleKey>,
     /// First old value of each entry touched since the journal started.
-    journal_identities: Option<BTreeMap<u32, Option<IdentityName>>>,
+    journal_identities: Option<BTreeMap<u32, Option<Arc<IdentityName>>>>,
     journal_rule_names: Option<BTreeMap<RuleKey, Option<RuleName>>>,
     journal_policy: Option<BTreeMap<PolicyKey, Option<PolicyEntry>>>,
     journal_endpoints: Option<BTreeMap<PodRef, Option<EndpointInfo>>>,
@@ -357,7 +360,7 @@ impl Output {
             &mut self.maps.identities,
             &mut self.journal_identities,
             &id,
-            name,
+            name.map(Arc::new),
         );
     }
 

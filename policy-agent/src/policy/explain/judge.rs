@@ -61,7 +61,7 @@ fn identity_label(c: &Compiled, id: u32) -> String {
             .maps
             .identities
             .get(&id)
-            .map_or_else(|| format!("#{id}"), identity_name_str),
+            .map_or_else(|| format!("#{id}"), |n| identity_name_str(n)),
     }
 }
 

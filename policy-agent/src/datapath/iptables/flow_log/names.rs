@@ -41,7 +41,7 @@ pub struct IptablesNames {
     /// The compiled `MapState::rule_names`.
     pub rules: BTreeMap<RuleKey, RuleName>,
     /// The compiled `MapState::identities`.
-    pub identities: BTreeMap<u32, IdentityName>,
+    pub identities: BTreeMap<u32, std::sync::Arc<IdentityName>>,
     /// Each local pod's host interface (ifindex) → "namespace/name".
     pub pods: BTreeMap<u32, String>,
     /// The addresses of the pod on each interface.
@@ -57,7 +57,7 @@ impl IptablesNames {
         out.group = newer.group;
         out.rules.extend(newer.rules.iter().map(|(k, v)| (*k, *v)));
         out.identities
-            .extend(newer.identities.iter().map(|(k, v)| (*k, *v)));
+            .extend(newer.identities.iter().map(|(k, v)| (*k, v.clone())));
         out.pods
             .extend(newer.pods.iter().map(|(k, v)| (*k, v.clone())));
         out.pod_addresses
@@ -248,12 +248,12 @@ impl IptablesNames {
                 .map_err(|e| format!("identity {}: name_hash: {e}", i.id))?;
             out.identities.insert(
                 i.id,
-                IdentityName {
+                std::sync::Arc::new(IdentityName {
                     name_hash,
                     kind: i.kind,
                     name_len: i.name_len,
                     name,
-                },
+                }),
             );
         }
         for p in f.pods {
@@ -360,9 +360,12 @@ mod tests {
             RuleKey::new(kind::ADMIN, direction::EGRESS, 3),
             rule_name(direction::EGRESS, 0, 50, "", &long, "named"),
         );
+        n.identities.insert(
+            7,
+            std::sync::Arc::new(identity_name(1, "k8s:app=db;ns=alpha")),
+        );
         n.identities
-            .insert(7, identity_name(1, "k8s:app=db;ns=alpha"));
-        n.identities.insert(8, identity_name(1, &"ü".repeat(200)));
+            .insert(8, std::sync::Arc::new(identity_name(1, &"ü".repeat(200))));
         n.pods.insert(12, "alpha/db".into());
         n.pod_addresses.insert(
             12,
@@ -378,10 +381,14 @@ mod tests {
             group: Some(10411),
             ..IptablesNames::default()
         };
-        new.identities
-            .insert(9, identity_name(1, "k8s:app=web;ns=gamma"));
-        new.identities
-            .insert(7, identity_name(1, "k8s:app=db;ns=beta"));
+        new.identities.insert(
+            9,
+            std::sync::Arc::new(identity_name(1, "k8s:app=web;ns=gamma")),
+        );
+        new.identities.insert(
+            7,
+            std::sync::Arc::new(identity_name(1, "k8s:app=db;ns=beta")),
+        );
         let both = old.union(&new);
         assert_eq!(both.group, Some(10411));
         assert_eq!(both.identities.len(), 3, "7 and 8 kept, 9 added");

@@ -743,7 +743,7 @@ fn encapsulation_matches() -> impl Iterator<Item = String> {
 fn identity_label(maps: &MapState<PodRef>, id: u32) -> String {
     maps.identities
         .get(&id)
-        .map(crate::mapstate::identity_name_str)
+        .map(|n| crate::mapstate::identity_name_str(n))
         .map(|n| format!("{id} ({n})"))
         .unwrap_or_else(|| id.to_string())
 }
