@@ -38,8 +38,9 @@ fn kind_name(k: u32) -> &'static str {
     }
 }
 
-/// A key as the allocator sees it: kind and canonical name.
-type Key = (u32, String);
+/// A key as the allocator sees it: kind and canonical name (one string
+/// shared by the live and by-number maps).
+type Key = (u32, std::sync::Arc<str>);
 
 #[derive(Clone, Debug)]
 struct Quarantined {
@@ -211,7 +212,7 @@ impl IdentityAllocator {
     /// in use: its own quarantined or adopted number if there is one, else
     /// the lowest free number of the kind's range.
     pub fn allocate(&mut self, kind: u32, canonical: &str) -> Result<u32, IdentityError> {
-        let key: Key = (kind, canonical.to_owned());
+        let key: Key = (kind, canonical.into());
         if let Some(&id) = self.live.get(&key) {
             return Ok(id);
         }

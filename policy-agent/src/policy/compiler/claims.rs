@@ -19,36 +19,59 @@ struct Claim {
     pod: PodRef,
 }
 
-/// The claims on one address, the holder first. Almost always one: a
-/// sorted vector, not a set (a set's first node took some 600 bytes per
-/// address).
+/// A small sorted set, its one value held in place: a pod's addresses
+/// and an address's claims are almost always one, and a vector of one
+/// cost an allocation (32 bytes) besides its 24; a set's first node took
+/// some 600 bytes.
 #[derive(Clone, Debug, Default)]
-struct Claims(Vec<Claim>);
+enum Few<T> {
+    #[default]
+    Empty,
+    One(T),
+    Many(Box<[T]>),
+}
 
-impl Claims {
-    fn insert(&mut self, claim: Claim) {
-        if let Err(at) = self.0.binary_search(&claim) {
-            // A first claim takes room for one (a vector's first growth
-            // makes room for four).
-            self.0.reserve_exact(1);
-            self.0.insert(at, claim);
+impl<T: Ord + Clone> Few<T> {
+    /// From values sorted and without repeats.
+    fn from_sorted(mut values: Vec<T>) -> Self {
+        match values.len() {
+            0 => Self::Empty,
+            1 => values.pop().map_or(Self::Empty, Self::One),
+            _ => Self::Many(values.into_boxed_slice()),
         }
     }
 
-    fn remove(&mut self, claim: &Claim) {
-        if let Ok(at) = self.0.binary_search(claim) {
-            self.0.remove(at);
+    fn as_slice(&self) -> &[T] {
+        match self {
+            Self::Empty => &[],
+            Self::One(value) => std::slice::from_ref(value),
+            Self::Many(values) => values,
+        }
+    }
+
+    fn insert(&mut self, value: T) {
+        if let Err(at) = self.as_slice().binary_search(&value) {
+            let mut values = self.as_slice().to_vec();
+            values.insert(at, value);
+            *self = Self::from_sorted(values);
+        }
+    }
+
+    fn remove(&mut self, value: &T) {
+        if let Ok(at) = self.as_slice().binary_search(value) {
+            let mut values = self.as_slice().to_vec();
+            values.remove(at);
+            *self = Self::from_sorted(values);
         }
     }
 
     fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    fn first(&self) -> Option<&Claim> {
-        self.0.first()
+        matches!(self, Self::Empty)
     }
 }
+
+/// The claims on one address, the holder first.
+type Claims = Few<Claim>;
 
 /// A pod that owns addresses and has an identity: live and not hostNetwork
 /// (hostNetwork pods use the node's addresses and are never peers).
@@ -61,11 +84,9 @@ pub(super) fn eligible(info: &PodInfo) -> bool {
 struct PodClaims {
     /// The addresses the live pod claims and the creation time it used
     /// (None: it claims nothing now).
-    claimed: Option<(i64, Vec<IpAddr>)>,
-    /// What it held when its identity was last updated, sorted (a vector:
-    /// almost always one or two addresses, where a set's node takes room
-    /// for eleven).
-    held: Vec<IpAddr>,
+    claimed: Option<(i64, Few<IpAddr>)>,
+    /// What it held when its identity was last updated.
+    held: Few<IpAddr>,
 }
 
 /// The claims on one address and who holds it since the last settle.
@@ -99,7 +120,7 @@ impl AddressClaims {
                     newest: Reverse(created),
                     pod: pod.clone(),
                 };
-                for ip in old {
+                for &ip in old.as_slice() {
                     if let Some(state) = self.addresses.get_mut(&ip) {
                         state.claims.remove(&claim);
                         if state.claims.is_empty() && state.holder.is_none() {
@@ -121,7 +142,6 @@ impl AddressClaims {
                 .collect();
             ips.sort_unstable();
             ips.dedup();
-            ips.shrink_to_fit();
             let claim = Claim {
                 newest: Reverse(info.created),
                 pod: pod.clone(),
@@ -134,7 +154,8 @@ impl AddressClaims {
                     .insert(claim.clone());
                 touched.insert(*ip);
             }
-            self.pods.entry(pod.clone()).or_default().claimed = Some((info.created, ips));
+            self.pods.entry(pod.clone()).or_default().claimed =
+                Some((info.created, Few::from_sorted(ips)));
         }
         touched
     }
@@ -147,7 +168,7 @@ impl AddressClaims {
             let Some(state) = self.addresses.get_mut(ip) else {
                 continue;
             };
-            let new = state.claims.first().map(|c| c.pod.clone());
+            let new = state.claims.as_slice().first().map(|c| c.pod.clone());
             let old = std::mem::replace(&mut state.holder, new.clone());
             if state.claims.is_empty() {
                 // Claimed by nobody and (now) held by nobody.
@@ -167,7 +188,8 @@ impl AddressClaims {
             .get(pod)
             .and_then(|p| p.claimed.as_ref())
             .map(|(_, ips)| {
-                ips.iter()
+                ips.as_slice()
+                    .iter()
                     .filter(|ip| self.holder(ip) == Some(pod))
                     .copied()
                     .collect()
@@ -185,14 +207,15 @@ impl AddressClaims {
     pub fn record_held(&mut self, pod: &PodRef, now: BTreeSet<IpAddr>) -> BTreeSet<IpAddr> {
         let before = match self.pods.get_mut(pod) {
             Some(p) => std::mem::take(&mut p.held),
-            None => Vec::new(),
+            None => Few::Empty,
         };
         if !now.is_empty() {
-            self.pods.entry(pod.clone()).or_default().held = now.into_iter().collect();
+            self.pods.entry(pod.clone()).or_default().held =
+                Few::from_sorted(now.into_iter().collect());
         } else {
             self.forget_if_empty(pod);
         }
-        before.into_iter().collect()
+        before.as_slice().iter().copied().collect()
     }
 
     /// Drops `pod`'s entry once it neither claims nor holds anything.
@@ -204,5 +227,31 @@ impl AddressClaims {
         {
             self.pods.remove(pod);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Few;
+
+    #[test]
+    fn a_few_values_stay_sorted_and_once_each_whichever_way_they_are_held() {
+        let mut few = Few::default();
+        assert!(few.is_empty());
+        few.insert(3);
+        assert!(matches!(few, Few::One(3)));
+        few.insert(1);
+        few.insert(3);
+        few.insert(2);
+        assert_eq!(few.as_slice(), &[1, 2, 3]);
+        few.remove(&2);
+        few.remove(&7);
+        assert_eq!(few.as_slice(), &[1, 3]);
+        few.remove(&1);
+        assert!(matches!(few, Few::One(3)));
+        few.remove(&3);
+        assert!(few.is_empty());
+        assert!(matches!(Few::from_sorted(vec![5]), Few::One(5)));
+        assert!(Few::<u8>::from_sorted(vec![]).is_empty());
     }
 }
