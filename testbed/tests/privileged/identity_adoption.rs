@@ -67,7 +67,7 @@ fn a_number_still_keyed_in_policy_is_not_reused_after_a_restart() {
         .labels
         .insert("app".into(), "api2".into());
     c.write_cluster();
-    let mut ids = maps.adopt_identities().unwrap();
+    let mut ids = policy_agent::datapath::bpf::maps::adopt_from(&maps.read_state().unwrap());
     let node_ips = c
         .node()
         .node

@@ -210,7 +210,7 @@ impl Datapath for BpfDriver {
     }
 
     /// The numbers an earlier agent left in the maps
-    /// ([`super::maps::BpfMaps::adopt_identities`]).
+    /// ([`super::maps::adopt_from`]).
     /// The state read is kept as the first full pass's "before": the
     /// maps are read once at a start, not twice.
     fn adopt_identities(&mut self) -> Result<IdentityAllocator, datapath::Error> {
@@ -275,7 +275,7 @@ impl Datapath for BpfDriver {
         let flows = observe::start_flows(&mut self.flows, &self.dp.layout);
         if !self.kernel_log {
             self.kernel_log = true;
-            observe::follow_kernel_log(&self.dp.layout);
+            observe::follow_kernel_log(self.dp.programs.id(super::pins::Hook::Ingress));
         }
         if !self.conntrack_share.1 {
             self.conntrack_share.1 =

@@ -248,15 +248,6 @@ impl BpfMaps {
             .collect())
     }
 
-    /// The identity numbers an earlier agent left: by name where
-    /// `IDENTITY_NAMES` has one, and every number a row of `POLICY`, the
-    /// ipcache or the endpoint maps still holds (quarantined, see
-    /// [`IdentityAllocator::adopt`]). Names are for `dump` and dropped
-    /// first on a full map, so they alone miss numbers still enforced.
-    pub fn adopt_identities(&self) -> Result<IdentityAllocator, Error> {
-        Ok(adopt_from(&self.read_state()?))
-    }
-
     pub fn read_meta(&self) -> Result<BTreeMap<u32, EndpointMeta>, Error> {
         hash_entries(&self.endpoint_meta, names::ENDPOINT_META)
     }
@@ -586,8 +577,11 @@ pub(super) fn remove(name: &'static str, r: Result<(), MapError>) -> Result<(), 
     }
 }
 
-/// The allocator [`BpfMaps::adopt_identities`] returns, from a state
-/// already read.
+/// The identity numbers an earlier agent left in `state` (the pins, read):
+/// by name where `IDENTITY_NAMES` has one, and every number a row of
+/// `POLICY`, the ipcache or the endpoint maps still holds (quarantined,
+/// see [`IdentityAllocator::adopt`]). Names are for `dump` and dropped
+/// first on a full map, so they alone miss numbers still enforced.
 pub fn adopt_from(state: &MapState<u32>) -> IdentityAllocator {
     IdentityAllocator::adopt(&state.identities, &state.identities_in_use())
 }

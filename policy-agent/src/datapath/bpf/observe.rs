@@ -10,9 +10,8 @@ use super::{
     events::FlowRing,
     flows::{naming::PinnedNames, pipeline::FlowObserver, stats::FlowStats},
     kernel_log::follow_kernel_log as follow,
-    loader::Classifiers,
     maps::BpfMaps,
-    pins::{Hook, PinLayout},
+    pins::PinLayout,
 };
 
 /// Starts the flow thread on the pinned ring unless it runs; false while
@@ -24,11 +23,9 @@ pub(super) fn start_flows(observer: &mut FlowObserver, layout: &PinLayout) -> bo
     })
 }
 
-/// Forwards the classifier's debug log (emitted only while switched on).
-pub(super) fn follow_kernel_log(layout: &PinLayout) {
-    let id = Classifiers::open_pinned(layout)
-        .ok()
-        .and_then(|p| p.id(Hook::Ingress));
+/// Forwards the classifier's debug log (emitted only while switched on),
+/// read through the program `id` (the one the driver holds).
+pub(super) fn follow_kernel_log(id: Option<u32>) {
     if let Some(id) = id
         && let Err(e) = follow(id)
     {
