@@ -123,7 +123,7 @@ fn cluster(pods: usize, seed: u64) -> ClusterState {
                 ObjectRef::new(ns.clone(), format!("{app}-{r}")),
                 PodFields {
                     labels: policy_agent::cluster::pod_labels(labels),
-                    node_name: Some(format!("node-{:02}", rng.random_range(0..NODES))),
+                    node_name: Some(format!("node-{:02}", rng.random_range(0..NODES)).into()),
                     ips,
                     ports: ports
                         .iter()

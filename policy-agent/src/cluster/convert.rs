@@ -116,7 +116,7 @@ pub fn pod_info(pod: &Pod) -> Result<(ObjectRef, PodInfo), ConvertError> {
                 }
             })?;
             ports.push(ContainerPort {
-                name: p.name.clone(),
+                name: p.name.as_deref().map(super::interned::short_name),
                 port,
                 protocol,
             });
@@ -130,7 +130,7 @@ pub fn pod_info(pod: &Pod) -> Result<(ObjectRef, PodInfo), ConvertError> {
     let phase = status.and_then(|s| s.phase.as_deref());
     let info = PodInfo::from(PodFields {
         labels: super::pod_labels(pod.metadata.labels.clone().unwrap_or_default()),
-        node_name: spec.and_then(|s| s.node_name.clone()),
+        node_name: spec.and_then(|s| s.node_name.as_deref().map(super::interned::short_name)),
         ips,
         ports,
         host_network: spec.and_then(|s| s.host_network).unwrap_or(false),

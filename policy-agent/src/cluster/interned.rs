@@ -3,7 +3,9 @@
 //! compiler's) holds its labels by one pointer, and pods with the same
 //! labels (the pods of one workload) hold one map: a cluster of 10,000
 //! pods carries a few hundred distinct label sets. Every name of an object
-//! in one namespace holds one string for the namespace.
+//! in one namespace holds one string for the namespace; the pods of one
+//! node, one for the node's name; the container ports of one name, one
+//! for it.
 use std::{
     borrow::Borrow,
     collections::HashSet,
@@ -78,6 +80,7 @@ impl<T: ?Sized + Hash + Eq> Interner<T> {
 
 static LABEL_SETS: LazyLock<Interner<Labels>> = LazyLock::new(Interner::default);
 static NAMESPACES: LazyLock<Interner<str>> = LazyLock::new(Interner::default);
+static SHORT_NAMES: LazyLock<Interner<str>> = LazyLock::new(Interner::default);
 
 /// The shared set equal to `labels`.
 pub fn pod_labels(labels: Labels) -> PodLabels {
@@ -92,6 +95,11 @@ pub fn label_set(labels: &Labels) -> Arc<Labels> {
 /// The shared string equal to `namespace`.
 pub fn namespace_name(namespace: &str) -> Arc<str> {
     NAMESPACES.share(namespace, || Arc::from(namespace))
+}
+
+/// The shared string equal to `name` (a node's, a container port's).
+pub fn short_name(name: &str) -> Arc<str> {
+    SHORT_NAMES.share(name, || Arc::from(name))
 }
 
 #[cfg(test)]

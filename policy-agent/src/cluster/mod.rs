@@ -137,7 +137,7 @@ pub struct NodeInfo {
 /// A container port a named port can resolve to.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ContainerPort {
-    pub name: Option<String>,
+    pub name: Option<Arc<str>>,
     pub port: u16,
     /// IP protocol number (policy_common::proto::{TCP, UDP, SCTP}).
     pub protocol: u8,
@@ -158,7 +158,7 @@ pub struct PodFields {
     /// ([`interned::pod_labels`]).
     pub labels: PodLabels,
     /// `spec.nodeName` (None while unscheduled).
-    pub node_name: Option<String>,
+    pub node_name: Option<Arc<str>>,
     /// `status.podIPs` (or `status.podIP`), IPv4 and/or IPv6.
     pub ips: Vec<IpAddr>,
     pub ports: Vec<ContainerPort>,

@@ -70,7 +70,7 @@ impl LabelKey {
                     .as_ref()
                     .filter(|n| !n.is_empty())
                     .map(|name| NamedPort {
-                        name: name.clone(),
+                        name: name.to_string(),
                         protocol: p.protocol,
                         port: p.port,
                     })
@@ -165,7 +165,7 @@ mod tests {
             ports: ports
                 .iter()
                 .map(|(n, p, port)| ContainerPort {
-                    name: Some((*n).to_owned()),
+                    name: Some((*n).into()),
                     protocol: *p,
                     port: *port,
                 })

@@ -16,7 +16,7 @@ fn ports_of(key: &LabelKey) -> Vec<ContainerPort> {
     key.named_ports
         .iter()
         .map(|p| ContainerPort {
-            name: Some(p.name.clone()),
+            name: Some(p.name.as_str().into()),
             port: p.port,
             protocol: p.protocol,
         })

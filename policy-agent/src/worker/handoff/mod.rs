@@ -155,7 +155,7 @@ impl Handoffs {
             return info;
         }
         if info.node_name.is_none() {
-            info.node_name = Some(self.node.clone());
+            info.node_name = Some(crate::cluster::interned::short_name(&self.node));
         }
         if info.ips.is_empty() {
             info.ips = h.ips.clone();

@@ -246,7 +246,7 @@ impl<'a> World<'a> {
                     c.name
                         .clone()
                         .filter(|s| !s.is_empty())
-                        .map(|s| (s, c.protocol, c.port))
+                        .map(|s| (s.to_string(), c.protocol, c.port))
                 })
                 .collect();
             (
@@ -642,7 +642,7 @@ fn container_port() -> impl Strategy<Value = ContainerPort> {
         prop_oneof![Just(proto::TCP), Just(proto::UDP)],
     )
         .prop_map(|(name, port, protocol)| ContainerPort {
-            name,
+            name: name.map(Into::into),
             port,
             protocol,
         })
@@ -664,7 +664,7 @@ pub fn pod() -> impl Strategy<Value = PodInfo> {
             if host_network {
                 ips = vec![NODE_IP.parse().unwrap()];
             }
-            PodFields { labels: labels.into(), node_name, ips, ports, host_network, terminal, created, uid: None }.into()
+            PodFields { labels: labels.into(), node_name: node_name.map(Into::into), ips, ports, host_network, terminal, created, uid: None }.into()
         })
 }
 
