@@ -48,7 +48,7 @@ pub const IDENTITY_NAME_LEN: usize = 240;
 /// so `dump` can print it and a restarted agent can adopt the numbers.
 #[repr(C)]
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable, Hash))]
 pub struct IdentityName {
     /// Stable 64-bit hash of the full canonical name (the name may be cut).
     pub name_hash: u64,

@@ -33,7 +33,7 @@ pub(crate) use self::identity_name::fnv1a64;
 pub use self::{
     addresses::{AddressSet, identity_addresses},
     diff::{MapOp, Updating, Writes, assign_revisions, covering, diff, updating},
-    identity_name::{identity_name, identity_name_str},
+    identity_name::{identity_name, identity_name_str, shared_identity_name},
     origin::RuleOrigin,
     rule_name::{RuleText, entry_rules, rule_name, rule_name_text},
     staged::{StagedVerdict, StagedView},

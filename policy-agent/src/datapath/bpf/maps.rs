@@ -32,7 +32,7 @@ use super::{
 };
 use crate::{
     identity::IdentityAllocator,
-    mapstate::{MapOp, MapState},
+    mapstate::{MapOp, MapState, shared_identity_name},
 };
 
 /// Every map the agent reads or writes (the drop-event ring is opened by
@@ -244,7 +244,7 @@ impl BpfMaps {
         let read: Vec<(u32, IdentityName)> = hash_entries(&self.identities, names::IDENTITY_NAMES)?;
         Ok(read
             .into_iter()
-            .map(|(id, name)| (id, Arc::new(name)))
+            .map(|(id, name)| (id, shared_identity_name(&name)))
             .collect())
     }
 

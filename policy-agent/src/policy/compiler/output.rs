@@ -360,7 +360,7 @@ impl Output {
             &mut self.maps.identities,
             &mut self.journal_identities,
             &id,
-            name.map(Arc::new),
+            name.as_ref().map(crate::mapstate::shared_identity_name),
         );
     }
 
