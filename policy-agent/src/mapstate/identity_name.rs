@@ -5,13 +5,13 @@ use policy_common::identity::{IDENTITY_NAME_LEN, IdentityName};
 
 use crate::cluster::Interner;
 
-static IDENTITY_NAMES: LazyLock<Interner<IdentityName>> = LazyLock::new(Interner::default);
+static SHARED_IDENTITY_NAMES: LazyLock<Interner<IdentityName>> = LazyLock::new(Interner::default);
 
 /// The shared value equal to `name`: the compiler's output, the driver's
 /// copy of what it wrote and the flow namer's table (read back from the
 /// pins) hold one 256-byte value per identity between them.
 pub fn shared_identity_name(name: &IdentityName) -> Arc<IdentityName> {
-    IDENTITY_NAMES.share(name, || Arc::new(*name))
+    SHARED_IDENTITY_NAMES.share(name, || Arc::new(*name))
 }
 
 /// FNV-1a, 64 bit: stable across runs and builds, unlike std's hasher.
