@@ -124,7 +124,7 @@ fn cluster(pods: usize, seed: u64) -> ClusterState {
                 PodFields {
                     labels: policy_agent::cluster::pod_labels(labels),
                     node_name: Some(format!("node-{:02}", rng.random_range(0..NODES)).into()),
-                    ips,
+                    ips: ips.into(),
                     ports: ports
                         .iter()
                         .map(|(n, p)| ContainerPort {

@@ -397,7 +397,7 @@ fn tier_cluster(cnps: usize) -> policy_agent::cluster::ClusterState {
                     [("app".to_owned(), format!("a{}", i % 20))].into(),
                 ),
                 node_name: Some("node-b".into()),
-                ips: vec![IpAddr::V4(Ipv4Addr::from(0x0a01_0000u32 + i))],
+                ips: vec![IpAddr::V4(Ipv4Addr::from(0x0a01_0000u32 + i))].into(),
                 ..Default::default()
             }
             .into(),
@@ -408,7 +408,7 @@ fn tier_cluster(cnps: usize) -> policy_agent::cluster::ClusterState {
         PodFields {
             labels: policy_agent::cluster::pod_labels([("app".to_owned(), "me".to_owned())].into()),
             node_name: Some("node-a".into()),
-            ips: vec![IpAddr::V4(Ipv4Addr::new(10, 0, 0, 200))],
+            ips: vec![IpAddr::V4(Ipv4Addr::new(10, 0, 0, 200))].into(),
             ..Default::default()
         }
         .into(),

@@ -289,7 +289,7 @@ pub fn pods_from_manifests(
         .map(|(r, p)| SimPod {
             namespace: r.namespace.to_string(),
             name: r.name.to_string(),
-            ips: p.ips.clone(),
+            ips: p.ips.to_vec(),
             tcp_ports: p
                 .ports
                 .iter()

@@ -124,15 +124,13 @@ pub fn pod_info(pod: &Pod) -> Result<(ObjectRef, PodInfo), ConvertError> {
     }
     ports.sort();
     ports.dedup();
-    // Kept for the pod's life, by every layer (one shared copy).
-    ports.shrink_to_fit();
 
     let phase = status.and_then(|s| s.phase.as_deref());
     let info = PodInfo::from(PodFields {
         labels: super::pod_labels(pod.metadata.labels.clone().unwrap_or_default()),
         node_name: spec.and_then(|s| s.node_name.as_deref().map(super::interned::short_name)),
-        ips,
-        ports,
+        ips: ips.into(),
+        ports: super::pod_ports(ports),
         host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
         terminal: matches!(phase, Some("Succeeded" | "Failed")),
         created: pod

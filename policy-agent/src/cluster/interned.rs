@@ -5,7 +5,7 @@
 //! pods carries a few hundred distinct label sets. Every name of an object
 //! in one namespace holds one string for the namespace; the pods of one
 //! node, one for the node's name; the container ports of one name, one
-//! for it.
+//! for it; the pods of one workload, one list of container ports.
 use std::{
     borrow::Borrow,
     collections::HashSet,
@@ -13,10 +13,13 @@ use std::{
     sync::{Arc, LazyLock, Mutex},
 };
 
-use super::Labels;
+use super::{ContainerPort, Labels};
 
 /// A pod's labels (see the module).
 pub type PodLabels = Arc<Labels>;
+
+/// A pod's container ports, sorted (see the module).
+pub type PodPorts = Arc<[ContainerPort]>;
 
 /// The values handed out, each held once. A value nothing holds any more
 /// is dropped at the next sweep, which runs once the table has doubled
@@ -81,6 +84,7 @@ impl<T: ?Sized + Hash + Eq> Interner<T> {
 static LABEL_SETS: LazyLock<Interner<Labels>> = LazyLock::new(Interner::default);
 static NAMESPACES: LazyLock<Interner<str>> = LazyLock::new(Interner::default);
 static SHORT_NAMES: LazyLock<Interner<str>> = LazyLock::new(Interner::default);
+static PORT_LISTS: LazyLock<Interner<[ContainerPort]>> = LazyLock::new(Interner::default);
 
 /// The shared set equal to `labels`.
 pub fn pod_labels(labels: Labels) -> PodLabels {
@@ -95,6 +99,11 @@ pub fn label_set(labels: &Labels) -> Arc<Labels> {
 /// The shared string equal to `namespace`.
 pub fn namespace_name(namespace: &str) -> Arc<str> {
     NAMESPACES.share(namespace, || Arc::from(namespace))
+}
+
+/// The shared list equal to `ports`.
+pub fn pod_ports(ports: Vec<ContainerPort>) -> PodPorts {
+    PORT_LISTS.share(ports.as_slice(), || Arc::from(ports.as_slice()))
 }
 
 /// The shared string equal to `name` (a node's, a container port's).
@@ -120,6 +129,21 @@ mod tests {
         assert!(Arc::ptr_eq(&a, &b));
         assert!(!Arc::ptr_eq(&a, &c));
         assert_eq!(a.get("app").map(String::as_str), Some("interned-web"));
+    }
+
+    #[test]
+    fn equal_port_lists_share_one_list() {
+        let port = |name: &str, port| ContainerPort {
+            name: Some(short_name(name)),
+            port,
+            protocol: 6,
+        };
+        let a = pod_ports(vec![port("interned-http", 80), port("interned-m", 9100)]);
+        let b = pod_ports(vec![port("interned-http", 80), port("interned-m", 9100)]);
+        let c = pod_ports(vec![port("interned-http", 81)]);
+        assert!(Arc::ptr_eq(&a, &b));
+        assert!(!Arc::ptr_eq(&a, &c));
+        assert_eq!(a[1].port, 9100);
     }
 
     #[test]

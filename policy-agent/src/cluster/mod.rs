@@ -8,6 +8,7 @@ mod address;
 mod change;
 pub mod cluster_policy;
 mod convert;
+mod few;
 pub mod interned;
 mod problem;
 mod service;
@@ -25,7 +26,8 @@ pub use self::{
     address::{parse_cidr_sloppy, parse_ip_sloppy},
     change::{Change, Keyed, changes_between, keyed_changes},
     convert::{ConvertError, namespace_info, node_info, pod_info},
-    interned::{Interner, PodLabels, label_set, namespace_name, pod_labels},
+    few::Few,
+    interned::{Interner, PodLabels, PodPorts, label_set, namespace_name, pod_labels, pod_ports},
     problem::{ObjectKind, Problem, Subject},
     service::{
         Backend, Endpoint, EndpointSliceInfo, SERVICE_NAME_LABEL, ServiceInfo, ServicePort,
@@ -159,9 +161,12 @@ pub struct PodFields {
     pub labels: PodLabels,
     /// `spec.nodeName` (None while unscheduled).
     pub node_name: Option<Arc<str>>,
-    /// `status.podIPs` (or `status.podIP`), IPv4 and/or IPv6.
-    pub ips: Vec<IpAddr>,
-    pub ports: Vec<ContainerPort>,
+    /// `status.podIPs` (or `status.podIP`), IPv4 and/or IPv6, in their
+    /// order (held in place when there is one).
+    pub ips: Few<IpAddr>,
+    /// Sorted, once each; shared with every pod with the same list
+    /// ([`interned::pod_ports`]).
+    pub ports: PodPorts,
     /// hostNetwork pods share the node's addresses and are not endpoints.
     pub host_network: bool,
     /// Succeeded or Failed: the pod no longer holds its IPs.

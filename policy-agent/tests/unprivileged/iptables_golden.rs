@@ -89,7 +89,7 @@ fn rules_agree_with_the_spec(
         .filter_map(|(p, info)| interfaces.get(p).map(|i| (info, i)))
         .flat_map(|(info, i)| info.ips.iter().map(move |ip| (*ip, i)))
         .collect();
-    let mut addrs: Vec<IpAddr> = state.pods.values().flat_map(|p| p.ips.clone()).collect();
+    let mut addrs: Vec<IpAddr> = state.pods.values().flat_map(|p| p.ips.to_vec()).collect();
     addrs.extend(
         [
             "10.1.0.99",

@@ -10,7 +10,7 @@ use std::{
     net::IpAddr,
 };
 
-use crate::cluster::{PodInfo, PodRef};
+use crate::cluster::{Few, PodInfo, PodRef};
 
 /// A pod's claim on an address: the newest pod holds it, ties by name.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -19,58 +19,8 @@ struct Claim {
     pod: PodRef,
 }
 
-/// A small sorted set, its one value held in place: a pod's addresses
-/// and an address's claims are almost always one, and a vector of one
-/// cost an allocation (32 bytes) besides its 24; a set's first node took
-/// some 600 bytes.
-#[derive(Clone, Debug, Default)]
-enum Few<T> {
-    #[default]
-    Empty,
-    One(T),
-    Many(Box<[T]>),
-}
-
-impl<T: Ord + Clone> Few<T> {
-    /// From values sorted and without repeats.
-    fn from_sorted(mut values: Vec<T>) -> Self {
-        match values.len() {
-            0 => Self::Empty,
-            1 => values.pop().map_or(Self::Empty, Self::One),
-            _ => Self::Many(values.into_boxed_slice()),
-        }
-    }
-
-    fn as_slice(&self) -> &[T] {
-        match self {
-            Self::Empty => &[],
-            Self::One(value) => std::slice::from_ref(value),
-            Self::Many(values) => values,
-        }
-    }
-
-    fn insert(&mut self, value: T) {
-        if let Err(at) = self.as_slice().binary_search(&value) {
-            let mut values = self.as_slice().to_vec();
-            values.insert(at, value);
-            *self = Self::from_sorted(values);
-        }
-    }
-
-    fn remove(&mut self, value: &T) {
-        if let Ok(at) = self.as_slice().binary_search(value) {
-            let mut values = self.as_slice().to_vec();
-            values.remove(at);
-            *self = Self::from_sorted(values);
-        }
-    }
-
-    fn is_empty(&self) -> bool {
-        matches!(self, Self::Empty)
-    }
-}
-
 /// The claims on one address, the holder first.
+/// Sorted: the holder first.
 type Claims = Few<Claim>;
 
 /// A pod that owns addresses and has an identity: live and not hostNetwork
@@ -122,7 +72,7 @@ impl AddressClaims {
                 };
                 for &ip in old.as_slice() {
                     if let Some(state) = self.addresses.get_mut(&ip) {
-                        state.claims.remove(&claim);
+                        state.claims.remove_sorted(&claim);
                         if state.claims.is_empty() && state.holder.is_none() {
                             self.addresses.remove(&ip);
                         }
@@ -151,11 +101,11 @@ impl AddressClaims {
                     .entry(*ip)
                     .or_default()
                     .claims
-                    .insert(claim.clone());
+                    .insert_sorted(claim.clone());
                 touched.insert(*ip);
             }
             self.pods.entry(pod.clone()).or_default().claimed =
-                Some((info.created, Few::from_sorted(ips)));
+                Some((info.created, Few::from_vec(ips)));
         }
         touched
     }
@@ -211,7 +161,7 @@ impl AddressClaims {
         };
         if !now.is_empty() {
             self.pods.entry(pod.clone()).or_default().held =
-                Few::from_sorted(now.into_iter().collect());
+                Few::from_vec(now.into_iter().collect());
         } else {
             self.forget_if_empty(pod);
         }
@@ -227,31 +177,5 @@ impl AddressClaims {
         {
             self.pods.remove(pod);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Few;
-
-    #[test]
-    fn a_few_values_stay_sorted_and_once_each_whichever_way_they_are_held() {
-        let mut few = Few::default();
-        assert!(few.is_empty());
-        few.insert(3);
-        assert!(matches!(few, Few::One(3)));
-        few.insert(1);
-        few.insert(3);
-        few.insert(2);
-        assert_eq!(few.as_slice(), &[1, 2, 3]);
-        few.remove(&2);
-        few.remove(&7);
-        assert_eq!(few.as_slice(), &[1, 3]);
-        few.remove(&1);
-        assert!(matches!(few, Few::One(3)));
-        few.remove(&3);
-        assert!(few.is_empty());
-        assert!(matches!(Few::from_sorted(vec![5]), Few::One(5)));
-        assert!(Few::<u8>::from_sorted(vec![]).is_empty());
     }
 }

@@ -158,10 +158,10 @@ impl Handoffs {
             info.node_name = Some(crate::cluster::interned::short_name(&self.node));
         }
         if info.ips.is_empty() {
-            info.ips = h.ips.clone();
+            info.ips = h.ips.clone().into();
             self.mismatches.remove(pod);
         } else {
-            let (mut api, mut cni) = (info.ips.clone(), h.ips.clone());
+            let (mut api, mut cni) = (info.ips.to_vec(), h.ips.clone());
             api.sort();
             cni.sort();
             if api != cni {

@@ -79,7 +79,7 @@ fn a_pod_without_addresses_gets_the_sandboxs_and_this_node() {
     let [Change::UpsertPod(_, info)] = &changes[..] else {
         panic!("{changes:?}")
     };
-    assert_eq!(info.ips, vec!["10.0.0.5".parse::<IpAddr>().unwrap()]);
+    assert_eq!(info.ips[..], ["10.0.0.5".parse::<IpAddr>().unwrap()]);
     assert_eq!(info.node_name.as_deref(), Some("n1"));
 }
 
@@ -93,7 +93,7 @@ fn the_apis_addresses_win_and_a_mismatch_is_reported() {
     let [Change::UpsertPod(_, info)] = &changes[..] else {
         panic!("{changes:?}")
     };
-    assert_eq!(info.ips, vec!["10.0.0.9".parse::<IpAddr>().unwrap()]);
+    assert_eq!(info.ips[..], ["10.0.0.9".parse::<IpAddr>().unwrap()]);
     assert_eq!(h.problems().count(), 1);
     // They agree later: the problem goes.
     let mut changes = vec![Change::UpsertPod(key("p"), pod(None, &["10.0.0.5"]))];

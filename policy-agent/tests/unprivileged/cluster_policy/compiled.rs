@@ -30,7 +30,7 @@ fn world() -> World {
                     &format!("fd00::{h}:{}", 10 + i),
                 ],
             );
-            pod.ports = vec![named_port("web", TCP, 80), named_port("dns", UDP, 53)];
+            pod.ports = vec![named_port("web", TCP, 80), named_port("dns", UDP, 53)].into();
         }
     }
     w

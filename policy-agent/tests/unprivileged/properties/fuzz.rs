@@ -196,7 +196,7 @@ fn agrees_with_spec(state: &ClusterState, c: &Compiled) -> Result<(), String> {
         .iter()
         .flat_map(|(p, ips)| ips.iter().map(move |ip| (*ip, p.clone())))
         .collect();
-    let mut addrs: Vec<IpAddr> = state.pods.values().flat_map(|p| p.ips.clone()).collect();
+    let mut addrs: Vec<IpAddr> = state.pods.values().flat_map(|p| p.ips.to_vec()).collect();
     addrs.extend(
         [
             "172.17.1.1",

@@ -64,7 +64,7 @@ fn step(state: &mut ClusterState, target: &ClusterState, kind: u8, i: usize) -> 
         // Move an existing pod to other addresses (reuse, conflicts).
         3 if !state.pods.is_empty() && !target.pods.is_empty() => {
             let name = nth(&state.pods, i).0.clone();
-            let ips: Vec<IpAddr> = nth(&target.pods, i).1.ips.clone();
+            let ips = nth(&target.pods, i).1.ips.clone();
             let info = state.pods.get_mut(&name).unwrap();
             info.ips = ips;
             Change::UpsertPod(name, info.clone())

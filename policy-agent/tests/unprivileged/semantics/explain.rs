@@ -10,7 +10,7 @@ fn world() -> World {
     let mut w = World::new();
     w.ns("other", &[("team", "x")]);
     w.pod("default/web", &[("app", "web")], &["10.0.0.10"])
-        .ports = vec![named_port("http", TCP, 8080)];
+        .ports = vec![named_port("http", TCP, 8080)].into();
     w.pod("default/client", &[("app", "client")], &["10.0.0.11"]);
     w.pod("other/x", &[("app", "x")], &["10.0.1.1"]).node_name = Some("node-b".into());
     w.policy("metadata: {name: web}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  ingress:\n  - from: [{podSelector: {matchLabels: {app: nobody}}}, {podSelector: {matchLabels: {app: client}}}]\n    ports: [{port: 22}, {port: http}]");

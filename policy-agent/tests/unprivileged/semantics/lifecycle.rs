@@ -132,7 +132,7 @@ fn terminal_pod_alone_leaves_its_address_unknown() {
 #[test]
 fn pod_address_change_moves_its_identity() {
     let mut w = world();
-    w.pod_mut("default/friend").ips = vec![ip("10.0.0.21")];
+    w.pod_mut("default/friend").ips = vec![ip("10.0.0.21")].into();
     w.compile().check(&[
         ("new address", "10.0.0.21", "default/web", TCP, 80, ALLOW),
         (
@@ -483,9 +483,9 @@ fn incremental_address_moves_recheck_named_ports_through_ip_blocks() {
     let mut w = World::new();
     w.pod("default/client", &[("app", "client")], &["10.0.0.9"]);
     w.pod("default/s1", &[("app", "server")], &["10.0.0.1"])
-        .ports = vec![named_port("http", TCP, 8080)];
+        .ports = vec![named_port("http", TCP, 8080)].into();
     w.pod("default/s4", &[("app", "server")], &["10.0.0.4"])
-        .ports = vec![named_port("http", TCP, 8080)];
+        .ports = vec![named_port("http", TCP, 8080)].into();
     w.policy("metadata: {name: out}\nspec:\n  podSelector: {matchLabels: {app: client}}\n  policyTypes: [Egress]\n  egress:\n  - to: [{ipBlock: {cidr: 10.0.0.0/24}}]\n    ports: [{port: http}]");
     let mut ids = IdentityAllocator::new();
     let mut c = Compiler::build(&w.state, &mut ids, CompileOptions::default());
@@ -510,7 +510,7 @@ fn incremental_address_moves_recheck_named_ports_through_ip_blocks() {
         ("10.0.0.200", true),
     ] {
         let mut info = w.state.pods[&obj("default/s4")].clone();
-        info.ips = vec![ip(addr)];
+        info.ips = vec![ip(addr)].into();
         w.state.pods.insert(obj("default/s4"), info.clone());
         let mut full_ids = ids.clone();
         c.apply([Change::UpsertPod(obj("default/s4"), info)], &mut ids);

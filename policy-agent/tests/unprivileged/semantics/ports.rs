@@ -160,11 +160,11 @@ fn end_port_aligned_range_is_one_prefix_entry() {
 fn named_world() -> World {
     let mut w = World::new();
     w.pod("default/s1", &[("app", "server")], &["10.0.0.1"])
-        .ports = vec![named_port("http", TCP, 8080)];
+        .ports = vec![named_port("http", TCP, 8080)].into();
     w.pod("default/s2", &[("app", "server")], &["10.0.0.2"])
-        .ports = vec![named_port("http", TCP, 9090)];
+        .ports = vec![named_port("http", TCP, 9090)].into();
     w.pod("default/s3", &[("app", "server")], &["10.0.0.3"])
-        .ports = vec![named_port("dns", UDP, 53)];
+        .ports = vec![named_port("dns", UDP, 53)].into();
     w.pod("default/client", &[("app", "client")], &["10.0.0.9"]);
     w
 }
@@ -291,7 +291,7 @@ fn named_port_egress_to_ip_block_fails_closed_when_the_identity_spans_outside() 
     // the named port does not apply to s1 through the block (documented).
     let mut w = named_world();
     w.pod("default/s4", &[("app", "server")], &["10.9.0.4"])
-        .ports = vec![named_port("http", TCP, 8080)];
+        .ports = vec![named_port("http", TCP, 8080)].into();
     w.policy("metadata: {name: out}\nspec:\n  podSelector: {matchLabels: {app: client}}\n  policyTypes: [Egress]\n  egress:\n  - to: [{ipBlock: {cidr: 10.0.0.0/24}}]\n    ports: [{port: http}]");
     let run = w.compile();
     assert_eq!(run.identity_of(S1), run.identity_of("default/s4"));

@@ -664,7 +664,7 @@ pub fn pod() -> impl Strategy<Value = PodInfo> {
             if host_network {
                 ips = vec![NODE_IP.parse().unwrap()];
             }
-            PodFields { labels: labels.into(), node_name: node_name.map(Into::into), ips, ports, host_network, terminal, created, uid: None }.into()
+            PodFields { labels: labels.into(), node_name: node_name.map(Into::into), ips: ips.into(), ports: ports.into(), host_network, terminal, created, uid: None }.into()
         })
 }
 

@@ -220,7 +220,7 @@ impl Run {
                     .state
                     .pods
                     .get(&p)
-                    .map(|i| i.ips.clone())
+                    .map(|i| i.ips.to_vec())
                     .unwrap_or_default(),
             },
         }

@@ -95,8 +95,8 @@ spec: {podSelector: {}}
     assert_eq!(state.pods.len(), 1);
     let pod = &state.pods[&ObjectRef::new("shop", "web")];
     assert_eq!(
-        pod.ips,
-        vec!["10.0.0.5".parse::<std::net::IpAddr>().unwrap()]
+        pod.ips[..],
+        ["10.0.0.5".parse::<std::net::IpAddr>().unwrap()]
     );
     assert_eq!(pod.ports[0].name.as_deref(), Some("http"));
     // "other" is implied by the policy and gets its name label.
