@@ -40,6 +40,11 @@ pub struct Scratch {
     /// probe's outcome into the next, so the states of the probe loop
     /// prune).
     pub tiers: Tiers,
+    /// The peer `judge_flow` judged a flow by (a global function returns
+    /// one scalar: its reason).
+    pub judged_peer: IpcacheEntry,
+    /// A peer address `judge_flow` reads from here (see `Peer`).
+    pub judged_addr: [u8; 16],
 }
 
 #[btf_map]

@@ -20,7 +20,7 @@ use policy_common::{
 
 use super::{
     TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
-    policy::judge,
+    policy::{Peer, judge},
     service::{rejudge_backend, service_hit},
 };
 use crate::{
@@ -37,12 +37,12 @@ fn judge_again(
     ep: &EndpointInfo,
     dir: u8,
     fam: u8,
-    peer_addr: &[u8; 16],
+    peer_addr: Peer<'_>,
     protocol: u8,
     port: u16,
     origin: u16,
 ) -> (Reason, IpcacheEntry) {
-    if crate::pod_range_guard::addr_unenforced(fam, peer_addr) {
+    if crate::pod_range_guard::addr_unenforced(fam, peer_addr.addr) {
         return (Reason::DropUnenforced, IpcacheEntry::UNKNOWN);
     }
     judge(ep, dir, fam, peer_addr, protocol, port, origin, false)
@@ -56,7 +56,7 @@ pub(super) fn on_ct_hit(
     key: &CtKey,
     ep: &EndpointInfo,
     pkt: &IpPacket,
-    peer_addr: &[u8; 16],
+    peer_addr: Peer<'_>,
     orig_port: u16,
     now: u64,
     hit: Reason,
@@ -104,7 +104,7 @@ pub(super) fn tracked(
     flow: &mut ServiceFlowKey,
     ep: &EndpointInfo,
     pkt: &IpPacket,
-    peer_addr: &[u8; 16],
+    peer_addr: Peer<'_>,
     now: u64,
     dir: u8,
 ) -> Option<(Reason, IpcacheEntry)> {
@@ -287,12 +287,11 @@ pub(super) fn related(
             s.ct.local_port
         };
         let port = proto::policy_port(s.ct.protocol, dport);
-        let peer = s.ct.remote;
         let (reason, _) = judge_again(
             ep,
             opener,
             s.ct.family,
-            &peer,
+            Peer::tracked_remote(&s.ct.remote),
             s.ct.protocol,
             port,
             entry.origin,

@@ -41,7 +41,7 @@ use policy_common::{
 
 use self::{
     conntrack::{fill_frag_key, related, share_allows, syn_only, tracked},
-    policy::judge_packet,
+    policy::{Peer, judge_packet},
     service::{defer, is_frontend},
 };
 use crate::{
@@ -241,9 +241,9 @@ fn decide(
     }
     let pkt = &s.pkt;
     let peer_addr = if dir == direction::EGRESS {
-        &pkt.dst
+        Peer::packet_destination(pkt)
     } else {
-        &pkt.src
+        Peer::packet_source(pkt)
     };
 
     // One lookup, either way the packet travels (see `CtKey`).

@@ -12,7 +12,10 @@ use policy_common::{
 };
 
 use super::endpoint;
-use crate::maps::{IPCACHE_HOSTS_V4, IPCACHE_HOSTS_V6, IPCACHE_V4, IPCACHE_V6, POLICY, SCRATCH};
+use crate::{
+    maps::{IPCACHE_HOSTS_V4, IPCACHE_HOSTS_V6, IPCACHE_V4, IPCACHE_V6, POLICY, SCRATCH},
+    parse::IpPacket,
+};
 
 /// The identities of `addr`: its own entry (a pod's address: one hash
 /// probe), else the longest prefix holding it (the trie walk, several
@@ -152,6 +155,60 @@ unsafe fn clear_tiers(t: *mut Tiers) {
     }
 }
 
+/// Where a flow's peer address is, for [`judge_flow`]: one of the
+/// scratch's addresses, named by `at` (a global function's pointer
+/// argument is memory the 6.1 verifier refuses as a map key, and a copy on
+/// the stack took the call chain past its 512 bytes).
+#[derive(Clone, Copy)]
+pub(super) struct Peer<'a> {
+    /// The address itself, for the caller's own checks.
+    pub addr: &'a [u8; 16],
+    at: u8,
+}
+
+const AT_PACKET_SOURCE: u8 = 0;
+const AT_PACKET_DESTINATION: u8 = 1;
+const AT_TRACKED_REMOTE: u8 = 2;
+const AT_COPIED: u8 = 3;
+
+impl<'a> Peer<'a> {
+    /// The source of the scratch's packet (`s.pkt.src`).
+    #[inline(always)]
+    pub(super) fn packet_source(pkt: &'a IpPacket) -> Self {
+        Self {
+            addr: &pkt.src,
+            at: AT_PACKET_SOURCE,
+        }
+    }
+
+    /// The destination of the scratch's packet (`s.pkt.dst`).
+    #[inline(always)]
+    pub(super) fn packet_destination(pkt: &'a IpPacket) -> Self {
+        Self {
+            addr: &pkt.dst,
+            at: AT_PACKET_DESTINATION,
+        }
+    }
+
+    /// The remote end of the scratch's conntrack key (`s.ct.remote`).
+    #[inline(always)]
+    pub(super) fn tracked_remote(addr: &'a [u8; 16]) -> Self {
+        Self {
+            addr,
+            at: AT_TRACKED_REMOTE,
+        }
+    }
+
+    /// Anywhere else: copied to the scratch for the judgement.
+    #[inline(always)]
+    pub(super) fn elsewhere(addr: &'a [u8; 16]) -> Self {
+        Self {
+            addr,
+            at: AT_COPIED,
+        }
+    }
+}
+
 /// The peer a flow is judged by (see `CtEntry::origin`): the address's
 /// identities; for a forwarded flow the same, except that a node address
 /// does not make it the node; for a pod's flow something rewrote, that
@@ -190,9 +247,90 @@ fn peer_of(ep: &EndpointInfo, origin: u16, fam: u8, peer_addr: &[u8; 16]) -> (Ip
 /// ClusterNetworkPolicy" (api-overview); the NetworkPolicy tier allows it.
 /// `to_itself`: the client's egress after DNAT reached the client itself
 /// (see `judge_backend`).
+///
+/// One call of [`judge_flow`], a global function the verifier checks once
+/// per program instead of at each of the places a flow is judged.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(super) fn judge(
+    ep: &EndpointInfo,
+    dir: u8,
+    fam: u8,
+    peer_addr: Peer<'_>,
+    protocol: u8,
+    port: u16,
+    origin: u16,
+    to_itself: bool,
+) -> (Reason, IpcacheEntry) {
+    let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
+        return (Reason::DropPolicy, IpcacheEntry::UNKNOWN);
+    };
+    if peer_addr.at == AT_COPIED {
+        // SAFETY: the per-CPU scratch value, ours for this program run.
+        unsafe { (*scratch).judged_addr = *peer_addr.addr };
+    }
+    let packed = u64::from(dir)
+        | (u64::from(fam) << 8)
+        | (u64::from(protocol) << 16)
+        | (u64::from(to_itself) << 24)
+        | (u64::from(peer_addr.at) << 28)
+        | (u64::from(port) << 32)
+        | (u64::from(origin) << 48);
+    let reason = judge_flow(ep, packed);
+    // SAFETY: as above.
+    let peer = unsafe { (*scratch).judged_peer };
+    // Anything but a reason `judge_flow` returns is refused.
+    let reason = Reason::from_u8(reason as u8).unwrap_or(Reason::DropPolicy);
+    (reason, peer)
+}
+
+/// [`judge`] as a global function (exported by the linker, see build.rs):
+/// the verifier checks it once per program, with its arguments unknown
+/// (pointers it must test for null), where the pod programs inlined it at
+/// each place a flow is judged and checked each copy in its caller's
+/// states. The peer's address is in the scratch, where `packed` says
+/// (see [`Peer`]). Returns the reason; the peer's identities go to the
+/// scratch (`judged_peer`).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn judge_flow(ep: *const EndpointInfo, packed: u64) -> u32 {
+    // SAFETY: null or the caller's endpoint entry, valid for this program
+    // run (the verifier holds every caller to its size).
+    let Some(ep) = (unsafe { ep.as_ref() }) else {
+        return Reason::DropPolicy as u32;
+    };
+    let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
+        return Reason::DropPolicy as u32;
+    };
+    // SAFETY: fields of the per-CPU scratch value, ours for this program
+    // run; the judgement writes only `tiers` and `judged_peer`.
+    let peer_addr = unsafe {
+        match ((packed >> 28) & 0xf) as u8 {
+            AT_PACKET_SOURCE => &(*scratch).pkt.src,
+            AT_PACKET_DESTINATION => &(*scratch).pkt.dst,
+            AT_TRACKED_REMOTE => &(*scratch).ct.remote,
+            _ => &(*scratch).judged_addr,
+        }
+    };
+    let (reason, peer) = judge_inline(
+        ep,
+        packed as u8,
+        (packed >> 8) as u8,
+        peer_addr,
+        (packed >> 16) as u8,
+        (packed >> 32) as u16,
+        (packed >> 48) as u16,
+        (packed >> 24) & 1 != 0,
+    );
+    // SAFETY: as above.
+    unsafe { (*scratch).judged_peer = peer };
+    reason as u32
+}
+
+/// The body of [`judge`].
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn judge_inline(
     ep: &EndpointInfo,
     dir: u8,
     fam: u8,
@@ -273,11 +411,11 @@ pub(super) fn judge(
 pub(super) fn judge_backend(
     ep: &EndpointInfo,
     fam: u8,
-    backend: &[u8; 16],
+    backend: Peer<'_>,
     protocol: u8,
     port: u16,
 ) -> (Reason, IpcacheEntry) {
-    let itself = ep.owns(fam, backend);
+    let itself = ep.owns(fam, backend.addr);
     judge(
         ep,
         direction::EGRESS,
@@ -290,19 +428,20 @@ pub(super) fn judge_backend(
     )
 }
 
-/// Judges the parsed packet `pkt` of `ep` in `dir` as a new flow: its peer
-/// is the destination of what the pod sends, the source of what reaches it.
+/// Judges the parsed packet `pkt` (the scratch's) of `ep` in `dir` as a
+/// new flow: its peer is the destination of what the pod sends, the
+/// source of what reaches it.
 #[inline(always)]
 pub(super) fn judge_packet(
     ep: &EndpointInfo,
     dir: u8,
-    pkt: &crate::parse::IpPacket,
+    pkt: &IpPacket,
     origin: u16,
 ) -> (Reason, IpcacheEntry) {
     let peer_addr = if dir == direction::EGRESS {
-        &pkt.dst
+        Peer::packet_destination(pkt)
     } else {
-        &pkt.src
+        Peer::packet_source(pkt)
     };
     let port = proto::policy_port(pkt.protocol, pkt.dport);
     judge(

@@ -22,7 +22,7 @@ use super::{
     DROP, PASS, TCP_ACK, TCP_FIN, TCP_RST,
     conntrack::{fill_ct_key, live, share_allows, syn_only},
     count, emit_record, endpoint,
-    policy::judge_backend,
+    policy::{Peer, judge_backend},
     record_meta,
 };
 use crate::{
@@ -82,7 +82,13 @@ pub(super) fn rejudge_backend(
     let port = proto::policy_port(key.protocol, f.backend_port);
     // Its own Service's backend may be the pod itself: judged as after
     // DNAT (see `judge_backend`).
-    let (reason, peer) = judge_backend(ep, key.family, &f.backend, key.protocol, port);
+    let (reason, peer) = judge_backend(
+        ep,
+        key.family,
+        Peer::elsewhere(&f.backend),
+        key.protocol,
+        port,
+    );
     if reason.is_drop() {
         let _ = CONNTRACK.remove(key);
         let _ = SERVICE_FLOWS.remove(&*flow);
@@ -269,7 +275,7 @@ pub(super) fn judge_service(s: &mut Scratch, client: u32) -> u32 {
     let (reason, peer) = judge_backend(
         ep,
         pkt.family,
-        &pkt.dst,
+        Peer::packet_destination(pkt),
         pkt.protocol,
         proto::policy_port(pkt.protocol, pkt.dport),
     );

@@ -99,7 +99,11 @@ pub fn explain_service(
     // kube-proxy runs one proxier per family: "ready, else terminating"
     // is decided among the client's family's endpoints.
     let client_ips: Vec<std::net::IpAddr> = match &q.src {
-        FlowEnd::Pod(p) => state.pods.get(p).map(|i| i.ips.to_vec()).unwrap_or_default(),
+        FlowEnd::Pod(p) => state
+            .pods
+            .get(p)
+            .map(|i| i.ips.to_vec())
+            .unwrap_or_default(),
         FlowEnd::Ip(ip) => vec![*ip],
     };
     let mut picked: Vec<Backend> = Vec::new();
