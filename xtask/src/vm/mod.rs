@@ -205,12 +205,10 @@ fn run_once(spec: &VmSpec) -> anyhow::Result<VmOutput> {
             }
             break s;
         }
-        if boot.is_none() && start.elapsed() > BOOT_LIMIT.min(spec.timeout) {
-            if let Some(c) = guard.child.as_mut() {
-                let _ = c.kill();
-                let _ = c.wait();
-            }
-            return Err(BootHung(BOOT_LIMIT.min(spec.timeout)).into());
+        let boot_limit = BOOT_LIMIT.min(spec.timeout);
+        if boot.is_none() && start.elapsed() > boot_limit {
+            // Dropping the run's guard kills the VM.
+            return Err(BootHung(boot_limit).into());
         }
         if start.elapsed() > spec.timeout {
             if let Some(c) = guard.child.as_mut() {
