@@ -13,7 +13,7 @@ use policy_common::{
 
 use super::endpoint;
 use crate::{
-    maps::{IPCACHE_HOSTS_V4, IPCACHE_HOSTS_V6, IPCACHE_V4, IPCACHE_V6, POLICY, SCRATCH},
+    maps::{IPCACHE_HOSTS_V4, IPCACHE_HOSTS_V6, IPCACHE_V4, IPCACHE_V6, POLICY, SCRATCH, Scratch},
     parse::IpPacket,
 };
 
@@ -313,6 +313,7 @@ pub extern "C" fn judge_flow(ep: *const EndpointInfo, packed: u64) -> u32 {
         }
     };
     let (reason, peer) = judge_inline(
+        scratch,
         ep,
         packed as u8,
         (packed >> 8) as u8,
@@ -327,10 +328,11 @@ pub extern "C" fn judge_flow(ep: *const EndpointInfo, packed: u64) -> u32 {
     reason as u32
 }
 
-/// The body of [`judge`].
+/// The body of [`judge`], with `judge_flow`'s scratch (fetched once).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn judge_inline(
+    scratch: *mut Scratch,
     ep: &EndpointInfo,
     dir: u8,
     fam: u8,
@@ -341,10 +343,8 @@ fn judge_inline(
     to_itself: bool,
 ) -> (Reason, IpcacheEntry) {
     // What the lookup finds is kept for the flow record: nothing yet.
-    if let Some(scratch) = SCRATCH.get_ptr_mut(0) {
-        // SAFETY: the per-CPU scratch value, ours for this program run.
-        unsafe { clear_tiers(&raw mut (*scratch).tiers) };
-    }
+    // SAFETY: the per-CPU scratch value, ours for this program run.
+    unsafe { clear_tiers(&raw mut (*scratch).tiers) };
     let (mut peer, from_itself) = peer_of(ep, origin, fam, peer_addr);
     let itself = to_itself || from_itself;
     if itself && !ep.tiered(dir) {
@@ -388,9 +388,6 @@ fn judge_inline(
     if !tiered {
         return (Reason::DropPolicy, peer);
     }
-    let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
-        return (Reason::DropPolicy, peer);
-    };
     // SAFETY: as above.
     let tiers = unsafe { (*scratch).tiers };
     let reason = tiers.decide(ep.isolated(dir));
