@@ -163,9 +163,12 @@ pub const ORIGIN_FORWARDED: u16 = 0xffff;
 
 impl CtEntry {
     /// Whether the entry is still in its lifetime at `now` (its clock).
+    /// An entry stamped after `now` is live: the reader's `now` may be a
+    /// tick behind the writer's (the agent reads it before a sweep; a CPU
+    /// reuses its reading within a tick), and the clock never goes back.
     #[inline(always)]
     pub const fn is_live(&self, protocol: u8, now: u64) -> bool {
-        now.wrapping_sub(self.last_seen_ns) <= self.timeout_ns(protocol)
+        now.saturating_sub(self.last_seen_ns) <= self.timeout_ns(protocol)
     }
 
     /// Lifetime of an idle entry.
@@ -214,3 +217,33 @@ assert_size!(FragEntry, 8);
 
 #[cfg(feature = "user")]
 crate::user_pod!(CtKey, CtEntry, FragKey, FragEntry);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(last_seen_ns: u64) -> CtEntry {
+        CtEntry {
+            last_seen_ns,
+            ..CtEntry::default()
+        }
+    }
+
+    #[test]
+    fn an_entry_lives_out_its_timeout_and_no_longer() {
+        let e = entry(5_000_000_000);
+        let end = e.last_seen_ns + CT_OTHER_TIMEOUT_NS;
+        assert!(e.is_live(crate::proto::UDP, end));
+        assert!(!e.is_live(crate::proto::UDP, end + 1));
+    }
+
+    #[test]
+    fn an_entry_stamped_after_the_readers_now_is_live() {
+        // The agent's sweep reads its clock, then walks: a flow opened a
+        // tick later is stamped after that reading and must not be swept.
+        let now = 5_000_000_000;
+        let e = entry(now + 4_000_000);
+        assert!(e.is_live(crate::proto::TCP, now));
+        assert!(e.is_live(crate::proto::UDP, now));
+    }
+}

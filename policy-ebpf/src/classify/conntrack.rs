@@ -87,7 +87,7 @@ pub(super) fn on_ct_hit(
             entry.flags &= !CT_FLAG_SYN_ONLY;
         }
     }
-    if now.wrapping_sub(entry.last_seen_ns) > CT_REFRESH_NS {
+    if now.saturating_sub(entry.last_seen_ns) > CT_REFRESH_NS {
         entry.last_seen_ns = now;
     }
     (hit, peer)
