@@ -19,6 +19,9 @@
 //! the table leaves out, with the catch-all on: the reply direction, an
 //! allowed new flow, a revision bump (`paths`).
 //!
+//! With `POLICY_AGENT_BENCH_BASE_OBJECT`, the main table's paths for
+//! another build of the object beside this one (`against_base`).
+//!
 //! Then ClusterNetworkPolicy: 100 of them in both tiers over 10,000 pods,
 //! compiled, beside the NetworkPolicy state of 10,000 entries, a denied new
 //! flow and an established one each (`tiers`).
@@ -35,6 +38,8 @@
 //! emulated 6.1 guest (far slower, its target directory read-only there).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[path = "datapath/against_base.rs"]
+mod against_base;
 #[path = "datapath/paths.rs"]
 mod paths;
 #[path = "datapath/records.rs"]
@@ -344,6 +349,18 @@ fn main() {
         repeat,
         rounds,
     );
+    let base = against_base::against_base(
+        &state(1_000),
+        &worst_state(1_000),
+        &against_base::Frames {
+            opening: &opening,
+            established: &established,
+            new_denied: &new_denied,
+            new_worst: &new_worst,
+        },
+        repeat,
+        rounds,
+    );
     let staged = staged::staged(&mut floors, repeat, rounds);
     let paths = paths::paths(&mut floors, repeat, rounds);
     let json = serde_json::json!({
@@ -351,6 +368,7 @@ fn main() {
         "typical_probes": typical_probes, "worst_probes": worst_probes,
         "floor_empty_ns": empty, "floor_one_lookup_ns": one_lookup, "rows": rows,
         "tiers": tiers, "records": records, "staged": staged, "paths": paths,
+        "against_base": base,
     });
     let out = std::env::var_os("POLICY_AGENT_BENCH_OUT").map_or_else(
         || {

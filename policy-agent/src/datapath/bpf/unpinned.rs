@@ -47,11 +47,17 @@ impl Unpinned {
 
     /// As [`Unpinned::load`], with map capacity overrides.
     pub fn load_with(capacities: &[(&str, u32)]) -> Result<Self, Error> {
-        if OBJECT.is_empty() {
+        Self::load_object(OBJECT, capacities)
+    }
+
+    /// As [`Unpinned::load_with`], from another build of the object (a
+    /// benchmark compares two builds in one run).
+    pub fn load_object(object: &[u8], capacities: &[(&str, u32)]) -> Result<Self, Error> {
+        if object.is_empty() {
             return Err(Error::NoObject);
         }
         let mut ebpf = loader(capacities, &[])
-            .load(OBJECT)
+            .load(object)
             .map_err(|e| Error::Load {
                 pins: Default::default(),
                 source: Box::new(e),
