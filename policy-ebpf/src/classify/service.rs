@@ -345,6 +345,11 @@ pub(super) fn after_dnat<const L3: bool>(ctx: &TcContext, s: &mut Scratch) -> bo
 /// instructions.
 #[inline(always)]
 pub fn dnat_hook(ctx: &TcContext) -> bool {
+    // Most packets carry no mark: they skip the scratch and the call.
+    // SAFETY: the context pointer is the kernel's __sk_buff for this run.
+    if mark::client(unsafe { (*ctx.skb.skb).mark }).is_none() {
+        return true;
+    }
     let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
         // The classifier refuses the packet then, where it takes the slot.
         return true;
