@@ -1,6 +1,6 @@
 //! The maps, as BTF map definitions so `bpftool map dump` prints fields.
 //! Sizes are defaults; the agent may override them at load time.
-use crate::parse::IpPacket;
+use crate::{classify::ClockCache, parse::IpPacket};
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
@@ -45,6 +45,8 @@ pub struct Scratch {
     pub judged_peer: IpcacheEntry,
     /// A peer address `judge_flow` reads from here (see `Peer`).
     pub judged_addr: [u8; 16],
+    /// This CPU's last reading of the clock.
+    pub clock: ClockCache,
 }
 
 #[btf_map]

@@ -9,12 +9,13 @@
 //! - [`policy`]: the peer's identity and the policy lookup;
 //! - [`conntrack`]: conntrack and fragment keys, hits, related ICMP;
 //! - [`service`]: flows to Service frontends, judged after DNAT.
+mod clock;
 mod conntrack;
 mod policy;
 mod service;
 
-pub(crate) use self::conntrack::fill_ct_key;
 pub use self::service::{dnat_hook, uplink};
+pub(crate) use self::{clock::ClockCache, conntrack::fill_ct_key};
 use aya_ebpf::{
     bindings::{BPF_ANY, TC_ACT_SHOT, TC_ACT_UNSPEC},
     helpers::bpf_ktime_get_coarse_ns,
@@ -227,8 +228,7 @@ fn decide(
         }
         return (reason, peer);
     }
-    // SAFETY: a helper without preconditions.
-    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    let now = clock::coarse_now(&mut s.clock);
 
     if pkt.quoted_off != 0 {
         // An ICMP error from an unenforced address is never related.

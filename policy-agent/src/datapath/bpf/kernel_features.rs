@@ -71,6 +71,12 @@ const FEATURES: &[(&str, &str, Option<&str>, Check)] = &[
         Check::Helper(BpfHelper::BPF_FUNC_ktime_get_coarse_ns),
     ),
     (
+        "bpf_jiffies64 from tc",
+        "5.5",
+        None,
+        Check::Helper(BpfHelper::BPF_FUNC_jiffies64),
+    ),
+    (
         "bpf_skb_pull_data from tc",
         "4.9",
         None,
