@@ -38,10 +38,11 @@ mod programs {
     #[classifier]
     pub fn to_pod(ctx: TcContext) -> i32 {
         // First the egress of a client whose packet DNAT brought here.
-        if !crate::classify::dnat_hook(&ctx) {
+        if crate::classify::marked(&ctx) && !crate::classify::dnat_hook(&ctx) {
             return crate::classify::DROP;
         }
-        classify(&ctx, direction::INGRESS)
+        // Out of line: see `dnat_hook`.
+        crate::classify::classify_out_of_line(&ctx, direction::INGRESS)
     }
 
     /// Uplink egress: a pod's egress to a Service backend on another node.

@@ -14,7 +14,7 @@ mod conntrack;
 mod policy;
 mod service;
 
-pub use self::service::{dnat_hook, uplink};
+pub use self::service::{dnat_hook, marked, uplink};
 pub(crate) use self::{clock::ClockCache, conntrack::fill_ct_key};
 use aya_ebpf::{
     bindings::{BPF_ANY, TC_ACT_SHOT, TC_ACT_UNSPEC},
@@ -421,7 +421,18 @@ pub(super) fn emit_record(
     slot.submit(0);
 }
 
+/// [`classify`] out of line, for `to_pod`: the judgement after DNAT
+/// runs before it on some paths, and the verifier of kernels before 6.4
+/// prunes those only at a call (see [`dnat_hook`]).
 #[inline(never)]
+pub fn classify_out_of_line(ctx: &TcContext, dir: u8) -> i32 {
+    classify(ctx, dir)
+}
+
+/// The verdict on one packet at a pod's hook, inlined into `from_pod`: a
+/// BPF-to-BPF call and its return cost an established packet about a
+/// twelfth of its time.
+#[inline(always)]
 pub fn classify(ctx: &TcContext, dir: u8) -> i32 {
     // SAFETY: the context pointer is the kernel's __sk_buff for this run.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };

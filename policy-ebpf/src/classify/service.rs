@@ -336,20 +336,24 @@ pub(super) fn after_dnat<const L3: bool>(ctx: &TcContext, s: &mut Scratch) -> bo
     judge_service(s, client) != 0
 }
 
+/// Whether the packet carries a client's mark (see [`after_dnat`]): most
+/// do not, and skip the judgement after DNAT.
+#[inline(always)]
+pub fn marked(ctx: &TcContext) -> bool {
+    // SAFETY: the context pointer is the kernel's __sk_buff for this run.
+    mark::client(unsafe { (*ctx.skb.skb).mark }).is_some()
+}
+
 /// The judgement after DNAT at a hook where it can happen (see
-/// [`after_dnat`]); false: drop. The programs call it before
-/// [`classify`], never inside it: a path through it then reaches the
+/// [`after_dnat`]); false: drop. The programs call it before the
+/// classifier, never inside it, and reach the classifier through a call
+/// (`classify_out_of_line`): a path through it then reaches the
 /// classifier at a call, where the verifier of kernels before 6.4 (no
 /// precision tracking across subprograms) prunes it; inside, every such
 /// path re-explored the whole classifier and 6.1 gave up at a million
 /// instructions.
 #[inline(always)]
 pub fn dnat_hook(ctx: &TcContext) -> bool {
-    // Most packets carry no mark: they skip the scratch and the call.
-    // SAFETY: the context pointer is the kernel's __sk_buff for this run.
-    if mark::client(unsafe { (*ctx.skb.skb).mark }).is_none() {
-        return true;
-    }
     let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
         // The classifier refuses the packet then, where it takes the slot.
         return true;

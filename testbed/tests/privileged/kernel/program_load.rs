@@ -84,6 +84,7 @@ fn each_pod_program_verifies_its_flow_judgement_once() {
         let prog = SchedClassifier::from_pin(layout.program(hook.program())).unwrap();
         let processed = prog.info().unwrap().verified_instruction_count();
         let processed = processed.expect("the kernel reports the instructions it processed");
+        eprintln!("{}: {processed} instructions processed", hook.program());
         assert!(
             processed < BOUND,
             "{}: {processed} instructions processed (bound {BOUND})",
