@@ -355,6 +355,7 @@ fn main() {
         &against_base::Frames {
             opening: &opening,
             established: &established,
+            reply: &Packet::tcp(pod, 80, allowed_peer, 40001, TCP_ACK).frame(),
             new_denied: &new_denied,
             new_worst: &new_worst,
         },

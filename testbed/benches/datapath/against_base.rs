@@ -27,6 +27,8 @@ use super::{median, run_once};
 pub struct Frames<'a> {
     pub opening: &'a [u8],
     pub established: &'a [u8],
+    /// The pod's answer on the established flow, at its egress.
+    pub reply: &'a [u8],
     pub new_denied: &'a [u8],
     pub new_worst: &'a [u8],
 }
@@ -72,7 +74,7 @@ impl Build {
     }
 
     /// One round: the floor, then each path (ns).
-    fn round(&mut self, f: &Frames, repeat: u32) -> [f64; 4] {
+    fn round(&mut self, f: &Frames, repeat: u32) -> [f64; 5] {
         let floor = run_once(
             self.typical.extra_program("floor_one_lookup").unwrap(),
             f.established,
@@ -86,14 +88,20 @@ impl Build {
             f.new_worst,
             repeat,
         );
-        [floor, established, new, worst]
+        let reply = run_once(
+            self.typical.program(Hook::Ingress).unwrap(),
+            f.reply,
+            repeat,
+        );
+        [floor, established, new, worst, reply]
     }
 }
 
-const PATHS: [&str; 3] = [
-    "established, conntrack hit",
+const PATHS: [&str; 4] = [
+    "established, conntrack hit (to_pod)",
     "new flow denied, typical shape",
     "new flow denied, worst shape",
+    "established, the pod's reply (from_pod)",
 ];
 
 /// The comparison, when a base object is named.
@@ -114,8 +122,8 @@ pub fn against_base(
         b.push(base.round(f, repeat));
         t.push(this.round(f, repeat));
     }
-    let col = |v: &[[f64; 4]], i: usize| median(v.iter().map(|r| r[i]).collect());
-    let over = |v: &[[f64; 4]], i: usize| median(v.iter().map(|r| r[i] / r[0]).collect());
+    let col = |v: &[[f64; 5]], i: usize| median(v.iter().map(|r| r[i]).collect());
+    let over = |v: &[[f64; 5]], i: usize| median(v.iter().map(|r| r[i] / r[0]).collect());
     let ratio = |i: usize| median(b.iter().zip(&t).map(|(b, t)| t[i] / b[i]).collect());
     println!(
         "against the base object {path:?} (1,000 policy entries, {rounds} rounds): floor {:.0} ns -> {:.0} ns ({:.2}x)",
