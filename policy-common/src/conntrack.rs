@@ -123,6 +123,25 @@ pub const CT_SYN_TIMEOUT_NS: u64 = 60 * 1_000_000_000;
 pub const CT_OTHER_TIMEOUT_NS: u64 = 60 * 1_000_000_000;
 /// `last_seen_ns` is refreshed at most this often, to spare cache lines.
 pub const CT_REFRESH_NS: u64 = 1_000_000_000;
+/// How far a reader's clock may run behind a stamp written on the same
+/// clock: the agent reads its clock before a sweep, and the classifier
+/// reuses a CPU's reading within a tick (a tick is 1-10 ms).
+pub const CLOCK_LAG_NS: u64 = 1_000_000_000;
+
+/// How long ago `stamp` was at `now`, both on the coarse clock: 0 for a
+/// stamp up to [`CLOCK_LAG_NS`] ahead of `now` (written by a reader a
+/// tick ahead), `u64::MAX` for one further ahead (a time the clock has
+/// not reached: no such stamp is trusted).
+#[inline(always)]
+pub const fn age_ns(now: u64, stamp: u64) -> u64 {
+    if now >= stamp {
+        now - stamp
+    } else if stamp - now <= CLOCK_LAG_NS {
+        0
+    } else {
+        u64::MAX
+    }
+}
 
 /// Value of `CONNTRACK`.
 #[repr(C)]
@@ -163,12 +182,10 @@ pub const ORIGIN_FORWARDED: u16 = 0xffff;
 
 impl CtEntry {
     /// Whether the entry is still in its lifetime at `now` (its clock).
-    /// An entry stamped after `now` is live: the reader's `now` may be a
-    /// tick behind the writer's (the agent reads it before a sweep; a CPU
-    /// reuses its reading within a tick), and the clock never goes back.
+    /// An entry stamped just after `now` is live (see [`age_ns`]).
     #[inline(always)]
     pub const fn is_live(&self, protocol: u8, now: u64) -> bool {
-        now.saturating_sub(self.last_seen_ns) <= self.timeout_ns(protocol)
+        age_ns(now, self.last_seen_ns) <= self.timeout_ns(protocol)
     }
 
     /// Lifetime of an idle entry.
@@ -235,6 +252,13 @@ mod tests {
         let end = e.last_seen_ns + CT_OTHER_TIMEOUT_NS;
         assert!(e.is_live(crate::proto::UDP, end));
         assert!(!e.is_live(crate::proto::UDP, end + 1));
+    }
+
+    #[test]
+    fn an_entry_stamped_past_the_clocks_lag_is_not() {
+        let now = 5_000_000_000;
+        assert!(!entry(now + CLOCK_LAG_NS + 1).is_live(crate::proto::TCP, now));
+        assert!(entry(now + CLOCK_LAG_NS).is_live(crate::proto::TCP, now));
     }
 
     #[test]

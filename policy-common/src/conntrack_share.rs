@@ -62,7 +62,7 @@ impl CtShare {
     pub const fn binds(&self, now: u64) -> bool {
         self.share != 0
             && self.counted_ns != 0
-            && now.saturating_sub(self.counted_ns) <= CT_SHARE_FRESH_NS
+            && crate::conntrack::age_ns(now, self.counted_ns) <= CT_SHARE_FRESH_NS
     }
 
     /// Whether an interface that opened `opened` flows, of which the agent

@@ -87,7 +87,7 @@ pub(super) fn on_ct_hit(
             entry.flags &= !CT_FLAG_SYN_ONLY;
         }
     }
-    if now.saturating_sub(entry.last_seen_ns) > CT_REFRESH_NS {
+    if policy_common::conntrack::age_ns(now, entry.last_seen_ns) > CT_REFRESH_NS {
         entry.last_seen_ns = now;
     }
     (hit, peer)

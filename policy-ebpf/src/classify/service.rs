@@ -133,7 +133,7 @@ pub(super) fn service_hit(
         let _ = CONNTRACK.remove(key);
         return None;
     }
-    if now.saturating_sub(entry.last_seen_ns) > CT_REFRESH_NS {
+    if policy_common::conntrack::age_ns(now, entry.last_seen_ns) > CT_REFRESH_NS {
         entry.last_seen_ns = now;
     }
     if entry.flags & CT_FLAG_PENDING != 0 {
