@@ -82,6 +82,11 @@ fn visit_peer(
                     }
                 }
             }
+            // No shorter prefix present: the rest would probe nothing (a
+            // typical endpoint has only single ports, the longest).
+            if bits & (lookups::port_prefix(len) - 1) == 0 {
+                break;
+            }
         }
     }
     if bits & lookups::ANY_PROTOCOL != 0 {
