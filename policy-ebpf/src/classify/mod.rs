@@ -351,10 +351,17 @@ pub(super) fn emit_record(
     if config_flags() & CONFIG_NO_DROP_EVENTS != 0 {
         return;
     }
+    let scratch = SCRATCH.get_ptr_mut(0);
     // The coarse clock (a tick's resolution) is enough for the budget and
-    // the record's time, and cheaper on the path every drop takes.
-    // SAFETY: a helper without preconditions.
-    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    // the record's time, and cheaper on the path every drop takes; this
+    // CPU's reading of it when there is one (see `clock`).
+    let now = match scratch {
+        // SAFETY: this CPU's slot, ours for this run; the clock is a field
+        // no caller holds a reference to.
+        Some(s) => clock::coarse_now(unsafe { &mut (*s).clock }),
+        // SAFETY: a helper without preconditions.
+        None => unsafe { bpf_ktime_get_coarse_ns() },
+    };
     if !budget_allows(now) {
         count(Reason::RecordLimited, dir);
         return;
@@ -395,7 +402,7 @@ pub(super) fn emit_record(
         }
         (*ev).direction = dir;
         (*ev).reason = reason;
-        (*ev).rule = match (SCRATCH.get_ptr(0), Reason::from_u8(reason)) {
+        (*ev).rule = match (scratch, Reason::from_u8(reason)) {
             (Some(s), Some(r)) => {
                 let t = &(*s).tiers;
                 RuleRef {
