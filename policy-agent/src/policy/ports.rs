@@ -2,7 +2,7 @@
 use k8s_openapi::{
     api::networking::v1::NetworkPolicyPort, apimachinery::pkg::util::intstr::IntOrString,
 };
-use policy_common::proto;
+use policy_common::{policy::PORT_PREFIX_LENGTHS, proto};
 
 use crate::{
     cluster::{PolicyRef, protocol_number},
@@ -109,7 +109,10 @@ pub fn port_keys(
 }
 
 /// The fewest aligned blocks `(port, prefix length)` covering exactly
-/// `first..=last`, e.g. 8000-8007 → [(8000, 13)].
+/// `first..=last` with lengths of [`PORT_PREFIX_LENGTHS`] only, in port
+/// order, e.g. 8000-8015 → [(8000, 12)], 8000-8007 → eight of length 16.
+/// Each of the fewest blocks of any length is split into blocks of the
+/// next length the classifier is given (see `PORT_PREFIX_LENGTHS`).
 pub fn range_blocks(first: u16, last: u16) -> Vec<(u16, u8)> {
     let mut out = Vec::new();
     let (mut start, end) = (u32::from(first), u32::from(last));
@@ -124,8 +127,20 @@ pub fn range_blocks(first: u16, last: u16) -> Vec<(u16, u8)> {
             size >>= 1;
         }
         let len = 16 - size.trailing_zeros() as u8;
-        // `start` is at most 65535 here.
-        out.push((u16::try_from(start).unwrap_or(u16::MAX), len));
+        // The shortest length given that is at least `len`: 16 is given.
+        let given = PORT_PREFIX_LENGTHS
+            .iter()
+            .copied()
+            .filter(|&l| l >= len)
+            .min()
+            .unwrap_or(16);
+        let step = 1u32 << (16 - u32::from(given));
+        let mut p = start;
+        while p < start + size {
+            // `p` is at most 65535 here.
+            out.push((u16::try_from(p).unwrap_or(u16::MAX), given));
+            p += step;
+        }
         start += size;
     }
     out
@@ -250,12 +265,40 @@ mod tests {
         ports
     }
 
+    /// The fewest aligned blocks of the given lengths covering `a..=b`,
+    /// by search: the reference `range_blocks` is held to.
+    fn fewest_given_blocks(a: u32, b: u32) -> usize {
+        // best[i]: fewest blocks covering a..i (exclusive end i).
+        let n = (b - a + 1) as usize;
+        let mut best = vec![usize::MAX; n + 1];
+        best[0] = 0;
+        for i in 0..n {
+            if best[i] == usize::MAX {
+                continue;
+            }
+            let p = a + i as u32;
+            for len in PORT_PREFIX_LENGTHS {
+                let size = 1u32 << (16 - u32::from(len));
+                if p % size == 0 && p + size - 1 <= b {
+                    let j = i + size as usize;
+                    best[j] = best[j].min(best[i] + 1);
+                }
+            }
+        }
+        best[n]
+    }
+
     #[test]
-    fn range_blocks_are_minimal_and_exact() {
-        assert_eq!(range_blocks(8000, 8007), vec![(8000, 13)]);
+    fn range_blocks_are_exact_and_fewest_of_the_given_lengths() {
+        assert_eq!(range_blocks(8000, 8015), vec![(8000, 12)]);
+        assert_eq!(
+            range_blocks(8000, 8007),
+            (8000..8008).map(|p| (p, 16)).collect::<Vec<_>>()
+        );
         assert_eq!(range_blocks(80, 80), vec![(80, 16)]);
         assert_eq!(range_blocks(0, 65535), vec![(0, 0)]);
-        assert_eq!(range_blocks(1, 65535).len(), 16);
+        // Each length but 0 takes at most 15 blocks below 65536.
+        assert_eq!(range_blocks(1, 65535).len(), 60);
         assert_eq!(range_blocks(65535, 65535), vec![(65535, 16)]);
         for (a, b) in [
             (1, 1),
@@ -264,10 +307,23 @@ mod tests {
             (32768, 65535),
             (65000, 65535),
             (7, 8),
+            (1, 65535),
+            (4095, 8193),
+            (30000, 32767),
         ] {
             let blocks = range_blocks(a, b);
             assert_eq!(covered(&blocks), (a..=b).collect::<Vec<_>>(), "{a}-{b}");
+            assert_eq!(
+                blocks.len(),
+                fewest_given_blocks(u32::from(a), u32::from(b)),
+                "{a}-{b} fewest"
+            );
+            assert!(
+                blocks.windows(2).all(|w| w[0].0 < w[1].0),
+                "{a}-{b} in order"
+            );
             for (p, len) in blocks {
+                assert!(PORT_PREFIX_LENGTHS.contains(&len), "{p}/{len} given");
                 assert_eq!(
                     p & !policy_common::policy::port_mask(len),
                     0,

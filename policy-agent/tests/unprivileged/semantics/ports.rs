@@ -143,13 +143,30 @@ fn port_numbers_and_ranges() {
 }
 
 #[test]
-fn end_port_aligned_range_is_one_prefix_entry() {
+fn end_port_range_on_a_hex_digit_is_one_prefix_entry() {
+    let mut w = world();
+    w.policy(&server_ports("[{port: 8000, endPort: 8015}]"));
+    let run = w.compile();
+    let keys: Vec<_> = run.compiled.maps.policy.keys().collect();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    assert_eq!((keys[0].port, keys[0].port_prefix_len), (8000, 12));
+    run.check(&[
+        ("7999", CLIENT, SERVER, TCP, 7999, DENY),
+        ("8015", CLIENT, SERVER, TCP, 8015, ALLOW),
+        ("8016", CLIENT, SERVER, TCP, 8016, DENY),
+    ]);
+}
+
+#[test]
+fn end_port_range_off_a_hex_digit_is_split_into_probed_lengths() {
+    // 8000-8007 is one aligned block of length 13, which the classifier is
+    // never given: eight single ports instead.
     let mut w = world();
     w.policy(&server_ports("[{port: 8000, endPort: 8007}]"));
     let run = w.compile();
     let keys: Vec<_> = run.compiled.maps.policy.keys().collect();
-    assert_eq!(keys.len(), 1, "{keys:?}");
-    assert_eq!((keys[0].port, keys[0].port_prefix_len), (8000, 13));
+    assert_eq!(keys.len(), 8, "{keys:?}");
+    assert!(keys.iter().all(|k| k.port_prefix_len == 16), "{keys:?}");
     run.check(&[
         ("8007", CLIENT, SERVER, TCP, 8007, ALLOW),
         ("8008", CLIENT, SERVER, TCP, 8008, DENY),

@@ -63,6 +63,7 @@
 //! flow (a policy key's mark, a tier's Accept or Deny, a pod chain's
 //! final drop, a forged source) jumps to a record chain that decides the
 //! same and logs it to NFLOG (see `records`).
+mod ports;
 mod records;
 mod sets;
 mod tiers;
@@ -86,7 +87,8 @@ use policy_common::{
 use self::records::Records;
 pub use self::records::{DEFAULT_BURST, DEFAULT_GROUP, DEFAULT_RATE, FlowLogOptions};
 
-use self::sets::{PeerSets, peer_match, port_match, set_of};
+use self::ports::{coalesce, port_match};
+use self::sets::{PeerSets, peer_match, set_of};
 use self::tiers::{TierKeys, chain_label, tier_keys, tier_rules, to_node_chain, to_node_rules};
 use super::ruleset::{
     Chain, ChainKind, FORWARD_CHAIN, Family, INPUT_CHAIN, OUTPUT_CHAIN, Ruleset, TUNNEL_CHAIN,
@@ -542,8 +544,8 @@ pub fn render_with(input: &RenderInput<'_>, records: Option<&FlowLogOptions>) ->
                         .and_then(|r| r.tier(&mut chains, i, slot, *dir, identity))
                 };
                 let tier_chain_rules = tier_rules(
-                    keys,
-                    |key| {
+                    &coalesce(keys),
+                    |span| {
                         let peer = peer_match(
                             &mut PeerSets {
                                 input,
@@ -553,10 +555,10 @@ pub fn render_with(input: &RenderInput<'_>, records: Option<&FlowLogOptions>) ->
                                 sets: &mut out.sets,
                                 used: &mut used_sets,
                             },
-                            key,
+                            &span.key,
                             *dir,
                         )?;
-                        Some(format!("{peer}{}", port_match(key)))
+                        Some(format!("{peer}{}", port_match(span)))
                     },
                     port_match,
                     &mut record,
@@ -617,7 +619,11 @@ pub fn render_with(input: &RenderInput<'_>, records: Option<&FlowLogOptions>) ->
                 }
                 let mut policy_rules = Vec::new();
                 let mut used_sets = BTreeSet::new();
-                for &(key, rule_ref) in keys {
+                // Which rule of the policy allows is a record's name only:
+                // keys of one rule together, merged into port ranges.
+                let mut keys = keys.clone();
+                keys.sort_by_key(|&(key, rule_ref)| (rule_ref, key));
+                for (span, rule_ref) in coalesce(&keys) {
                     let Some(peer) = peer_match(
                         &mut PeerSets {
                             input,
@@ -627,7 +633,7 @@ pub fn render_with(input: &RenderInput<'_>, records: Option<&FlowLogOptions>) ->
                             sets: &mut out.sets,
                             used: &mut used_sets,
                         },
-                        &key,
+                        &span.key,
                         *dir,
                     ) else {
                         continue;
@@ -636,7 +642,7 @@ pub fn render_with(input: &RenderInput<'_>, records: Option<&FlowLogOptions>) ->
                         .as_mut()
                         .and_then(|r| r.allow_policy(&mut chains, *dir, p.identity, rule_ref))
                         .unwrap_or_else(|| format!("MARK --set-xmark {mark}/{mark}"));
-                    policy_rules.push(format!("{peer}{}-j {target}", port_match(&key)));
+                    policy_rules.push(format!("{peer}{}-j {target}", port_match(&span)));
                 }
                 out.chain_sets.insert(chain_name.clone(), used_sets);
                 chains.insert(

@@ -7,7 +7,6 @@ use policy_common::{
     direction,
     identity::{ANY, WORLD, is_cidr},
     policy::PolicyKey,
-    proto,
 };
 
 use super::{
@@ -67,24 +66,6 @@ pub(super) fn build_set(
         kind,
         family: fam,
         entries,
-    }
-}
-
-pub(super) fn port_match(key: &PolicyKey) -> String {
-    let p = match key.protocol {
-        proto::TCP => "tcp",
-        proto::UDP => "udp",
-        proto::SCTP => "sctp",
-        _ => return String::new(),
-    };
-    match key.port_prefix_len {
-        0 => format!("-p {p} "),
-        16 => format!("-p {p} --dport {} ", key.port),
-        len => format!(
-            "-p {p} --dport {}:{} ",
-            key.port,
-            key.port | (0xffff >> len)
-        ),
     }
 }
 

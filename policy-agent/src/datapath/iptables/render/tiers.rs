@@ -39,6 +39,7 @@ use policy_common::{
 use super::{
     super::ruleset::{Chain, ChainKind},
     PodEntry,
+    ports::Span,
 };
 use crate::{cluster::PodRef, mapstate::MapState};
 
@@ -74,7 +75,8 @@ pub(super) fn chain_label(tier: usize) -> &'static str {
     }
 }
 
-/// The rules of one tier chain. `matches(key)` is the key's peer and port
+/// The rules of one tier chain. `keys`: merged into port ranges (see
+/// `coalesce`), best rank first. `matches(span)` is its peer and port
 /// match (None: its peer's set cannot be named). A key whose peer cannot
 /// be matched fails closed: an Accept is left out, a Deny or a Pass drops
 /// whatever its ports match (more than written, never less).
@@ -82,9 +84,9 @@ pub(super) fn chain_label(tier: usize) -> &'static str {
 /// `record(slot)` is the record chain of an Accept or Deny (None: records
 /// are off): it marks or drops itself, and logs.
 pub(super) fn tier_rules(
-    keys: &TierKeys,
-    mut matches: impl FnMut(&PolicyKey) -> Option<String>,
-    port_only: impl Fn(&PolicyKey) -> String,
+    keys: &[(Span, TierSlot)],
+    mut matches: impl FnMut(&Span) -> Option<String>,
+    port_only: impl Fn(&Span) -> String,
     record: &mut dyn FnMut(TierSlot) -> Option<String>,
     mark: &str,
     dir: u8,
