@@ -6,7 +6,7 @@ use policy_common::{
     endpoint::{EndpointInfo, lookups},
     family, identity,
     ipcache::IpcacheEntry,
-    policy::{ENTRY_TIERS_ONLY, PolicyEntry, PolicyKey, TierSlot, Tiers},
+    policy::{ENTRY_TIERS_ONLY, PORT_PREFIX_LENGTHS, PolicyEntry, PolicyKey, TierSlot, Tiers},
     proto,
     verdict::Reason,
 };
@@ -53,6 +53,49 @@ fn as_key(words: &[u64; 2]) -> &PolicyKey {
     unsafe { &*words.as_ptr().cast::<PolicyKey>() }
 }
 
+/// The port-prefix bits of the lengths the agent writes
+/// (`PORT_PREFIX_LENGTHS`).
+const GIVEN_PREFIXES: u32 = {
+    let mut bits = 0;
+    let mut i = 0;
+    while i < PORT_PREFIX_LENGTHS.len() {
+        bits |= lookups::port_prefix(PORT_PREFIX_LENGTHS[i]);
+        i += 1;
+    }
+    bits
+};
+
+/// Probes the entry of port prefix `len` for one peer, if `bits` says
+/// the endpoint has one; true when `hit` says to stop.
+#[inline(always)]
+fn visit_len(
+    endpoint: u32,
+    peer: u32,
+    packed: u32,
+    bits: u32,
+    len: u8,
+    hit: &mut impl FnMut(&PolicyEntry) -> bool,
+) -> bool {
+    if bits & lookups::port_prefix(len) == 0 {
+        return false;
+    }
+    let key = PolicyKey::new(
+        endpoint,
+        (packed >> 24) as u8,
+        peer,
+        (packed >> 16) as u8,
+        len,
+        packed as u16,
+    )
+    .words();
+    match POLICY.get_ptr(as_key(&key)) {
+        // SAFETY: a map value pointer stays valid under RCU for the rest
+        // of this program run.
+        Some(entry) => hit(unsafe { &*entry }),
+        None => false,
+    }
+}
+
 /// Visits the policy entries for one peer identity, in the documented
 /// order: port prefixes present for this endpoint, longest first, then
 /// the any-protocol entry; stops when `hit` says so. `packed` is
@@ -65,32 +108,39 @@ fn visit_peer(
     bits: u32,
     mut hit: impl FnMut(&PolicyEntry) -> bool,
 ) -> bool {
-    let dir = (packed >> 24) as u8;
     let protocol = (packed >> 16) as u8;
-    let port = packed as u16;
     if proto::has_ports(protocol) {
-        let mut len: u8 = 17;
-        while len > 0 {
-            len -= 1;
-            if bits & lookups::port_prefix(len) != 0 {
-                let key = PolicyKey::new(endpoint, dir, peer, protocol, len, port).words();
-                if let Some(entry) = POLICY.get_ptr(as_key(&key)) {
-                    // SAFETY: a map value pointer stays valid under RCU
-                    // for the rest of this program run.
-                    if hit(unsafe { &*entry }) {
-                        return true;
-                    }
+        let present = bits & lookups::PORT_PREFIXES;
+        if present & !GIVEN_PREFIXES == 0 {
+            // The lengths the agent writes: five tests where the loop
+            // below takes seventeen.
+            for len in PORT_PREFIX_LENGTHS {
+                if visit_len(endpoint, peer, packed, bits, len, &mut hit) {
+                    return true;
+                }
+                // No shorter prefix present: the rest would probe nothing
+                // (a typical endpoint has only single ports, the longest).
+                if present & (lookups::port_prefix(len) - 1) == 0 {
+                    break;
                 }
             }
-            // No shorter prefix present: the rest would probe nothing (a
-            // typical endpoint has only single ports, the longest).
-            if bits & (lookups::port_prefix(len) - 1) == 0 {
-                break;
+        } else {
+            // Some other length (an entry an older agent wrote): every
+            // length, so that none is skipped.
+            let mut len: u8 = 17;
+            while len > 0 {
+                len -= 1;
+                if visit_len(endpoint, peer, packed, bits, len, &mut hit) {
+                    return true;
+                }
+                if present & (lookups::port_prefix(len) - 1) == 0 {
+                    break;
+                }
             }
         }
     }
     if bits & lookups::ANY_PROTOCOL != 0 {
-        let key = PolicyKey::new(endpoint, dir, peer, proto::ANY, 0, 0).words();
+        let key = PolicyKey::new(endpoint, (packed >> 24) as u8, peer, proto::ANY, 0, 0).words();
         if let Some(entry) = POLICY.get_ptr(as_key(&key)) {
             // SAFETY: as above.
             if hit(unsafe { &*entry }) {
