@@ -112,7 +112,7 @@ fn visit_peer(
     if proto::has_ports(protocol) {
         let present = bits & lookups::PORT_PREFIXES;
         if present & !GIVEN_PREFIXES == 0 {
-            // The lengths the agent writes: five tests where the loop
+            // The lengths the agent writes: seven tests where the loop
             // below takes seventeen.
             for len in PORT_PREFIX_LENGTHS {
                 if visit_len(endpoint, peer, packed, bits, len, &mut hit) {
