@@ -10,11 +10,12 @@
 //! (every port-prefix length the agent writes, `PORT_PREFIX_LENGTHS`,
 //! any-protocol, any-peer: port blocks of every such length, as endPort
 //! ranges compile to), and a peer whose label identity and ipBlock class
-//! both have no entry, so all 3 × 6 = 18 probes run and miss. The probe
+//! both have no entry, so all 3 × 8 = 24 probes run and miss. The probe
 //! counts are taken from the model (`policy_common::model`) and printed.
 //! Beside it, in the same rounds, the worst shape the classifier can take
 //! at all (all 17 lengths: 54 probes, what the agent wrote before ranges
-//! were split on hexadecimal digits; `every_length`).
+//! were split into the lengths it probes) and the worst of strides of 4
+//! bits (five lengths, 18 probes; `every_length`).
 //!
 //! Then flow records: a denied new flow with records off, on and read,
 //! on with the ring full, and on with the budget spent (`records`); what
@@ -245,7 +246,7 @@ fn main() {
     // segment without SYN opens none), so every run is a conntrack hit.
     let opening = Packet::tcp(allowed_peer, 40001, pod, 80, TCP_SYN).frame();
     let established = Packet::tcp(allowed_peer, 40001, pod, 80, TCP_ACK).frame();
-    // Denied with the worst lookup shape: 18 probes, all missing.
+    // Denied with the worst lookup shape: 24 probes, all missing.
     let new_worst = Packet::tcp(worst_peer(), 40002, pod, 80, TCP_SYN).frame();
     // The floors, loaded the same way, with the same maps behind them.
     let mut floors = Unpinned::load_with(&[(policy_common::maps::CONNTRACK, 65536)]).unwrap();
@@ -260,7 +261,7 @@ fn main() {
         given | lookups::ANY_PROTOCOL | lookups::ANY_PEER | lookups::CLASS_PEER,
         "every lookup bit the agent sets"
     );
-    assert_eq!((typical_probes, worst_probes), (2, 18));
+    assert_eq!((typical_probes, worst_probes), (2, 24));
     for v in [typical_verdict, worst_verdict] {
         assert_eq!(v, policy_common::verdict::Reason::DropPolicy);
     }

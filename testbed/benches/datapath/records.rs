@@ -78,7 +78,7 @@ pub fn records(
     let old = dp.maps.read_state().unwrap();
     dp.maps.apply(&diff(&old, &s)).unwrap();
     let mut ring = RingBuf::try_from(dp.ebpf.take_map(names::DROP_EVENTS).unwrap()).unwrap();
-    // The worst lookup shape the agent writes (18 probes), off and written.
+    // The worst lookup shape the agent writes (24 probes), off and written.
     let mut worst = Unpinned::load_with(&[(names::CONNTRACK, 65536)]).unwrap();
     let w = worst_state(1_000);
     let old = worst.maps.read_state().unwrap();
@@ -157,7 +157,7 @@ pub fn records(
         core_share * 100.0
     );
     println!(
-        "flow records, worst shape (18 probes): records off {worst_off:.2}x the floor, on and read {worst_on:.2}x"
+        "flow records, worst shape (24 probes): records off {worst_off:.2}x the floor, on and read {worst_on:.2}x"
     );
     println!(
         "flow records, new flow denied (1,000 entries): records off {off:.2}x the floor, on and read {on:.2}x (+{record_ns:.0} ns a record), on with the ring full {full:.2}x, on with the budget spent {spent:.2}x; one core judges and records {per_core:.0} such flows a second"

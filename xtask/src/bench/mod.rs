@@ -243,7 +243,7 @@ mod tests {
     #[test]
     fn the_block_shows_every_figure_with_its_ratio() {
         let d = serde_json::json!({"ipcache_entries": 10000, "repeat": 200000, "rounds": 7, "floor_empty_ns": 20.0, "floor_one_lookup_ns": 100.0,
-            "typical_probes": 2, "worst_probes": 54,
+            "typical_probes": 2, "worst_probes": 24,
             "rows": [{"policies": 10, "new_flow_ns": 300.0, "established_ns": 120.0, "new_flow_ratio_to_10": 1.0, "established_ratio_to_10": 1.0, "established_over_floor": 1.2,
                 "new_flow_worst_ns": 900.0, "new_flow_worst_ratio_to_10": 1.0, "new_flow_worst_over_floor": 9.0}]});
         let c = serde_json::json!({"pods": 10000, "policies": 1000, "namespaces": 100, "local_pods": 50, "samples": 200, "initial_ready_ms": 900.0,

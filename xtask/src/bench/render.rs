@@ -61,9 +61,9 @@ pub fn render(datapath: Option<&Value>, system: Option<&Value>, control: Option<
         );
         let _ = writeln!(
             out,
-            "Two denied new flows: the *typical* shape (every entry of the endpoint TCP one-port: {} policy probes, the peer's label identity and its class) and the *worst* shape the classifier can take (every lookup bit set — port blocks of all 17 prefix lengths, an any-protocol and an any-peer entry — and a peer whose label identity and ipBlock class both have no entry: {} probes, all missing).\n",
+            "Two denied new flows: the *typical* shape (every entry of the endpoint TCP one-port: {} policy probes, the peer's label identity and its class) and the *worst* shape the agent writes (every lookup bit it sets — port blocks of each prefix length it writes, 16, 14, 12, 10, 8, 4 and 0, an any-protocol and an any-peer entry — and a peer whose label identity and ipBlock class both have no entry: {} probes, all missing).\n",
             d["typical_probes"].as_u64().unwrap_or(2),
-            d["worst_probes"].as_u64().unwrap_or(54),
+            d["worst_probes"].as_u64().unwrap_or(24),
         );
         let _ = writeln!(
             out,
@@ -85,6 +85,19 @@ pub fn render(datapath: Option<&Value>, system: Option<&Value>, control: Option<
             );
         }
         out.push('\n');
+        let e = &d["every_length"];
+        if e.is_object() {
+            let _ = writeln!(
+                out,
+                "The worst shape the classifier can take at all, port blocks of all 17 prefix lengths (54 probes; an older agent's entries), and the worst of ranges split in strides of 4 bits (five lengths, 18 probes), beside the agent's worst in the same rounds, 1,000 policy entries: {:.0} ns ({:.2}x the floor), {:.0} ns ({:.2}x) and {:.0} ns ({:.2}x).\n",
+                f(e, "every_length_ns"),
+                f(e, "every_length_over_floor"),
+                f(e, "stride_4_ns"),
+                f(e, "stride_4_over_floor"),
+                f(e, "given_lengths_ns"),
+                f(e, "given_lengths_over_floor"),
+            );
+        }
         let t = &d["tiers"];
         if t.is_object() {
             let _ = writeln!(
