@@ -8,6 +8,7 @@ mod hardening;
 mod map_reads;
 mod node_traffic;
 mod pod_range_guard;
+mod port_lengths;
 mod program_load;
 mod services;
 mod test_run;

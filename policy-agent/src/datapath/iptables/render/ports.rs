@@ -1,10 +1,11 @@
 //! Port matches: a policy key's port block, and runs of keys merged into
 //! port ranges.
 //!
-//! The policy map splits a port range on hexadecimal digits (see
-//! `policy_common::policy::PORT_PREFIX_LENGTHS`), which suits a hash probe
-//! but would cost iptables a rule per block: `--dport` takes any range,
-//! so keys that differ only in adjacent ports become one rule.
+//! The policy map splits a port range into blocks of the lengths the
+//! classifier probes (see `policy_common::policy::PORT_PREFIX_LENGTHS`),
+//! which suits a hash probe but would cost iptables a rule per block:
+//! `--dport` takes any range, so keys that differ only in adjacent ports
+//! become one rule.
 use policy_common::{policy::PolicyKey, proto};
 
 /// Keys merged into one match: `key` with its port the first of the
@@ -109,7 +110,7 @@ mod tests {
 
     #[test]
     fn a_split_range_reads_as_one_match_again() {
-        // 8000-8100 as the policy map holds it (out of order, as a map
+        // 8000-8100 in blocks of several lengths, out of order (as a map
         // iterates).
         let blocks = [(8096, 16), (8000, 12), (8016, 12), (8032, 12), (8048, 12)]
             .into_iter()
