@@ -39,7 +39,8 @@ struct Build {
     worst: Unpinned,
 }
 
-fn loaded(object: Option<&[u8]>, state: &MapState<u32>) -> Unpinned {
+/// `object` (None: this build) with the maps holding `state`.
+pub(super) fn loaded(object: Option<&[u8]>, state: &MapState<u32>) -> Unpinned {
     let capacities = [(policy_common::maps::CONNTRACK, 65536)];
     let mut dp = match object {
         Some(bytes) => Unpinned::load_object(bytes, &capacities).unwrap(),

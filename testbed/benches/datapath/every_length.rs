@@ -6,21 +6,13 @@
 //! 8, 4, 0: 18 probes, at about twice the entries of the agent's split)
 //! and of `PORT_PREFIX_LENGTHS` (24 probes). All at 1,000 entries, over
 //! the one-lookup floor measured in the same round.
-use policy_agent::{
-    datapath::bpf::{pins::Hook, unpinned::Unpinned},
-    mapstate::diff,
-};
-use policy_common::{maps as names, policy::PORT_PREFIX_LENGTHS};
+use policy_agent::datapath::bpf::{pins::Hook, unpinned::Unpinned};
+use policy_common::policy::PORT_PREFIX_LENGTHS;
 
-use super::{median, run_once, worst_state_of};
+use super::{against_base, median, run_once, worst_state_of};
 
 fn loaded(lengths: &[u8]) -> Unpinned {
-    let mut dp = Unpinned::load_with(&[(names::CONNTRACK, 65536)]).unwrap();
-    let old = dp.maps.read_state().unwrap();
-    dp.maps
-        .apply(&diff(&old, &worst_state_of(1_000, lengths)))
-        .unwrap();
-    dp
+    against_base::loaded(None, &worst_state_of(1_000, lengths))
 }
 
 pub fn every_length(
